@@ -1,0 +1,69 @@
+"""Privacy accounting on dp-accounting: processes, queries, calibration, JSON.
+
+Build a process (``poisson(gaussian(1.0), 0.01)``, ``repeat(step, 1000)``, ``compose(a, b)``), then ask
+``epsilon(process, delta=1e-5)`` or ``delta(process, epsilon=8.0)``; each answer says which accountant
+produced it (PLD by default, RDP on request, Monte Carlo for random allocation). See ``docs/accounting.md``.
+"""
+
+from opake_core.accounting.calibration import (
+    Calibrated,
+    calibrate_noise_multiplier,
+    calibrate_steps,
+    stop_step,
+)
+from opake_core.accounting.processes import (
+    AdaptiveClipping,
+    Compose,
+    Gaussian,
+    Poisson,
+    Process,
+    RandomAllocation,
+    Repeat,
+    TruncatedPoisson,
+    adaptive_clipping,
+    compose,
+    gaussian,
+    is_nonprivate,
+    k_out_of_t,
+    poisson,
+    random_allocation,
+    repeat,
+    to_dp_event,
+    truncated_poisson,
+)
+from opake_core.accounting.queries import ACCOUNTANTS, Result, delta, epsilon
+from opake_core.accounting.random_allocation import MonteCarlo
+from opake_core.accounting.serialization import from_json, library_versions, to_json
+
+__all__ = [
+    "ACCOUNTANTS",
+    "AdaptiveClipping",
+    "Calibrated",
+    "Compose",
+    "Gaussian",
+    "MonteCarlo",
+    "Poisson",
+    "Process",
+    "RandomAllocation",
+    "Repeat",
+    "Result",
+    "TruncatedPoisson",
+    "adaptive_clipping",
+    "calibrate_noise_multiplier",
+    "calibrate_steps",
+    "compose",
+    "delta",
+    "epsilon",
+    "from_json",
+    "gaussian",
+    "is_nonprivate",
+    "k_out_of_t",
+    "library_versions",
+    "poisson",
+    "random_allocation",
+    "repeat",
+    "stop_step",
+    "to_dp_event",
+    "to_json",
+    "truncated_poisson",
+]

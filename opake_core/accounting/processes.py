@@ -1,0 +1,346 @@
+"""Privacy processes: small frozen descriptions of what a run releases, composed like values.
+
+A process says *what* was released (a Gaussian sum, subsampled or not, repeated, composed); the queries in
+:mod:`opake_core.accounting.queries` say *how private* it is. Every process except :class:`RandomAllocation`
+maps to a dp-accounting ``DpEvent`` (:func:`to_dp_event`), and dp-accounting does the arithmetic.
+
+Notation: ``sigma`` (noise multiplier) is the noise standard deviation divided by the L2 sensitivity of the
+released sum; ``q`` the sampling rate; ``t`` a number of steps.
+
+=====================================  ======================================================================
+factory                                DpEvent
+=====================================  ======================================================================
+``gaussian(sigma)``                    ``GaussianDpEvent(sigma)``; ``sigma = 0`` is ``NonPrivateDpEvent``
+``adaptive_clipping(g, ...)``          ``GaussianDpEvent(sigma_eff)`` (Andrew et al. 2021, Thm 1)
+``poisson(g, q)``                      ``PoissonSampledDpEvent(q, g)``; ``q = 1`` is ``g``
+``truncated_poisson(g, q, N, B)``      ``TruncatedSubsampledGaussianDpEvent(N, q, B, sigma)`` (PLD only)
+``random_allocation(g, t)``            none: accounted by :mod:`opake_core.accounting.random_allocation`
+``repeat(p, n)``                       ``SelfComposedDpEvent(p, n)``
+``compose(p1, p2, ...)``               ``ComposedDpEvent([p1, p2, ...])``
+=====================================  ======================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import dp_accounting
+
+from opake_core.accounting import _checks
+from opake_core.errors import ConfigurationError, InputTypeError
+
+__all__ = [
+    "AdaptiveClipping",
+    "Compose",
+    "Gaussian",
+    "Poisson",
+    "Process",
+    "RandomAllocation",
+    "Repeat",
+    "TruncatedPoisson",
+    "adaptive_clipping",
+    "compose",
+    "contains_random_allocation",
+    "gaussian",
+    "is_nonprivate",
+    "k_out_of_t",
+    "poisson",
+    "random_allocation",
+    "repeat",
+    "to_dp_event",
+    "truncated_poisson",
+]
+
+
+@dataclass(frozen=True)
+class Gaussian:
+    """One release of a sum with Gaussian noise of std ``noise_multiplier`` times its sensitivity."""
+
+    noise_multiplier: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_multiplier", _checks.noise_multiplier(self.noise_multiplier))
+
+
+@dataclass(frozen=True)
+class AdaptiveClipping:
+    """A Gaussian gradient release plus the noisy clipped-count release of adaptive clipping.
+
+    The count is the centred sum of "was clipped" indicators (sensitivity 1/2) with Gaussian noise of std
+    ``sigma_b = count_noise_fraction * expected_batch_size``. Andrew, Thakkar, McMahan, Ramaswamy,
+    "Differentially private learning with adaptive clipping", NeurIPS 2021 (arXiv 1905.03871), Theorem 1: the
+    two releases together are one Gaussian mechanism with multiplier ``(sigma**-2 + (2 * sigma_b)**-2) **
+    -0.5``.
+    """
+
+    inner: Gaussian
+    count_noise_fraction: float
+    expected_batch_size: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, Gaussian):
+            raise ConfigurationError(
+                f"adaptive_clipping accounts a Gaussian release, got {type(self.inner).__name__}; "
+                "pass gaussian(noise_multiplier)."
+            )
+        for name in ("count_noise_fraction", "expected_batch_size"):
+            value = _checks.real(name, getattr(self, name))
+            if value <= 0:
+                raise ConfigurationError(f"{name} must be > 0, got {value!r}.")
+            object.__setattr__(self, name, value)
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        sigma = self.inner.noise_multiplier
+        if sigma == 0.0:
+            return 0.0
+        sigma_b = self.count_noise_fraction * self.expected_batch_size
+        return (sigma**-2 + (2.0 * sigma_b) ** -2) ** -0.5
+
+
+_Mechanism = Gaussian | AdaptiveClipping
+
+
+def _check_mechanism(where: str, inner: object) -> None:
+    if not isinstance(inner, Gaussian | AdaptiveClipping):
+        raise ConfigurationError(
+            f"{where} amplifies a Gaussian release, got {type(inner).__name__}; there is no correct "
+            f"accountant for "
+            "that pair here. Pass gaussian(...) or adaptive_clipping(...)."
+        )
+
+
+@dataclass(frozen=True)
+class Poisson:
+    """One step of Poisson sampling at rate ``sample_rate`` followed by ``inner``."""
+
+    inner: _Mechanism
+    sample_rate: float
+
+    def __post_init__(self) -> None:
+        _check_mechanism("poisson", self.inner)
+        object.__setattr__(self, "sample_rate", _checks.rate("sample_rate", self.sample_rate))
+
+
+@dataclass(frozen=True)
+class TruncatedPoisson:
+    """One step of Poisson sampling capped at ``truncated_batch_size`` (a uniform subset of the cap is kept).
+
+    Accounted with dp-accounting's truncated analysis (Ganesh 2025, arXiv 2508.15089), which needs the public
+    ``dataset_size`` and is available with the PLD accountant only.
+    """
+
+    inner: _Mechanism
+    sample_rate: float
+    dataset_size: int
+    truncated_batch_size: int
+
+    def __post_init__(self) -> None:
+        _check_mechanism("truncated_poisson", self.inner)
+        q = _checks.rate("sample_rate", self.sample_rate)
+        if q == 1.0:
+            raise ConfigurationError(
+                "truncated_poisson needs sample_rate < 1, got 1.0; with q = 1 use a fixed batch, not truncation."
+            )
+        object.__setattr__(self, "sample_rate", q)
+        object.__setattr__(self, "dataset_size", _checks.integer("dataset_size", self.dataset_size, minimum=1))
+        object.__setattr__(
+            self,
+            "truncated_batch_size",
+            _checks.integer("truncated_batch_size", self.truncated_batch_size, minimum=1),
+        )
+
+
+@dataclass(frozen=True)
+class RandomAllocation:
+    """A whole-horizon release: the example takes part in exactly one of ``num_steps`` steps, chosen
+    uniformly.
+
+    Feldman & Shenfeld, "Privacy amplification by random allocation", 2025 (arXiv 2502.08202). Its dominating
+    pair (add direction) is ``P = (1/t) sum_j N(e_j, sigma^2 I_t)`` against ``Q = N(0, sigma^2 I_t)``.
+    """
+
+    inner: Gaussian
+    num_steps: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, Gaussian):
+            raise ConfigurationError(
+                f"random_allocation is accounted for a plain Gaussian release, got "
+                f"{type(self.inner).__name__}; "
+                "pass gaussian(noise_multiplier)."
+            )
+        object.__setattr__(self, "num_steps", _checks.integer("num_steps", self.num_steps, minimum=1))
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """``process`` run ``count`` times (independent randomness each time)."""
+
+    process: Process
+    count: int
+
+    def __post_init__(self) -> None:
+        _check_process("repeat", self.process)
+        object.__setattr__(self, "count", _checks.integer("count", self.count, minimum=1))
+
+
+@dataclass(frozen=True)
+class Compose:
+    """The processes run one after another on the same data."""
+
+    processes: tuple[Process, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "processes", tuple(self.processes))
+        if not self.processes:
+            raise ConfigurationError("compose needs at least one process, got none.")
+        for p in self.processes:
+            _check_process("compose", p)
+
+
+Process = Gaussian | AdaptiveClipping | Poisson | TruncatedPoisson | RandomAllocation | Repeat | Compose
+
+
+def _check_process(where: str, p: object) -> None:
+    if not isinstance(p, Process):
+        raise InputTypeError(f"{where} expects a process (gaussian, poisson, ...), got {type(p).__name__} {p!r}.")
+
+
+def gaussian(noise_multiplier: float) -> Gaussian:
+    """One Gaussian release; ``noise_multiplier = 0`` is an explicit non-private release (epsilon = inf)."""
+    return Gaussian(noise_multiplier)
+
+
+def adaptive_clipping(inner: Gaussian, *, count_noise_fraction: float, expected_batch_size: float) -> AdaptiveClipping:
+    """The gradient release ``inner`` plus adaptive clipping's noisy count (see :class:`AdaptiveClipping`)."""
+    return AdaptiveClipping(inner, count_noise_fraction, expected_batch_size)
+
+
+def poisson(inner: Gaussian | AdaptiveClipping, sample_rate: float) -> Poisson:
+    """One Poisson-sampled step of ``inner``."""
+    return Poisson(inner, sample_rate)
+
+
+def truncated_poisson(
+    inner: Gaussian | AdaptiveClipping, sample_rate: float, *, dataset_size: int, truncated_batch_size: int
+) -> TruncatedPoisson:
+    """One truncated-Poisson step of ``inner`` (see :class:`TruncatedPoisson`)."""
+    return TruncatedPoisson(inner, sample_rate, dataset_size, truncated_batch_size)
+
+
+def random_allocation(inner: Gaussian, num_steps: int) -> RandomAllocation:
+    """1-out-of-``num_steps`` random allocation of ``inner`` (a whole horizon, include it once)."""
+    return RandomAllocation(inner, num_steps)
+
+
+def k_out_of_t(inner: Gaussian, *, k: int, t: int, allocation: str) -> Process:
+    """The whole-horizon process of the k-out-of-t sampler over ``t`` steps.
+
+    * ``"block"``: ``t`` is split into ``k`` equal blocks, one uniform step per block: exactly ``k``
+    independent
+      1-out-of-``t/k`` allocations (needs ``t % k == 0``).
+    * ``"total"``: a uniform ``k``-subset of the ``t`` steps. Bounded (conservatively) by the block reduction
+    with
+      block sizes ``floor(t/k)`` and ``ceil(t/k)`` (Feldman & Shenfeld 2025, arXiv 2502.08202).
+    """
+    k = _checks.integer("k", k, minimum=1)
+    t = _checks.integer("t", t, minimum=1)
+    if k > t:
+        raise ConfigurationError(
+            f"k must be <= t, got k={k}, t={t}; an example cannot take part in more steps than exist."
+        )
+    if allocation == "block":
+        if t % k:
+            raise ConfigurationError(
+                f"allocation='block' needs t divisible by k, got t={t}, k={k}; choose t a multiple of k or "
+                f"use "
+                "allocation='total'."
+            )
+        return repeat(random_allocation(inner, t // k), k)
+    if allocation == "total":
+        size, extra = divmod(t, k)
+        parts = [repeat(random_allocation(inner, size), k - extra)]
+        if extra:
+            parts.append(repeat(random_allocation(inner, size + 1), extra))
+        return compose(*parts)
+    raise ConfigurationError(f"allocation must be 'block' or 'total', got {allocation!r}.")
+
+
+def repeat(process: Process, count: int) -> Repeat:
+    """``process`` composed with itself ``count`` times (``count >= 1``)."""
+    return Repeat(process, count)
+
+
+def compose(*processes: Process) -> Process:
+    """The sequential composition of ``processes``; a single process is returned unchanged."""
+    if len(processes) == 1:
+        _check_process("compose", processes[0])
+        return processes[0]
+    return Compose(tuple(processes))
+
+
+def _children(p: Process) -> tuple[Process, ...]:
+    if isinstance(p, Repeat):
+        return (p.process,)
+    if isinstance(p, Compose):
+        return p.processes
+    return ()
+
+
+def contains_random_allocation(p: Process) -> bool:
+    """Whether ``p`` has a random-allocation part (it has no dp-accounting event)."""
+    return isinstance(p, RandomAllocation) or any(contains_random_allocation(c) for c in _children(p))
+
+
+def is_nonprivate(p: Process) -> bool:
+    """Whether any part of ``p`` is released without noise (its epsilon is inf)."""
+    if isinstance(p, Gaussian):
+        return p.noise_multiplier == 0.0
+    if isinstance(p, Poisson | TruncatedPoisson | RandomAllocation | AdaptiveClipping):
+        return is_nonprivate(p.inner)
+    return any(is_nonprivate(c) for c in _children(p))
+
+
+def _gaussian_event(multiplier: float) -> dp_accounting.DpEvent:
+    if multiplier == 0.0:
+        return dp_accounting.NonPrivateDpEvent()
+    return dp_accounting.GaussianDpEvent(multiplier)
+
+
+def _multiplier(inner: Gaussian | AdaptiveClipping) -> float:
+    if isinstance(inner, AdaptiveClipping):
+        return inner.effective_noise_multiplier
+    return inner.noise_multiplier
+
+
+def to_dp_event(p: Process) -> dp_accounting.DpEvent:
+    """The dp-accounting event of ``p``; random allocation has none and raises ConfigurationError."""
+    if isinstance(p, Gaussian | AdaptiveClipping):
+        return _gaussian_event(_multiplier(p))
+    if isinstance(p, Poisson):
+        inner = _gaussian_event(_multiplier(p.inner))
+        if p.sample_rate == 1.0 or isinstance(inner, dp_accounting.NonPrivateDpEvent):
+            return inner
+        return dp_accounting.PoissonSampledDpEvent(p.sample_rate, inner)
+    if isinstance(p, TruncatedPoisson):
+        sigma = _multiplier(p.inner)
+        if sigma == 0.0:
+            return dp_accounting.NonPrivateDpEvent()
+        return dp_accounting.TruncatedSubsampledGaussianDpEvent(
+            dataset_size=p.dataset_size,
+            sampling_probability=p.sample_rate,
+            truncated_batch_size=p.truncated_batch_size,
+            noise_multiplier=sigma,
+        )
+    if isinstance(p, Repeat):
+        return dp_accounting.SelfComposedDpEvent(to_dp_event(p.process), p.count)
+    if isinstance(p, Compose):
+        return dp_accounting.ComposedDpEvent([to_dp_event(c) for c in p.processes])
+    if isinstance(p, RandomAllocation):
+        raise ConfigurationError(
+            "random allocation has no dp-accounting event; query it with accountant='monte_carlo' (the "
+            "default "
+            "for such processes)."
+        )
+    raise InputTypeError(f"to_dp_event expects a process, got {type(p).__name__} {p!r}.")

@@ -1,0 +1,114 @@
+"""JSON form of processes (dicts in, dicts out; the adapter writes them to ``accountant.json``).
+
+``to_json(p)`` gives ``{"format": "opake.accounting.process/1", "process": {...}, "versions": {...}}``; every
+node is ``{"type": <name>, <fields>...}`` and children nest. ``from_json`` rebuilds the identical (equal)
+process through the public factories, so a tampered document is validated like user input.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from opake_core.accounting.processes import (
+    AdaptiveClipping,
+    Compose,
+    Gaussian,
+    Poisson,
+    Process,
+    RandomAllocation,
+    Repeat,
+    TruncatedPoisson,
+)
+from opake_core.errors import ConfigurationError, InputTypeError
+
+__all__ = ["FORMAT", "from_json", "library_versions", "to_json"]
+
+FORMAT = "opake.accounting.process/1"
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries that decide the numbers (``"unknown"`` if not installed)."""
+    out = {}
+    for name in ("opake", "dp-accounting"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "unknown"
+    return out
+
+
+def _node(p: Process) -> dict[str, Any]:
+    if isinstance(p, Gaussian):
+        return {"type": "gaussian", "noise_multiplier": p.noise_multiplier}
+    if isinstance(p, AdaptiveClipping):
+        return {
+            "type": "adaptive_clipping",
+            "inner": _node(p.inner),
+            "count_noise_fraction": p.count_noise_fraction,
+            "expected_batch_size": p.expected_batch_size,
+        }
+    if isinstance(p, Poisson):
+        return {"type": "poisson", "inner": _node(p.inner), "sample_rate": p.sample_rate}
+    if isinstance(p, TruncatedPoisson):
+        return {
+            "type": "truncated_poisson",
+            "inner": _node(p.inner),
+            "sample_rate": p.sample_rate,
+            "dataset_size": p.dataset_size,
+            "truncated_batch_size": p.truncated_batch_size,
+        }
+    if isinstance(p, RandomAllocation):
+        return {"type": "random_allocation", "inner": _node(p.inner), "num_steps": p.num_steps}
+    if isinstance(p, Repeat):
+        return {"type": "repeat", "process": _node(p.process), "count": p.count}
+    if isinstance(p, Compose):
+        return {"type": "compose", "processes": [_node(c) for c in p.processes]}
+    raise InputTypeError(f"to_json expects a process, got {type(p).__name__} {p!r}.")
+
+
+_BUILDERS = {
+    "gaussian": (Gaussian, ("noise_multiplier",)),
+    "adaptive_clipping": (AdaptiveClipping, ("inner", "count_noise_fraction", "expected_batch_size")),
+    "poisson": (Poisson, ("inner", "sample_rate")),
+    "truncated_poisson": (TruncatedPoisson, ("inner", "sample_rate", "dataset_size", "truncated_batch_size")),
+    "random_allocation": (RandomAllocation, ("inner", "num_steps")),
+    "repeat": (Repeat, ("process", "count")),
+    "compose": (Compose, ("processes",)),
+}
+
+
+def _build(obj: Any) -> Process:
+    if not isinstance(obj, dict) or obj.get("type") not in _BUILDERS:
+        raise ConfigurationError(
+            f"a serialized process node needs a 'type' in {sorted(_BUILDERS)}, got {obj!r}; "
+            "pass the 'process' part of a document made by to_json."
+        )
+    cls, fields = _BUILDERS[obj["type"]]
+    if set(obj) != {"type", *fields}:
+        raise ConfigurationError(
+            f"a {obj['type']!r} node has fields {sorted(fields)}, got {sorted(set(obj) - {'type'})}."
+        )
+    args = []
+    for name in fields:
+        value = obj[name]
+        if name in ("inner", "process"):
+            value = _build(value)
+        elif name == "processes":
+            value = tuple(_build(v) for v in value)
+        args.append(value)
+    return cls(*args)
+
+
+def to_json(process: Process) -> dict[str, Any]:
+    """The JSON-ready dict of ``process``, with the format tag and the library versions."""
+    return {"format": FORMAT, "process": _node(process), "versions": library_versions()}
+
+
+def from_json(obj: dict[str, Any]) -> Process:
+    """The process of a dict made by :func:`to_json` (versions are informational and not checked)."""
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT or "process" not in obj:
+        raise ConfigurationError(
+            f"from_json expects a dict with format {FORMAT!r} and a 'process', got {str(obj)[:200]!r}."
+        )
+    return _build(obj["process"])

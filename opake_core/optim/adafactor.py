@@ -1,0 +1,159 @@
+"""Adafactor (Shazeer & Stern 2018, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost", ICML,
+arXiv:1804.04235), Algorithms 4 and 5 without momentum (their recommended ``beta1 = 0``).
+
+Per leaf, at update ``t`` (from 1), with ``beta2_t = 1 - t^decay_rate`` and gradient ``G``:
+
+* leaves with >= 2 dimensions keep a factored second moment over the last two dimensions (rows ``n``, columns
+  ``m``; leading dimensions are batched): ``R_t = beta2_t R_{t-1} + (1 - beta2_t) mean_cols(G^2 + eps1)`` and
+  ``C_t = beta2_t C_{t-1} + (1 - beta2_t) mean_rows(G^2 + eps1)``, and ``V_hat = R_t C_t^T / mean(R_t)`` (the
+  paper's row and column *sums* give the same ``V_hat``); memory ``n + m`` instead of ``n * m``;
+* other leaves keep ``V_t = beta2_t V_{t-1} + (1 - beta2_t)(G^2 + eps1)``;
+* ``U = G / sqrt(V_hat)``, clipped per leaf to ``U / max(1, RMS(U) / clip_threshold)``;
+* the step is relative to the parameter's scale: ``update = -lr_t * (max(eps2, RMS(X_{t-1})) * U +
+  weight_decay * X_{t-1})``, with ``lr_t`` the paper's relative step size ``rho_t`` (a float or a schedule).
+
+``RMS(x) = sqrt(mean(x^2))`` over one leaf. The noise in a DP gradient enters ``V`` like in Adam; there is no
+noise correction for the factored moment yet (``noise_std`` is ignored).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torchopt import chain
+from torchopt.base import EmptyState, GradientTransformation
+from torchopt.transform import add_decayed_weights
+
+from opake_core.errors import ConfigurationError
+from opake_core.optim import _validate
+from opake_core.optim._guard import Optimizer
+from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
+
+__all__ = ["FactoredRmsState", "adafactor"]
+
+
+class FactoredRmsState(NamedTuple):
+    """State of :func:`scale_by_factored_rms`.
+
+    Attributes:
+        count: number of updates applied so far (0-d int64 tensor on the CPU).
+        row: per leaf, the row EMA ``R`` (shape ``p.shape[:-1]``) for factored leaves, else empty.
+        col: per leaf, the column EMA ``C`` (shape ``p.shape[:-2] + p.shape[-1:]``) for factored leaves, else
+            empty.
+        v: per leaf, the full EMA ``V`` (shape ``p.shape``) for leaves with < 2 dimensions, else empty.
+    """
+
+    count: torch.Tensor
+    row: Any
+    col: Any
+    v: Any
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x.square().mean().sqrt()
+
+
+def scale_by_factored_rms(decay_rate: float, eps1: float) -> GradientTransformation:
+    """``G -> G / sqrt(V_hat)`` with Adafactor's (factored, for >= 2-D leaves) second-moment estimate."""
+
+    def init_fn(params):
+        def empty(p):
+            return p.new_zeros((0,))
+
+        def factored(p):
+            return p.ndim >= 2
+
+        return FactoredRmsState(
+            count=torch.zeros((), dtype=torch.int64),
+            row=optree.tree_map(lambda p: p.new_zeros(p.shape[:-1]) if factored(p) else empty(p), params),
+            col=optree.tree_map(
+                lambda p: p.new_zeros(p.shape[:-2] + p.shape[-1:]) if factored(p) else empty(p), params
+            ),
+            v=optree.tree_map(lambda p: empty(p) if factored(p) else torch.zeros_like(p), params),
+        )
+
+    def update_fn(updates, state, *, params=None, inplace=False):
+        count = state.count + 1
+        beta2 = 1.0 - float(count) ** decay_rate
+
+        def leaf(g, row, col, v):
+            g2 = g.square().add(eps1)
+            if g.ndim >= 2:
+                row = row.mul(beta2).add(g2.mean(dim=-1), alpha=1 - beta2)
+                col = col.mul(beta2).add(g2.mean(dim=-2), alpha=1 - beta2)
+                v_hat = row.unsqueeze(-1) * col.unsqueeze(-2) / row.mean(dim=-1, keepdim=True).unsqueeze(-1)
+            else:
+                v = v.mul(beta2).add(g2, alpha=1 - beta2)
+                v_hat = v
+            return g.div(v_hat.sqrt()), row, col, v
+
+        out = optree.tree_map(leaf, updates, state.row, state.col, state.v)
+        spec = optree.tree_structure(updates)
+        updates, row, col, v = optree.tree_transpose(spec, optree.tree_structure((0, 0, 0, 0)), out)
+        return updates, FactoredRmsState(count=count, row=row, col=col, v=v)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def clip_by_block_rms(threshold: float) -> GradientTransformation:
+    """``U -> U / max(1, RMS(U) / threshold)`` per leaf (the paper's update clipping, threshold ``d``)."""
+
+    def update_fn(updates, state, *, params=None, inplace=False):
+        return optree.tree_map(lambda u: u.div(_rms(u).div(threshold).clamp(min=1.0)), updates), state
+
+    return GradientTransformation(lambda params: EmptyState(), update_fn)
+
+
+def scale_by_param_block_rms(min_scale: float) -> GradientTransformation:
+    """``U -> max(min_scale, RMS(X)) * U`` per leaf, ``X`` the current parameter (relative step size)."""
+
+    def update_fn(updates, state, *, params=None, inplace=False):
+        return optree.tree_map(lambda u, p: u.mul(_rms(p).clamp(min=min_scale)), updates, params), state
+
+    return GradientTransformation(lambda params: EmptyState(), update_fn)
+
+
+def adafactor(
+    lr: LearningRate = 1e-3,
+    *,
+    decay_rate: float = -0.8,
+    eps: tuple[float, float] = (1e-30, 1e-3),
+    clip_threshold: float = 1.0,
+    weight_decay: float = 0.0,
+    non_private: bool = False,
+) -> Optimizer:
+    """Adafactor with a factored second moment for >= 2-D leaves and parameter-scaled steps; ``update`` needs
+    ``params``.
+
+    Args:
+        lr: relative step size ``rho_t`` (> 0) or a schedule ``step -> rho``; the step of a leaf is ``lr``
+            times the leaf's RMS (at least ``eps[1]``).
+        decay_rate: exponent ``c`` of ``beta2_t = 1 - t^c``, in [-1, 0) (the paper uses -0.8).
+        eps: ``(eps1, eps2)``, both > 0: ``eps1`` is added to the squared gradient (gradient units squared),
+            ``eps2`` is the smallest parameter scale (parameter units).
+        clip_threshold: the update-clipping threshold ``d`` (> 0; ``math.inf`` disables clipping).
+        weight_decay: decoupled decay coefficient (>= 0), multiplied by ``lr`` (not by the parameter scale).
+        non_private: accept plain trees of tensors (an explicitly non-private run).
+    """
+    lr = check_lr(lr)
+    c = _validate.number(decay_rate, "decay_rate")
+    if not -1 <= c < 0:
+        raise ConfigurationError(f"decay_rate must lie in [-1, 0), got {c!r} (beta2_t = 1 - t^c must rise to 1).")
+    if not isinstance(eps, tuple | list) or len(eps) != 2:
+        raise ConfigurationError(f"eps must be a pair (eps1, eps2), got {eps!r}.")
+    eps1 = _validate.positive_finite(eps[0], "eps[0]")
+    eps2 = _validate.positive_finite(eps[1], "eps[1]")
+    threshold = _validate.number(clip_threshold, "clip_threshold")
+    if not threshold > 0:
+        raise ConfigurationError(f"clip_threshold must be positive, got {clip_threshold!r}.")
+    weight_decay = _validate.non_negative_finite(weight_decay, "weight_decay")
+    transform = chain(
+        scale_by_factored_rms(c, eps1),
+        clip_by_block_rms(threshold),
+        scale_by_param_block_rms(eps2),
+        add_decayed_weights(weight_decay),
+        scale_by_neg_lr(lr),
+    )
+    return Optimizer("adafactor", transform, non_private=non_private, needs_params=True)

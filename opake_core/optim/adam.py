@@ -1,0 +1,98 @@
+"""Adam (Kingma & Ba 2015) and AdamW (Loshchilov & Hutter 2019), optionally with DP noise bias correction.
+
+Without correction both are torchopt's ``scale_by_adam`` chained with (AdamW only) decoupled weight decay and
+the learning rate: ``update = -lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``, equal to
+``torch.optim.Adam`` / ``torch.optim.AdamW``. With ``noise_bias_correction=True`` the rescaling is
+:func:`~opake_core.optim.bias_correction.scale_by_bias_corrected_adam`, which removes the noise variance of
+the :class:`~opake_core.tree.Noised` input (its ``noise_std``, per leaf when per group) from ``v_hat``
+(DP-AdamBC).
+"""
+
+from __future__ import annotations
+
+from torchopt import chain
+from torchopt.transform import add_decayed_weights, scale_by_adam
+
+from opake_core.errors import ConfigurationError
+from opake_core.optim import _validate
+from opake_core.optim._guard import Optimizer
+from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
+from opake_core.optim.bias_correction import noise_aware_chain, scale_by_bias_corrected_adam
+
+__all__ = ["adam", "adamw"]
+
+
+def adam(
+    lr: LearningRate = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    *,
+    noise_bias_correction: bool = False,
+    non_private: bool = False,
+) -> Optimizer:
+    """Adam.
+
+    Args:
+        lr: learning rate (> 0) or a schedule ``step -> lr``.
+        betas: ``(b1, b2)``, decay rates of the first and second moment EMAs, each in [0, 1).
+        eps: added to ``sqrt(v_hat)`` in the denominator (> 0), in gradient units.
+        noise_bias_correction: remove the noise variance ``noise_std^2`` of the noised input from ``v_hat``
+            (DP-AdamBC, Tang et al. 2024); see :mod:`opake_core.optim.bias_correction`.
+        non_private: accept plain trees of tensors (an explicitly non-private run; noise std 0).
+    """
+    return _build("adam", lr, betas, eps, 0.0, noise_bias_correction=noise_bias_correction, non_private=non_private)
+
+
+def adamw(
+    lr: LearningRate = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    *,
+    noise_bias_correction: bool = False,
+    non_private: bool = False,
+) -> Optimizer:
+    """AdamW: Adam with decoupled weight decay, ``update = -lr * (adam_direction + weight_decay * p)``.
+
+    Args:
+        lr: learning rate (> 0) or a schedule ``step -> lr``.
+        betas: ``(b1, b2)``, each in [0, 1).
+        eps: added to ``sqrt(v_hat)`` in the denominator (> 0).
+        weight_decay: decoupled decay coefficient (>= 0), multiplied by ``lr`` like ``torch.optim.AdamW``.
+        noise_bias_correction: as in :func:`adam`.
+        non_private: accept plain trees of tensors (an explicitly non-private run).
+    """
+    return _build(
+        "adamw",
+        lr,
+        betas,
+        eps,
+        weight_decay,
+        noise_bias_correction=noise_bias_correction,
+        non_private=non_private,
+    )
+
+
+def _build(
+    name: str,
+    lr: LearningRate,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    *,
+    noise_bias_correction: bool,
+    non_private: bool,
+) -> Optimizer:
+    lr = check_lr(lr)
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ConfigurationError(f"betas must be a pair (b1, b2), got {betas!r}.")
+    b1 = _validate.decay(betas[0], "betas[0]")
+    b2 = _validate.decay(betas[1], "betas[1]")
+    eps = _validate.positive_finite(eps, "eps")
+    weight_decay = _validate.non_negative_finite(weight_decay, "weight_decay")
+    tail = [add_decayed_weights(weight_decay), scale_by_neg_lr(lr)]
+    needs_params = weight_decay > 0
+    if noise_bias_correction:
+        transform = noise_aware_chain(scale_by_bias_corrected_adam(b1, b2, eps), chain(*tail))
+        return Optimizer(name, transform, non_private=non_private, needs_params=needs_params, noise_aware=True)
+    return Optimizer(name, chain(scale_by_adam(b1, b2, eps), *tail), non_private=non_private, needs_params=needs_params)

@@ -1,0 +1,13 @@
+"""Batch samplers for DP-SGD as pure functions of (key, state).
+
+``sampler.init() -> state``; ``sampler.sample(key, state) -> (indices, new_state)``; the draw for step s
+depends only on (key, s). Each sampler declares its accounting with ``sampler.process(noise_multiplier,
+steps)``, so a sampler and its accountant are chosen together.
+"""
+
+from opake_core.sampling.k_out_of_t import KOutOfT, k_out_of_t
+from opake_core.sampling.poisson import Poisson, poisson
+from opake_core.sampling.sequential import Sequential, sequential
+from opake_core.sampling.state import SamplerState
+
+__all__ = ["KOutOfT", "Poisson", "SamplerState", "Sequential", "k_out_of_t", "poisson", "sequential"]

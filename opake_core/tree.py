@@ -1,0 +1,249 @@
+"""Pytrees that carry privacy metadata, and per-group values.
+
+* :class:`Clipped` wraps a tree of clipped, summed gradients with its L2 ``sensitivity``: the most the tree can move
+  when one example is added or removed (the clipping bound divided by the public normalizer).
+* :class:`Noised` is a clipped tree that went through a noise mechanism; it also records the noise standard deviation.
+* :class:`PerGroup` assigns every leaf to a named group and holds one value per group (per-group clipping bounds,
+  sensitivities and noise standard deviations).
+
+Leaves are addressed by their *path*: the keys from the root joined with dots (``"encoder.layer.0.weight"``), so a
+flat ``dict(model.named_parameters())`` and the equivalent nested dict give the same paths.
+
+Noise mechanisms accept only :class:`Clipped` trees; optimizers accept only :class:`Noised` ones. Both wrappers are
+registered with optree in the ``"opake"`` namespace (``optree.tree_map(f, tree, namespace="opake")`` sees through
+them and keeps the metadata).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+
+from opake_core.errors import ConfigurationError, InputTypeError
+
+__all__ = [
+    "NAMESPACE",
+    "Clipped",
+    "Noised",
+    "PerGroup",
+    "effective",
+    "leaf_paths",
+    "per_group",
+]
+
+FALLBACK = "fallback"
+NAMESPACE = "opake"
+
+
+def leaf_paths(tree: Any) -> list[str]:
+    """The dotted path of every leaf of ``tree``, in optree's flattening order."""
+    paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False)
+    return [".".join(str(part) for part in path) for path in paths]
+
+
+@dataclass(frozen=True)
+class PerGroup:
+    """One value per group of leaves.
+
+    Attributes:
+        groups: ``(leaf path, group name)`` pairs, one per tensor leaf, in flattening order.
+        values: ``(group name, value)`` pairs, sorted by group name.
+    """
+
+    groups: tuple[tuple[str, str], ...]
+    values: tuple[tuple[str, float], ...]
+
+    def __post_init__(self) -> None:
+        names = {name for name, _ in self.values}
+        missing = sorted({g for _, g in self.groups} - names)
+        if missing:
+            raise ConfigurationError(f"PerGroup assigns leaves to groups without a value: {missing}.")
+
+    @classmethod
+    def build(cls, groups: Mapping[str, str], values: Mapping[str, float]) -> PerGroup:
+        """A PerGroup from a ``{leaf path: group}`` and a ``{group: value}`` mapping."""
+        return cls(tuple(groups.items()), tuple(sorted((k, float(v)) for k, v in values.items())))
+
+    @property
+    def group_of(self) -> dict[str, str]:
+        """``{leaf path: group name}``."""
+        return dict(self.groups)
+
+    @property
+    def value_of(self) -> dict[str, float]:
+        """``{group name: value}``."""
+        return dict(self.values)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.values)
+
+    @property
+    def effective(self) -> float:
+        """The L2 combination ``sqrt(sum of squared values)``: the joint sensitivity of per-group bounds."""
+        return math.sqrt(sum(v * v for _, v in self.values))
+
+    def map(self, fn: Callable[[float], float]) -> PerGroup:
+        """The same groups with ``fn`` applied to every value."""
+        return PerGroup(self.groups, tuple((k, float(fn(v))) for k, v in self.values))
+
+    def leaf_values(self) -> list[float]:
+        """The value of each leaf's group, in leaf order."""
+        value_of = self.value_of
+        return [value_of[g] for _, g in self.groups]
+
+
+def effective(value: float | PerGroup) -> float:
+    """A scalar for a scalar, the L2 combination for a :class:`PerGroup`."""
+    return value.effective if isinstance(value, PerGroup) else float(value)
+
+
+@dataclass(frozen=True)
+class Clipped:
+    """A tree of clipped and summed values together with its L2 sensitivity.
+
+    Attributes:
+        value: the tree of tensors.
+        sensitivity: the L2 sensitivity of ``value`` under adding or removing one example (a float, or a
+            :class:`PerGroup` of per-group sensitivities).
+    """
+
+    value: Any
+    sensitivity: float | PerGroup
+
+    def __post_init__(self) -> None:
+        _check_sensitivity(self.sensitivity, "sensitivity")
+
+
+@dataclass(frozen=True)
+class Noised(Clipped):
+    """A clipped tree with Gaussian noise of standard deviation ``noise_std`` (a float or :class:`PerGroup`) added."""
+
+    noise_std: float | PerGroup = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_sensitivity(self.noise_std, "noise_std")
+
+
+def _check_sensitivity(value: Any, name: str) -> None:
+    scalars = value.leaf_values() if isinstance(value, PerGroup) else [value]
+    for v in scalars:
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise InputTypeError(f"{name} must be a float or PerGroup, got {type(v).__name__} {v!r}.")
+        if not v >= 0:  # also refuses NaN
+            raise ConfigurationError(f"{name} must be non-negative, got {v!r}.")
+
+
+optree.register_pytree_node(
+    Clipped,
+    lambda c: ((c.value,), c.sensitivity, None),
+    lambda sensitivity, children: Clipped(children[0], sensitivity),
+    namespace=NAMESPACE,
+)
+optree.register_pytree_node(
+    Noised,
+    lambda n: ((n.value,), (n.sensitivity, n.noise_std), None),
+    lambda meta, children: Noised(children[0], meta[0], meta[1]),
+    namespace=NAMESPACE,
+)
+
+
+def _tensor_leaves(params: Any, where: str) -> tuple[list[str], list[torch.Tensor]]:
+    paths, leaves, _ = optree.tree_flatten_with_path(params, none_is_leaf=False)
+    names = [".".join(str(part) for part in path) for path in paths]
+    for name, leaf in zip(names, leaves, strict=True):
+        if not isinstance(leaf, torch.Tensor):
+            raise InputTypeError(f"{where} needs a tree of tensors; leaf {name!r} is a {type(leaf).__name__}.")
+    if not leaves:
+        raise ConfigurationError(f"{where} needs at least one tensor leaf, got an empty tree.")
+    return names, leaves
+
+
+def _positive(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InputTypeError(f"{what} must be a number, got {type(value).__name__} {value!r}.")
+    if not value > 0:
+        raise ConfigurationError(f"{what} must be positive, got {value!r}.")
+    return float(value)
+
+
+def per_group(
+    params: Any,
+    patterns: Mapping[str, float] | None = None,
+    *,
+    fallback: float | None = None,
+    allow_unused_patterns: bool = False,
+) -> PerGroup:
+    """Assign every tensor leaf of ``params`` to a group by regular expressions on its dotted path.
+
+    Args:
+        params: a tree of tensors (for example ``dict(model.named_parameters())``).
+        patterns: ``{regex: value}``; a leaf belongs to the group of the one pattern that ``re.search``-matches its
+            path. The group is named after the pattern.
+        fallback: value of the group ``"fallback"`` that collects leaves no pattern matches.
+        allow_unused_patterns: accept patterns that match no leaf (an error otherwise, to catch typos).
+
+    Returns:
+        A :class:`PerGroup` whose values are the patterns' values (for example per-group clipping bounds).
+
+    Raises:
+        ConfigurationError: no pattern and no fallback; a value that is not positive; a leaf that matches several
+            patterns, or none without a fallback; a pattern that matches nothing (unless allowed); an invalid regex.
+    """
+    patterns = dict(patterns or {})
+    if not patterns and fallback is None:
+        raise ConfigurationError("per_group needs at least one pattern or a fallback value.")
+    if FALLBACK in patterns:
+        if fallback is not None:
+            raise ConfigurationError("give the fallback either as patterns['fallback'] or as fallback=, not both.")
+        fallback = patterns.pop(FALLBACK)
+    values = {p: _positive(v, f"per-group value for {p!r}") for p, v in patterns.items()}
+    if fallback is not None:
+        values[FALLBACK] = _positive(fallback, "fallback")
+    try:
+        compiled = {p: re.compile(p) for p in patterns}
+    except re.error as exc:
+        raise ConfigurationError(f"per_group pattern is not a valid regular expression: {exc}.") from exc
+    names, _ = _tensor_leaves(params, "per_group")
+    groups: dict[str, str] = {}
+    used: set[str] = set()
+    for name in names:
+        hits = [p for p, rx in compiled.items() if rx.search(name)]
+        if len(hits) > 1:
+            raise ConfigurationError(
+                f"parameter {name!r} matched multiple patterns {hits}; each parameter must match exactly one."
+            )
+        if not hits and fallback is None:
+            raise ConfigurationError(
+                f"parameter {name!r} did not match any pattern of {sorted(patterns)}; "
+                "add a pattern or fallback=<bound>."
+            )
+        group = hits[0] if hits else FALLBACK
+        used.add(group)
+        groups[name] = group
+    unused = sorted(set(patterns) - used)
+    if unused and not allow_unused_patterns:
+        raise ConfigurationError(
+            f"patterns did not match any parameter: {unused}. Sample parameter paths: {names[:5]}. "
+            "Fix the patterns or pass allow_unused_patterns=True."
+        )
+    return PerGroup.build(groups, {g: v for g, v in values.items() if g in used})
+
+
+def check_same_structure(a: Any, b: Any, what: str) -> None:
+    """Raise :class:`InputTypeError` when two trees differ in structure."""
+    spec_a, spec_b = optree.tree_structure(a), optree.tree_structure(b)
+    if spec_a != spec_b:
+        raise InputTypeError(f"{what}: tree structures differ ({spec_a} vs {spec_b}).")
+
+
+def iter_tensors(tree: Any) -> Iterable[torch.Tensor]:
+    """The tensor leaves of a tree, in flattening order."""
+    return optree.tree_leaves(tree, none_is_leaf=False)

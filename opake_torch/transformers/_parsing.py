@@ -1,0 +1,379 @@
+"""Coercion and validation helpers for :class:`~opake_torch.transformers.TrainingArguments`.
+
+Every helper takes the field name so that its message names the argument, the value seen, and the fix. Helpers
+return the canonical value; they never mutate their input.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from opake_core.errors import ConfigurationError, InputTypeError
+from opake_core.noise import compute_dtype_of
+
+__all__ = [
+    "as_choice",
+    "as_dict",
+    "as_optional_positive_int",
+    "as_positive_int",
+    "as_steps",
+    "calibration",
+    "check_keys",
+    "clipping_kwargs",
+    "coerce_scalar",
+    "jsonable",
+    "mechanism_kwargs",
+    "parse_clipping_norm",
+    "plain",
+    "report_to",
+    "sampling",
+]
+
+
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adam-bc", "adamw-bc", "adafactor")
+OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw"}
+_REFUSED_OPTIM_MARKERS = ("8bit", "paged", "apex", "galore", "bnb", "lomo")
+SCHEDULERS = ("linear", "cosine", "constant")
+SCHEDULER_ALIASES = {"constant_with_warmup": "constant"}
+SCHEDULER_KWARGS = {"linear": ("end_value",), "cosine": ("end_value",), "constant": ()}
+
+MECHANISM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gaussian": {},
+    "mf_band": {"bands": 16},
+    "mf_blt": {"max_buffers": 10},
+    "mf_bisr": {"bandwidth": 4},
+    "mf_bsr": {"bandwidth": 8, "alpha": 1.0, "beta": 0.9},
+    "mf_lambda_cgd": {"lambda_": 0.5},
+    "mf_identity": {},
+}
+MECHANISM_KWARGS = {
+    "gaussian": ("compute_dtype",),
+    "mf_band": ("bands", "momentum", "lr_schedule"),
+    "mf_blt": ("max_buffers", "momentum", "lr_schedule"),
+    "mf_bisr": ("bandwidth", "normalized", "momentum", "lr_schedule", "inv_coefficients"),
+    "mf_bsr": ("bandwidth", "alpha", "beta"),
+    "mf_lambda_cgd": ("lambda_", "normalized", "lr_schedule"),
+    "mf_identity": (),
+}
+_INT_MECHANISM_KWARGS = ("bands", "max_buffers", "bandwidth")
+# Samplers each mechanism has an accountant for; the first is what "auto" resolves to.
+SAMPLERS: dict[str, tuple[str, ...]] = {
+    "gaussian": ("poisson", "k_out_of_t", "sequential"),
+    "mf_identity": ("poisson", "balls_in_bins"),
+    "mf_band": ("cyclic_poisson", "b_min_sep"),
+    "mf_blt": ("balls_in_bins",),
+    "mf_bisr": ("balls_in_bins",),
+    "mf_bsr": ("balls_in_bins",),
+    "mf_lambda_cgd": ("balls_in_bins",),
+}
+SAMPLING_KWARGS = {"poisson": ("truncated_batch_size",), "k_out_of_t": ("k", "allocation")}
+CLIPPING_KWARGS = {"fixed": (), "adaptive": ("target_quantile", "clipping_norm_max"), "auto": ("gamma",)}
+CALIBRATION_DEFAULTS = {"min": 0.11, "max": 10.0, "tolerance": 1e-3}
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+DDP_BACKENDS = ("nccl", "gloo", "mpi", "ucc")
+
+
+def plain(value: Any) -> Any:
+    """The value of a ``str`` enum (Hugging Face passes ``IntervalStrategy``, ``SchedulerType``, ...) or ``value``."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def coerce_scalar(text: str) -> Any:
+    """``"true"``/``"false"`` -> bool, ``"none"``/``"null"`` -> None, then int, then float, else the stripped text."""
+    text = text.strip()
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _parse_pairs(text: str, name: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigurationError(
+                f"{name} could not be parsed: {text!r} (item {item!r} is not 'key=value'). "
+                'Pass a mapping, a JSON object string such as \'{"a": 1}\', or "a=1,b=2".'
+            )
+        out[key.strip()] = coerce_scalar(value)
+    return out
+
+
+def as_dict(value: Any, name: str) -> dict[str, Any]:
+    """A fresh ``dict`` from None, a Mapping, a JSON object string or ``"a=1,b=2"``."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        out = dict(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                out = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ConfigurationError(f"{name} is not a valid JSON object: {value!r} ({exc}).") from exc
+            if not isinstance(out, dict):
+                raise ConfigurationError(f"{name} must be a JSON object, got {value!r}.")
+        else:
+            out = _parse_pairs(text, name)
+    else:
+        raise InputTypeError(
+            f"{name} must be a mapping, a JSON object string or 'a=1,b=2', got {type(value).__name__}: {value!r}."
+        )
+    bad = [k for k in out if not isinstance(k, str)]
+    if bad:
+        raise ConfigurationError(f"{name} keys must be strings, got {bad!r}.")
+    return out
+
+
+def check_keys(mapping: Mapping[str, Any], allowed: Sequence[str], name: str, selector: str) -> None:
+    """Refuse keys outside ``allowed``; ``selector`` says which setting chose the allowed set."""
+    unknown = sorted(set(mapping) - set(allowed))
+    if unknown:
+        raise ConfigurationError(
+            f"{name} contains unsupported keys for {selector}: {unknown}. Allowed: {sorted(allowed) or 'none'}."
+        )
+
+
+def as_choice(value: Any, name: str, allowed: Sequence[str]) -> str:
+    value = plain(value)
+    if not isinstance(value, str) or value not in allowed:
+        raise ConfigurationError(f"{name} must be one of {list(allowed)}, got {value!r}.")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def as_positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
+    if not _is_int(value) or value < minimum:
+        raise ConfigurationError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+    return value
+
+
+def as_optional_positive_int(value: Any, name: str, *, minimum: int = 1) -> int | None:
+    return None if value is None else as_positive_int(value, name, minimum=minimum)
+
+
+def as_number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        raise ConfigurationError(f"{name} must be a number, got {value!r}.")
+    return value
+
+
+def as_steps(value: Any, name: str, *, allow_zero: bool = False) -> int | float:
+    """A step interval: an int >= 1 (or 0 when allowed), or a float in (0, 1) read as a fraction of the run.
+
+    A float >= 1 must be integral (``500.0`` -> ``500``); ``1.5`` is refused, as in Hugging Face.
+    """
+    value = as_number(value, name)
+    if isinstance(value, float):
+        if 0 < value < 1:
+            return value
+        if value == 0 and allow_zero:
+            return 0
+        if value >= 1 and value.is_integer():
+            return int(value)
+        raise ConfigurationError(
+            f"{name} must be an integer if bigger than 1, or a float in (0, 1) for a fraction of the run; "
+            f"got {value!r}."
+        )
+    if value < (0 if allow_zero else 1):
+        raise ConfigurationError(
+            f"{name} must be >= {0 if allow_zero else 1} (or a fraction in (0, 1)), got {value!r}."
+        )
+    return value
+
+
+def _positive_bound(value: Any, name: str) -> float:
+    if isinstance(value, bool):
+        raise InputTypeError(f"{name} must be a number, not a bool; got {value!r}.")
+    if isinstance(value, str):
+        value = coerce_scalar(value)
+    if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value) or value <= 0:
+        raise ConfigurationError(
+            f"{name} must be a positive number (use math.inf to disable clipping for a non-private run); got {value!r}."
+        )
+    return float(value)
+
+
+def parse_clipping_norm(value: Any) -> float | dict[str, float]:
+    """A positive float (``math.inf`` disables clipping) or ``{regex: bound, ..., "fallback": bound}``.
+
+    Strings are a number (``"1.0"``, ``"inf"``), a JSON object or ``"regex=bound,fallback=bound"``. A dict that holds
+    only ``"fallback"`` becomes its scalar. Patterns must compile; they are matched with ``re.search`` on dotted
+    parameter names by :func:`opake_core.tree.per_group`.
+    """
+    if value is None:
+        raise ConfigurationError(
+            "clipping_norm must be a positive number (use math.inf to disable clipping for a non-private run); "
+            "got None."
+        )
+    if isinstance(value, str):
+        scalar = coerce_scalar(value)
+        value = (
+            scalar
+            if isinstance(scalar, int | float) and not isinstance(scalar, bool)
+            else as_dict(value, "clipping_norm")
+        )
+    if not isinstance(value, Mapping):
+        return _positive_bound(value, "clipping_norm")
+    bounds = as_dict(value, "clipping_norm")
+    if "fallback" not in bounds:
+        raise ConfigurationError(
+            f"clipping_norm dict must include a 'fallback' key with the default per-example clip bound; got {bounds!r}."
+        )
+    out = {k: _positive_bound(v, f"clipping_norm[{k!r}]") for k, v in bounds.items()}
+    for pattern in out:
+        if pattern == "fallback":
+            continue
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ConfigurationError(
+                f"clipping_norm pattern {pattern!r} is not a valid regular expression: {exc}."
+            ) from exc
+    return out["fallback"] if len(out) == 1 else out
+
+
+def as_path(value: Any, name: str) -> str:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise InputTypeError(f"{name} must be a path string, got {type(value).__name__}: {value!r}.")
+    return os.path.expanduser(value)
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return default if raw in (None, "") else int(raw)
+
+
+def mechanism_kwargs(mechanism: str, value: Any) -> dict[str, Any]:
+    """The user's mechanism kwargs over the defaults table, validated for ``mechanism``."""
+    user = as_dict(value, "privacy_noise_mechanism_kwargs")
+    if "bound" in user:
+        raise ConfigurationError(
+            "privacy_noise_mechanism_kwargs['bound'] (bounded Gaussian) is unsupported: there is no matching "
+            "accountant for bounded noise in Opake. Remove 'bound'."
+        )
+    selector = f"privacy_noise_mechanism={mechanism!r}"
+    check_keys(user, MECHANISM_KWARGS[mechanism], "privacy_noise_mechanism_kwargs", selector)
+    kwargs = {**MECHANISM_DEFAULTS[mechanism], **user}
+    if "compute_dtype" in kwargs:
+        kwargs["compute_dtype"] = compute_dtype_of(kwargs["compute_dtype"])
+    for key in _INT_MECHANISM_KWARGS:
+        if key in kwargs:
+            as_positive_int(kwargs[key], f"privacy_noise_mechanism_kwargs[{key!r}]")
+    if mechanism == "mf_bsr" and not as_number(kwargs["alpha"], "alpha") > as_number(kwargs["beta"], "beta"):
+        raise ConfigurationError(
+            f"mf_bsr requires alpha > beta, got alpha={kwargs['alpha']!r}, beta={kwargs['beta']!r}."
+        )
+    return kwargs
+
+
+def sampling(mechanism: str, requested: Any, value: Any) -> tuple[str, dict[str, Any]]:
+    """``(sampling_mode, sampling_kwargs)``: ``"auto"`` resolved for ``mechanism`` and the pair validated."""
+    allowed = SAMPLERS[mechanism]
+    mode = plain(requested)
+    if mode == "auto":
+        mode = allowed[0]
+    if mode not in allowed:
+        reason = ""
+        if mechanism == "mf_band" and mode == "poisson":
+            reason = (
+                " Plain Poisson draws from the whole dataset every step and does not realize the banded "
+                "participation that mf_band's accountant assumes; use 'b_min_sep' if cyclic rotation does not fit."
+            )
+        raise ConfigurationError(
+            f"sampling_mode={requested!r} has no matching accountant for privacy_noise_mechanism={mechanism!r}. "
+            f"Allowed: {['auto', *allowed]}.{reason}"
+        )
+    kwargs = as_dict(value, "sampling_kwargs")
+    owned = sorted({"bands", "sampling_prob"} & set(kwargs))
+    if owned:
+        raise ConfigurationError(
+            f"sampling_kwargs may not set {owned}: they are derived from the privacy configuration "
+            "(privacy_noise_mechanism_kwargs['bands'], per_device_train_batch_size and the dataset size)."
+        )
+    if "truncated_batch_size" in kwargs and mode != "poisson":
+        raise ConfigurationError(
+            f"sampling_kwargs['truncated_batch_size'] is only supported with sampling_mode='poisson', got {mode!r}."
+        )
+    check_keys(kwargs, SAMPLING_KWARGS.get(mode, ()), "sampling_kwargs", f"sampling_mode={mode!r}")
+    if "truncated_batch_size" in kwargs:
+        as_positive_int(kwargs["truncated_batch_size"], "sampling_kwargs['truncated_batch_size']")
+    if mode == "k_out_of_t":
+        if set(kwargs) != {"k", "allocation"}:
+            raise ConfigurationError(
+                f"sampling_mode='k_out_of_t' requires both sampling_kwargs 'k' and 'allocation', got {kwargs!r}. "
+                "Example: sampling_kwargs={'k': 2, 'allocation': 'block'}."
+            )
+        as_positive_int(kwargs["k"], "sampling_kwargs['k']")
+        as_choice(kwargs["allocation"], "sampling_kwargs['allocation']", ("block", "total"))
+    return mode, kwargs
+
+
+def calibration(value: Any) -> dict[str, float]:
+    """The calibration search bounds merged over the defaults; ``0 < min < max < inf`` and ``tolerance > 0``."""
+    kwargs = {**CALIBRATION_DEFAULTS, **as_dict(value, "noise_calibration_kwargs")}
+    check_keys(kwargs, tuple(CALIBRATION_DEFAULTS), "noise_calibration_kwargs", "noise calibration")
+    low, high, tol = (float(as_number(kwargs[k], f"noise_calibration_kwargs[{k!r}]")) for k in CALIBRATION_DEFAULTS)
+    if not (0 < low < high < math.inf and tol > 0):
+        raise ConfigurationError(
+            f"noise_calibration_kwargs needs 0 < min < max < inf and tolerance > 0, got {kwargs!r}."
+        )
+    return {"min": low, "max": high, "tolerance": tol}
+
+
+def clipping_kwargs(mode: str, value: Any) -> dict[str, Any]:
+    """The kwargs of ``clipping_mode``: none for fixed, ``target_quantile``/``clipping_norm_max``, ``gamma``."""
+    kwargs = as_dict(value, "clipping_kwargs")
+    check_keys(kwargs, CLIPPING_KWARGS[mode], "clipping_kwargs", f"clipping_mode={mode!r}")
+    if "target_quantile" in kwargs and not 0 < as_number(kwargs["target_quantile"], "target_quantile") < 1:
+        raise ConfigurationError(
+            f"clipping_kwargs['target_quantile'] must be in (0, 1), got {kwargs['target_quantile']!r}."
+        )
+    for key in ("clipping_norm_max", "gamma"):
+        if key in kwargs and not as_number(kwargs[key], key) > 0:
+            raise ConfigurationError(f"clipping_kwargs[{key!r}] must be > 0, got {kwargs[key]!r}.")
+    return kwargs
+
+
+def report_to(value: Any) -> list[str]:
+    if value is None or value == "none":
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        return [v for v in value if v != "none"]
+    raise InputTypeError(f"report_to must be None, 'none', 'all', a name or a list of names; got {value!r}.")
+
+
+def jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)

@@ -1,0 +1,609 @@
+"""``DPTrainer``: Hugging Face-style training with a differential-privacy guarantee.
+
+A training step is the core DP-SGD step, nothing more: sample a Poisson batch, per-example gradients, clip, noise,
+optimizer update, then account. This class adds what users of ``transformers.Trainer`` expect at the edges:
+arguments, callbacks, progress, logs, evaluation, checkpoints that resume exactly.
+
+Logged values other than the privacy parameters (loss, clip rate, accuracy...) are exact statistics of the private
+data and are **outside** the privacy guarantee; keep them private.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import vmap
+from transformers.trainer_callback import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    PrinterCallback,
+    ProgressCallback,
+    TrainerControl,
+    TrainerState,
+)
+from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput
+
+from opake_core import accounting, random
+from opake_core.errors import CheckpointError, ConfigurationError
+from opake_core.step import DPSGDState, dp_sgd
+from opake_core.tree import per_group
+from opake_torch.functional import functional_model
+from opake_torch.patches import apply_compat_patches, check_attention_implementation
+from opake_torch.transformers import checkpoint as ckpt
+from opake_torch.transformers.arguments import TrainingArguments
+from opake_torch.transformers.data import collate, fetch, language_modeling_labels, model_input_names
+from opake_torch.transformers.loss import infer_task, loss_from_logits, per_example_loss
+from opake_torch.transformers.optimizer import build_optimizer, build_schedule
+from opake_torch.transformers.privacy import PrivacyPlan, build_plan
+from opake_torch.transformers.reporting import RunLogCallback
+
+__all__ = ["DPTrainer", "DPTrainerState"]
+
+DP_STATE_VERSION = 1
+NOISE_STREAM = "opake.trainer.noise"
+SAMPLER_STREAM = "opake.trainer.sampler"
+
+
+@dataclass
+class DPTrainerState(TrainerState):
+    """Hugging Face's ``TrainerState`` plus the resolved privacy parameters of the run."""
+
+    privacy_resolved_delta: float | None = None
+    privacy_resolved_noise_multiplier: float | None = None
+    privacy_calibration_source: str | None = None
+    privacy_target_epsilon_reached: bool = False
+
+
+@dataclass
+class _Run:
+    """The mutable state of one ``train()`` call."""
+
+    plan: PrivacyPlan
+    params: dict[str, torch.Tensor]
+    opt_state: Any
+    dp_state: DPSGDState
+    sampler_state: Any
+    schedule: Any
+    loss_sum: torch.Tensor
+    clip_sum: torch.Tensor
+    count: int = 0
+    total_loss: float = 0.0
+    total_count: int = 0
+
+
+class DPTrainer:
+    """Train a Hugging Face model (or any module whose output has ``.logits``) with DP-SGD.
+
+    Args:
+        model: the model; moved to ``args.device``. PEFT models train their adapters only (frozen weights are
+            passed through).
+        args: :class:`TrainingArguments`, which must name a privacy knob (a noise multiplier or a target epsilon).
+        data_collator: ``list of examples -> batch dict``; defaults to right-padding with ``processing_class``'s pad
+            token.
+        train_dataset, eval_dataset: map-style datasets of dicts (``len`` and ``[i]``).
+        processing_class: the tokenizer (used for the pad token and saved with the model).
+        compute_loss_func: ``(logits, labels) -> scalar`` for **one** example (no batch dimension), replacing
+            the loss inferred from the model class.
+        compute_metrics: ``EvalPrediction -> dict`` for evaluation.
+        callbacks: ``transformers.TrainerCallback`` instances or classes.
+        optimizers: must be ``(None, None)``; choose the optimizer with ``args.optim``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: TrainingArguments,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        compute_loss_func: Any = None,
+        compute_metrics: Any = None,
+        callbacks: list[Any] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+    ) -> None:
+        if not isinstance(args, TrainingArguments):
+            raise ConfigurationError(
+                "DPTrainer needs args=opake_torch.transformers.TrainingArguments(...) with privacy_noise_multiplier "
+                "or privacy_target_epsilon; convert Hugging Face arguments with TrainingArguments.from_hf."
+            )
+        if tuple(optimizers) != (None, None):
+            raise ConfigurationError(
+                "optimizers=(optimizer, scheduler) is not supported: a torch.optim optimizer cannot check that its "
+                "gradients were noised. Choose the optimizer with args.optim and the schedule with args.lr_scheduler."
+            )
+        if isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel):
+            raise ConfigurationError(
+                f"pass the bare model, not {type(model).__name__}: DPTrainer handles DDP itself; DataParallel is "
+                "not supported (use torchrun)."
+            )
+        self.args = args
+        if args.use_compat_patches:
+            apply_compat_patches()
+        check_attention_implementation(model)
+        self.model = model.to(args.device)
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.processing_class = processing_class
+        self.data_collator = data_collator
+        self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
+        self.task = None if compute_loss_func is not None else infer_task(model)
+        self.label_names = tuple(args.label_names or ["labels"])
+        self._columns = (
+            (model_input_names(model) | set(self.label_names) | {"label"}) if args.remove_unused_columns else None
+        )
+        self._apply, self._params, self._frozen = functional_model(self.model)
+        if not self._params:
+            raise ConfigurationError("the model has no trainable parameter (requires_grad=True).")
+        root = random.key(args.seed)
+        self._noise_key = random.fold_in(root, NOISE_STREAM)
+        self._sampler_key = random.fold_in(root, SAMPLER_STREAM)
+        default = [DefaultFlowCallback, PrinterCallback if args.disable_tqdm else ProgressCallback, RunLogCallback]
+        self.callback_handler = CallbackHandler(
+            default + list(callbacks or []), self.model, processing_class, None, None
+        )
+        self.state = DPTrainerState(is_local_process_zero=True, is_world_process_zero=args.process_index == 0)
+        self.control = TrainerControl()
+        self.control = self.callback_handler.on_init_end(args, self.state, self.control)
+
+    # -- batches ---------------------------------------------------------------------------------------------------
+
+    def _collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if self.data_collator is not None:
+            batch = dict(self.data_collator(examples))
+        else:
+            pad = getattr(self.processing_class, "pad_token_id", None) or 0
+            batch = collate(
+                examples,
+                pad_token_id=pad,
+                max_length=self.args.max_length,
+                pad_to_multiple_of=self.args.pad_to_multiple_of,
+            )
+        if self.task == "causal_lm":
+            batch = language_modeling_labels(batch)
+        return {k: v.to(self.args.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+    def _batch(self, dataset: Any, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        if len(indices):
+            return self._collate(fetch(dataset, indices, self._columns))
+        template = self._collate(fetch(dataset, [0], self._columns))  # an empty Poisson draw is still a step
+        return {k: v[:0] for k, v in template.items()}
+
+    def _loss_fn(self) -> Any:
+        args = self.args
+
+        def loss(params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]) -> torch.Tensor:
+            with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                return per_example_loss(
+                    self._apply,
+                    params,
+                    self._frozen,
+                    example,
+                    task=self.task,
+                    label_names=self.label_names,
+                    compute_loss_func=self.compute_loss_func,
+                    label_smoothing=args.label_smoothing_factor,
+                )
+
+        return loss
+
+    def _clipping_norm(self) -> Any:
+        bound = self.args.clipping_norm
+        if isinstance(bound, dict):
+            patterns = {k: v for k, v in bound.items() if k != "fallback"}
+            return per_group(self._params, patterns, fallback=bound["fallback"])
+        return bound
+
+    # -- training --------------------------------------------------------------------------------------------------
+
+    def _start(self) -> tuple[_Run, Any]:
+        args = self.args
+        if self.train_dataset is None:
+            raise ConfigurationError("train() needs a train_dataset.")
+        if args.clipping_mode != "fixed":
+            raise ConfigurationError(
+                f"clipping_mode={args.clipping_mode!r} is not available in DPTrainer yet; use clipping_mode='fixed'."
+            )
+        plan = build_plan(args, len(self.train_dataset))
+        optimizer = build_optimizer(args, plan.total_steps)
+        step_fn, dp_state = dp_sgd(
+            self._loss_fn(),
+            optimizer=optimizer,
+            clipping_norm=self._clipping_norm(),
+            noise_multiplier=plan.noise_multiplier,
+            expected_batch_size=plan.expected_batch_size,
+            microbatch_size=args.microbatch_size,
+            compute_dtype=args.privacy_noise_mechanism_kwargs.get("compute_dtype", torch.float32),
+        )
+        zero = torch.zeros((), device=args.device)
+        run = _Run(
+            plan=plan,
+            params=dict(self._params),
+            opt_state=optimizer.init(self._params),
+            dp_state=dp_state,
+            sampler_state=plan.sampler.init(),
+            schedule=build_schedule(args, plan.total_steps),
+            loss_sum=zero.clone(),
+            clip_sum=zero.clone(),
+        )
+        return run, step_fn
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        """Run DP training; returns Hugging Face's ``TrainOutput(global_step, training_loss, metrics)``.
+
+        ``resume_from_checkpoint`` is a checkpoint folder, or True for the latest one under ``output_dir``: the
+        weights, optimizer, sampler, keys, step and accountant are restored and the run continues the identical
+        trajectory.
+        """
+        args, begin = self.args, time.perf_counter()
+        run, step_fn = self._start()
+        plan = run.plan
+        self.state = DPTrainerState(
+            max_steps=plan.total_steps,
+            num_train_epochs=math.ceil(plan.total_steps / plan.steps_per_epoch),
+            logging_steps=_as_count(args.logging_steps, plan.total_steps),
+            eval_steps=_as_count(args.eval_steps or args.logging_steps, plan.total_steps),
+            save_steps=_as_count(args.save_steps, plan.total_steps),
+            train_batch_size=args.train_batch_size,
+            is_world_process_zero=args.process_index == 0,
+            privacy_resolved_delta=plan.delta,
+            privacy_resolved_noise_multiplier=plan.noise_multiplier,
+            privacy_calibration_source=plan.calibration_source,
+        )
+        folder = ckpt.latest_checkpoint(args.output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
+        if resume_from_checkpoint is True and folder is None:
+            raise CheckpointError(f"resume_from_checkpoint=True but {args.output_dir} holds no checkpoint.")
+        if folder:
+            self._restore(Path(folder), run)
+        self.model.train()
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if args.eval_on_start and self.state.global_step == 0:
+            self.evaluate(_run=run)
+        stop = plan.stop_step
+        while self.state.global_step < plan.total_steps and not self.control.should_training_stop:
+            if stop is not None and self.state.global_step >= stop:
+                self.state.privacy_target_epsilon_reached = True
+                break
+            epoch_before = int(self.state.epoch)
+            self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+            indices, run.sampler_state = plan.sampler.sample(self._sampler_key, run.sampler_state)
+            batch = self._batch(self.train_dataset, indices)
+            run.params, run.opt_state, run.dp_state, metrics = step_fn(
+                run.params, run.opt_state, run.dp_state, (batch,), self._noise_key
+            )
+            run.loss_sum += metrics.loss
+            run.clip_sum += metrics.clip_rate
+            run.count += 1
+            self.state.global_step += 1
+            self.state.epoch = self.state.global_step / plan.steps_per_epoch
+            if stop is not None and self.state.global_step >= stop:
+                self.state.privacy_target_epsilon_reached = True
+                self.control.should_training_stop = True
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if int(self.state.epoch) > epoch_before:
+                self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+            self._log_save_evaluate(run)
+        self._flush_logs(run)
+        if args.load_best_model_at_end and self.state.best_model_checkpoint:
+            self._restore_weights(Path(self.state.best_model_checkpoint), run)
+        self._params = run.params
+        self._sync_model(run.params)
+        metrics = self._final_metrics(run, time.perf_counter() - begin)
+        self.log(metrics)
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        mean_loss = run.total_loss / max(run.total_count, 1)
+        return TrainOutput(self.state.global_step, mean_loss, metrics)
+
+    def _privacy_logs(self, plan: PrivacyPlan) -> dict[str, float]:
+        logs = {"privacy_noise_multiplier": plan.noise_multiplier}
+        if plan.accounted:
+            logs["privacy_epsilon"] = plan.epsilon(self.state.global_step)
+            logs["privacy_delta"] = plan.delta
+        return logs
+
+    def _flush_logs(self, run: _Run) -> None:
+        if run.count:
+            self._emit_step_logs(run)
+
+    def _emit_step_logs(self, run: _Run) -> None:
+        loss = (run.loss_sum / run.count).item()
+        logs = {
+            "loss": loss,
+            "learning_rate": float(run.schedule(max(self.state.global_step - 1, 0))),
+            "privacy_clip_rate": (run.clip_sum / run.count).item(),
+            "privacy_clipping_norm": _scalar_bound(self.args.clipping_norm),
+            "privacy_noise_std": _noise_std(run.plan, self.args.clipping_norm),
+            **self._privacy_logs(run.plan),
+        }
+        run.total_loss += loss * run.count
+        run.total_count += run.count
+        run.loss_sum.zero_()
+        run.clip_sum.zero_()
+        run.count = 0
+        self.log(logs)
+
+    def _log_save_evaluate(self, run: _Run) -> None:
+        if self.control.should_log:
+            self._emit_step_logs(run)
+        metrics = None
+        if self.control.should_evaluate:
+            metrics = self.evaluate(_run=run)
+        if self.control.should_save:
+            self._save_checkpoint(run, metrics)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _final_metrics(self, run: _Run, seconds: float) -> dict[str, float]:
+        metrics = {
+            "train_runtime": seconds,
+            "train_steps": float(self.state.global_step),
+            "train_steps_per_second": self.state.global_step / max(seconds, 1e-9),
+            "train_loss": run.total_loss / max(run.total_count, 1),
+            **self._privacy_logs(run.plan),
+        }
+        return metrics
+
+    def log(self, logs: dict[str, float]) -> None:
+        """Record ``logs`` in the state's history and send them to the callbacks (``on_log``)."""
+        logs = {**logs, "epoch": self.state.epoch}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+
+    def _sync_model(self, params: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            own = dict(self.model.named_parameters())
+            for name, value in params.items():
+                own[name].copy_(value)
+
+    def _dp_state(self, run: _Run) -> dict[str, Any]:
+        plan = run.plan
+        return {
+            "version": DP_STATE_VERSION,
+            "global_step": self.state.global_step,
+            "dp_step": run.dp_state.step,
+            "sampler_state": run.sampler_state.to_json(),
+            "noise_key": random.key_to_json(self._noise_key),
+            "sampler_key": random.key_to_json(self._sampler_key),
+            "noise_multiplier": plan.noise_multiplier,
+            "calibration_source": plan.calibration_source,
+            "delta": plan.delta,
+            "total_steps": plan.total_steps,
+            "expected_batch_size": plan.expected_batch_size,
+            "mechanism": self.args.privacy_noise_mechanism,
+            "mechanism_kwargs": {k: str(v) for k, v in self.args.privacy_noise_mechanism_kwargs.items()},
+            "sampling_mode": self.args.sampling_mode,
+            "clipping_norm": self.args.clipping_norm,
+            "world_size": self.args.world_size,
+            "torch_rng_state": torch.get_rng_state(),
+            "versions": accounting.library_versions(),
+        }
+
+    def _save_checkpoint(self, run: _Run, metrics: dict[str, float] | None) -> Path:
+        args = self.args
+        folder = Path(args.output_dir) / f"{ckpt.PREFIX}-{self.state.global_step}"
+        self._sync_model(run.params)
+        self._update_best(folder, metrics)
+
+        def write(tmp: Path) -> None:
+            self._save_weights(tmp)
+            if run.plan.accounted:
+                record = {
+                    "process": accounting.to_json(run.plan.process(self.state.global_step)),
+                    "epsilon": run.plan.epsilon(self.state.global_step),
+                    "delta": run.plan.delta,
+                    "steps": self.state.global_step,
+                }
+                (tmp / ckpt.ACCOUNTANT).write_text(json.dumps(record, indent=2))
+            if not args.save_only_model:
+                torch.save(self._dp_state(run), tmp / ckpt.DP_STATE)
+                torch.save(run.opt_state, tmp / ckpt.DP_OPTIMIZER)
+            self.state.save_to_json(str(tmp / ckpt.TRAINER_STATE))
+            (tmp / ckpt.TRAINING_ARGS).write_text(json.dumps(args.to_dict(), indent=2, default=str))
+
+        if args.should_save:
+            ckpt.write_atomically(folder, write)
+            protect = (Path(self.state.best_model_checkpoint),) if self.state.best_model_checkpoint else ()
+            ckpt.rotate(args.output_dir, args.save_total_limit, protect=protect)
+        return folder
+
+    def _update_best(self, folder: Path, metrics: dict[str, float] | None) -> None:
+        name = self.args.metric_for_best_model
+        if not metrics or name is None or name not in metrics:
+            return
+        value, best = metrics[name], self.state.best_metric
+        better = best is None or (value > best if self.args.greater_is_better else value < best)
+        if better:
+            self.state.best_metric = value
+            self.state.best_global_step = self.state.global_step
+            self.state.best_model_checkpoint = str(folder)
+
+    def _save_weights(self, folder: Path) -> None:
+        if hasattr(self.model, "save_pretrained"):
+            self.model.save_pretrained(folder, safe_serialization=self.args.save_safetensors)
+        else:
+            from safetensors.torch import save_model
+
+            save_model(self.model, str(folder / "model.safetensors"))
+        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(folder)
+
+    def _restore_weights(self, folder: Path, run: _Run) -> None:
+        from safetensors.torch import load_file
+
+        adapter = folder / "adapter_model.safetensors"
+        if adapter.is_file():
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.model, load_file(str(adapter), device=str(self.args.device)))
+        else:
+            weights = folder / "model.safetensors"
+            if not weights.is_file():
+                raise CheckpointError(f"{folder} holds no model.safetensors or adapter_model.safetensors.")
+            state = load_file(str(weights), device=str(self.args.device))
+            missing = set(self._params) - set(state)
+            own = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, value in state.items():
+                    if name in own:
+                        own[name].copy_(value)
+            if missing - _tied_names(self.model):
+                raise CheckpointError(f"{weights} lacks trainable parameters {sorted(missing)[:5]}.")
+        run.params = {name: p.detach().clone() for name, p in self.model.named_parameters() if name in self._params}
+
+    def _restore(self, folder: Path, run: _Run) -> None:
+        ckpt.require_resumable(folder, accounted=run.plan.accounted)
+        saved = torch.load(folder / ckpt.DP_STATE, map_location="cpu", weights_only=False)
+        if saved.get("version") != DP_STATE_VERSION:
+            raise CheckpointError(f"unsupported dp_state version {saved.get('version')!r} in {folder}.")
+        self._check_same_run(saved, run.plan)
+        self._restore_weights(folder, run)
+        run.opt_state = torch.load(folder / ckpt.DP_OPTIMIZER, map_location=self.args.device, weights_only=False)
+        run.dp_state = DPSGDState(saved["dp_step"], run.dp_state.clip)
+        run.sampler_state = type(run.sampler_state).from_json(saved["sampler_state"])
+        torch.set_rng_state(saved["torch_rng_state"])
+        state = DPTrainerState.load_from_json(str(folder / ckpt.TRAINER_STATE))
+        for name in ("global_step", "epoch", "log_history", "best_metric", "best_global_step", "best_model_checkpoint"):
+            setattr(self.state, name, getattr(state, name))
+
+    def _check_same_run(self, saved: dict[str, Any], plan: PrivacyPlan) -> None:
+        if saved["world_size"] != self.args.world_size:
+            raise CheckpointError(
+                f"the checkpoint was written with world size {saved['world_size']}, this run has "
+                f"{self.args.world_size}: per-rank sampling and accounting depend on it. Resume with the same "
+                "number of processes."
+            )
+        checks = {
+            "mechanism": self.args.privacy_noise_mechanism,
+            "sampling_mode": self.args.sampling_mode,
+            "noise_key": random.key_to_json(self._noise_key),
+            "sampler_key": random.key_to_json(self._sampler_key),
+        }
+        if plan.horizon:
+            checks["noise_multiplier"] = plan.noise_multiplier
+            checks["total_steps"] = plan.total_steps
+        changed = {k: (saved[k], v) for k, v in checks.items() if saved[k] != v}
+        if changed:
+            raise CheckpointError(
+                f"the checkpoint belongs to another run configuration; (saved, now) values differ: {changed}. "
+                "A horizon mechanism cannot change its strategy, multiplier or horizon, and keys come from args.seed."
+            )
+
+    def save_model(self, output_dir: str | None = None) -> Path:
+        """Save the trained weights (and tokenizer) to ``output_dir``: no keys, noise or sampler state."""
+        folder = Path(output_dir or self.args.output_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._sync_model(self._params)
+        self._save_weights(folder)
+        return folder
+
+    # -- evaluation ------------------------------------------------------------------------------------------------
+
+    def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval", *, _run: _Run | None = None) -> dict:
+        """Mean per-example loss (and ``compute_metrics``) on ``eval_dataset``; fires ``on_evaluate``."""
+        if _run is not None:
+            self._sync_model(_run.params)
+        output = self._prediction_loop(eval_dataset or self.eval_dataset, metric_key_prefix)
+        self.log(output.metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=output.metrics)
+        if self.args.save_strategy == "best" and _run is not None:
+            best = self.state.best_metric
+            self._update_best(Path(self.args.output_dir) / f"{ckpt.PREFIX}-{self.state.global_step}", output.metrics)
+            if self.state.best_metric != best:
+                self.control.should_save = True
+        return output.metrics
+
+    def predict(self, test_dataset: Any, metric_key_prefix: str = "test") -> PredictionOutput:
+        """Predictions, labels and metrics on ``test_dataset``; fires ``on_predict``."""
+        output = self._prediction_loop(test_dataset, metric_key_prefix)
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
+        return output
+
+    def _prediction_loop(self, dataset: Any, prefix: str) -> PredictionOutput:
+        if dataset is None:
+            raise ConfigurationError("evaluation needs an eval_dataset.")
+        args, was_training = self.args, self.model.training
+        self.model.eval()
+        losses, logits_list, labels_list = [], [], []
+        size = args.per_device_eval_batch_size
+        loss_of = vmap(self._logits_loss)
+        with torch.no_grad():
+            for start in range(0, len(dataset), size):
+                batch = self._batch(dataset, np.arange(start, min(start + size, len(dataset))))
+                labels = batch.get(self.label_names[0])
+                inputs = {k: v for k, v in batch.items() if k not in self.label_names}
+                with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16_full_eval):
+                    logits = self.model(**inputs).logits
+                if labels is not None:
+                    losses.append(loss_of(logits, labels).float().cpu())
+                    labels_list.append(labels.cpu())
+                if not args.prediction_loss_only:
+                    logits_list.append(logits.float().cpu())
+        self.model.train(was_training)
+        metrics: dict[str, float] = {}
+        if losses:
+            metrics[f"{prefix}_loss"] = torch.cat(losses).mean().item()
+        predictions = _concat_padded(logits_list) if logits_list else None
+        label_ids = _concat_padded(labels_list) if labels_list else None
+        if self.compute_metrics is not None and predictions is not None and label_ids is not None:
+            extra = {"losses": torch.cat(losses).numpy()} if "loss" in args.include_for_metrics else {}
+            for name, value in self.compute_metrics(EvalPrediction(predictions, label_ids, **extra)).items():
+                metrics[name if name.startswith(f"{prefix}_") else f"{prefix}_{name}"] = value
+        return PredictionOutput(predictions, label_ids, metrics)
+
+    def _logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss_from_logits(logits, labels, task=self.task, compute_loss_func=self.compute_loss_func)
+
+    # -- callbacks -------------------------------------------------------------------------------------------------
+
+    def add_callback(self, callback: Any) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        self.callback_handler.remove_callback(callback)
+
+    def is_world_process_zero(self) -> bool:
+        return self.args.process_index == 0
+
+
+def _as_count(value: int | float, total: int) -> int:
+    """A step interval: an int count, or a float fraction of the run (rounded up, at least 1)."""
+    return max(1, math.ceil(value * total)) if isinstance(value, float) and value < 1 else max(1, int(value))
+
+
+def _noise_std(plan: PrivacyPlan, bound: float | dict[str, float]) -> float:
+    """The noise std on the normalized update (joint over groups); 0 for a non-private run."""
+    if plan.noise_multiplier == 0:
+        return 0.0
+    return plan.noise_multiplier * _scalar_bound(bound) / plan.expected_batch_size
+
+
+def _scalar_bound(bound: float | dict[str, float]) -> float:
+    if isinstance(bound, dict):
+        return math.sqrt(sum(v * v for v in bound.values()))
+    return float(bound)
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    all_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return all_names - {name for name, _ in model.named_parameters()}
+
+
+def _concat_padded(chunks: list[torch.Tensor]) -> np.ndarray:
+    """Concatenate along the batch axis, padding a differing sequence axis with -100."""
+    if chunks[0].dim() > 1:
+        length = max(c.shape[1] for c in chunks)
+        chunks = [
+            torch.nn.functional.pad(c, (0, 0) * (c.dim() - 2) + (0, length - c.shape[1]), value=-100) for c in chunks
+        ]
+    return torch.cat(chunks).numpy()

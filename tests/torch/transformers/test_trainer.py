@@ -1,0 +1,281 @@
+"""DPTrainer: equal to the core step composed by hand, exact resume, atomic checkpoints, rules."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from tiny_hf import tiny_model, token_data
+from transformers import EarlyStoppingCallback, TrainerCallback
+
+from opake_core import optim, random, sampling
+from opake_core.errors import CheckpointError, ConfigurationError
+from opake_core.step import dp_sgd
+from opake_torch.functional import functional_model
+from opake_torch.transformers import DPTrainer, TrainingArguments
+from opake_torch.transformers import checkpoint as ckpt
+from opake_torch.transformers.data import collate, language_modeling_labels
+from opake_torch.transformers.loss import causal_lm_loss
+
+DATA = token_data(40)
+
+
+def _args(tmp_path, **kw):
+    base = {
+        "per_device_train_batch_size": 8,
+        "max_steps": 4,
+        "privacy_noise_multiplier": 1.0,
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "learning_rate": 0.05,
+        "lr_scheduler": "constant",
+        "logging_steps": 2,
+        "save_strategy": "no",
+        "report_to": "none",
+    }
+    return TrainingArguments(str(tmp_path / "out"), **{**base, **kw})
+
+
+def test_one_step_equals_core_composition(tmp_path):
+    args = _args(tmp_path, max_steps=1, optim="sgd")
+    trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA)
+    trainer.train()
+
+    model = tiny_model("llama")
+    apply, params, frozen = functional_model(model)
+    root = random.key(args.seed)
+    sampler = sampling.poisson(dataset_size=len(DATA), sample_rate=8 / len(DATA))
+    index, _ = sampler.sample(random.fold_in(root, "opake.trainer.sampler"), sampler.init())
+    batch = language_modeling_labels(collate([DATA[i] for i in index]))
+
+    def loss(p, example):
+        inputs = {k: v[None] for k, v in example.items() if k != "labels"}
+        return causal_lm_loss(apply(p, frozen, **inputs).logits[0], example["labels"])
+
+    opt = optim.sgd(0.05)
+    step_fn, dp_state = dp_sgd(loss, optimizer=opt, clipping_norm=1.0, noise_multiplier=1.0, expected_batch_size=8.0)
+    expected, *_ = step_fn(params, opt.init(params), dp_state, (batch,), random.fold_in(root, "opake.trainer.noise"))
+    for name, value in trainer.model.named_parameters():
+        assert torch.equal(value.detach(), expected[name]), name
+
+
+def _run(tmp_path, steps, resume=None, **kw):
+    args = _args(tmp_path, max_steps=6, save_strategy="steps", save_steps=3, privacy_accounting=True, **kw)
+    trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA)
+    if steps < 6:
+        trainer.add_callback(_StopAt(steps))
+    output = trainer.train(resume_from_checkpoint=resume)
+    return trainer, output
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def test_resume_is_bitwise_identical(tmp_path):
+    full, full_out = _run(tmp_path / "a", 6)
+    _run(tmp_path / "b", 3)
+    resumed, resumed_out = _run(tmp_path / "b", 6, resume=True)
+    for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert resumed_out.metrics["privacy_epsilon"] == full_out.metrics["privacy_epsilon"]
+    a_opt = torch.load(tmp_path / "a/out/checkpoint-6" / ckpt.DP_OPTIMIZER, weights_only=False)
+    b_opt = torch.load(tmp_path / "b/out/checkpoint-6" / ckpt.DP_OPTIMIZER, weights_only=False)
+    import optree
+
+    assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(a_opt), optree.tree_leaves(b_opt), strict=True))
+    accountant = json.loads((tmp_path / "b/out/checkpoint-6" / ckpt.ACCOUNTANT).read_text())
+    assert accountant["steps"] == 6 and accountant["epsilon"] == pytest.approx(full_out.metrics["privacy_epsilon"])
+
+
+def test_killed_checkpoint_write_leaves_previous_usable(tmp_path, monkeypatch):
+    _run(tmp_path, 3)
+    out = tmp_path / "out"
+    assert ckpt.latest_checkpoint(out).name == "checkpoint-3"
+    real_save = torch.save
+
+    def crash(obj, path, *a, **k):
+        if str(path).endswith(ckpt.DP_OPTIMIZER):
+            raise KeyboardInterrupt("killed")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, 6, resume=True)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert [p.name for p in ckpt.checkpoints(out)] == ["checkpoint-3"]
+    ckpt.require_resumable(out / "checkpoint-3", accounted=True)
+    _, output = _run(tmp_path, 6, resume=True)
+    assert output.global_step == 6
+
+
+@pytest.mark.parametrize(("optim_name", "lr"), [("sgd", 0.05), ("adamw", 1e-3)])
+def test_non_private_matches_plain_training(tmp_path, optim_name, lr):
+    """Multiplier 0 and no clipping is plain training on the sampled batches (loss = sum / expected batch).
+
+    Adam moves every coordinate by about lr whatever the gradient's size, so float summation-order differences in
+    heavily cancelling embedding gradients show up at the scale of lr * 1e-4: lr is kept at 1e-3 for AdamW.
+    """
+    args = _args(
+        tmp_path,
+        max_steps=3,
+        privacy_noise_multiplier=0.0,
+        clipping_norm=math.inf,
+        weight_decay=0.01,
+        optim=optim_name,
+        learning_rate=lr,
+    )
+    trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA)
+    trainer.train()
+
+    model = tiny_model("llama")
+    if optim_name == "sgd":
+        reference = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=0.01)
+    else:
+        reference = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sampler = sampling.poisson(dataset_size=len(DATA), sample_rate=8 / len(DATA))
+    key, state = random.fold_in(random.key(args.seed), "opake.trainer.sampler"), sampler.init()
+    for _ in range(3):
+        index, state = sampler.sample(key, state)
+        reference.zero_grad()
+        total = 0
+        for i in index:  # one example at a time: a per-example mean loss, summed, over the expected batch
+            example = language_modeling_labels(collate([DATA[i]]))
+            logits = model(input_ids=example["input_ids"], attention_mask=example["attention_mask"]).logits
+            total = total + causal_lm_loss(logits[0], example["labels"][0])
+        (total / 8).backward()
+        reference.step()
+    for (name, a), (_, b) in zip(trainer.model.named_parameters(), model.named_parameters(), strict=True):
+        assert (a - b).abs().max().item() < 1e-6, name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "bert"])
+def test_families_train_and_evaluate(tmp_path, family):
+    data = token_data(24, classes=3 if family == "bert" else None)
+    args = _args(tmp_path, max_steps=2, privacy_target_epsilon=5.0, privacy_noise_multiplier=None)
+    trainer = DPTrainer(tiny_model(family), args, train_dataset=data, eval_dataset=data[:6])
+    output = trainer.train()
+    assert math.isfinite(output.training_loss)
+    assert output.metrics["privacy_epsilon"] <= 5.0
+    assert math.isfinite(trainer.evaluate()["eval_loss"])
+
+
+def test_stop_at_epsilon_stops_at_predicted_step(tmp_path):
+    args = _args(tmp_path, max_steps=50, privacy_noise_multiplier=0.8, privacy_target_epsilon=3.0)
+    trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA)
+    output = trainer.train()
+    assert trainer.state.privacy_target_epsilon_reached
+    steps = output.global_step
+    assert 1 < steps < 50
+    assert output.metrics["privacy_epsilon"] >= 3.0
+    process = sampling.poisson(dataset_size=len(DATA), sample_rate=8 / len(DATA))
+    from opake_core import accounting
+
+    before = accounting.epsilon(process.process(0.8, steps - 1), delta=args.privacy_target_delta or len(DATA) ** -1.1)
+    assert before.value < 3.0
+
+
+def test_callbacks_and_logs(tmp_path):
+    seen = []
+
+    class Spy(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append(("log", dict(logs)))
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            seen.append(("evaluate", metrics))
+
+        def on_save(self, args, state, control, **kwargs):
+            seen.append(("save", state.global_step))
+
+    args = _args(
+        tmp_path,
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        privacy_accounting=True,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+    )
+    trainer = DPTrainer(
+        tiny_model("llama"),
+        args,
+        train_dataset=DATA,
+        eval_dataset=DATA[:8],
+        callbacks=[Spy, EarlyStoppingCallback(early_stopping_patience=5)],
+    )
+    trainer.train()
+    kinds = [kind for kind, _ in seen]
+    assert kinds.count("evaluate") == 2 and ("save", 4) in seen
+    step_logs = [logs for kind, logs in seen if kind == "log" and "loss" in logs]
+    assert {
+        "learning_rate",
+        "privacy_epsilon",
+        "privacy_delta",
+        "privacy_clip_rate",
+        "privacy_noise_multiplier",
+    } <= set(step_logs[0])
+    rows = [json.loads(line) for line in (tmp_path / "out/runs/log.jsonl").read_text().splitlines()]
+    assert any("privacy_epsilon" in row for row in rows)
+    assert trainer.state.best_model_checkpoint is not None
+
+
+def test_rules(tmp_path):
+    args = _args(tmp_path)
+    model = tiny_model("llama")
+    with pytest.raises(ConfigurationError, match="optimizers"):
+        DPTrainer(model, args, train_dataset=DATA, optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
+    with pytest.raises(ConfigurationError, match="DataParallel"):
+        DPTrainer(torch.nn.DataParallel(model), args, train_dataset=DATA)
+    with pytest.raises(ConfigurationError, match="TrainingArguments"):
+        DPTrainer(model, None, train_dataset=DATA)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ConfigurationError, match="attn_implementation"):
+        DPTrainer(model, args, train_dataset=DATA)
+
+
+def test_weights_only_folder_is_refused_for_resume(tmp_path):
+    trainer = DPTrainer(tiny_model("llama"), _args(tmp_path, max_steps=1), train_dataset=DATA)
+    trainer.train()
+    exported = trainer.save_model(str(tmp_path / "export"))
+    assert not (exported / ckpt.DP_STATE).exists()
+    with pytest.raises(CheckpointError, match="load them as the model"):
+        DPTrainer(tiny_model("llama"), _args(tmp_path, max_steps=2), train_dataset=DATA).train(
+            resume_from_checkpoint=str(exported)
+        )
+
+
+def test_changed_multiplier_is_detected_on_horizon_resume(tmp_path):
+    kw = {
+        "sampling_mode": "k_out_of_t",
+        "sampling_kwargs": {"k": 1, "allocation": "block"},
+        "max_steps": 4,
+        "save_strategy": "steps",
+        "save_steps": 2,
+    }
+    first = DPTrainer(tiny_model("llama"), _args(tmp_path, **kw), train_dataset=DATA)
+    first.add_callback(_StopAt(2))
+    first.train()
+    second = DPTrainer(tiny_model("llama"), _args(tmp_path, privacy_noise_multiplier=2.0, **kw), train_dataset=DATA)
+    with pytest.raises(CheckpointError, match="noise_multiplier"):
+        second.train(resume_from_checkpoint=True)
+
+
+def test_empty_poisson_batch_is_a_step(tmp_path):
+    args = _args(tmp_path, per_device_train_batch_size=1, max_steps=3)
+    trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA[:2])
+    before = {k: v.clone() for k, v in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.named_parameters())
+    assert np.isfinite([p.detach().sum().item() for p in trainer.model.parameters()]).all()
