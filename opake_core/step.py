@@ -4,6 +4,10 @@ DP-SGD (Abadi et al. 2016, Algorithm 1), one logical step on a sampled batch:
 
     per-example gradients -> clip to C -> sum / expected batch size -> Gaussian noise -> optimizer update
 
+DP-FTRL (:func:`dp_ftrl`) is the same pipeline with the correlated matrix-factorization noise of
+:func:`opake_core.mf.mf_gaussian_noise` over a declared horizon of ``n_steps``; its accounting is
+:func:`opake_core.accounting.mf_process` for the whole horizon.
+
 The batch is sampled outside the step (see :mod:`opake_core.sampling`), so that the sampler and the accountant can be
 chosen together; the clipped sum is divided by the *expected* batch size, never the realized one, so an empty batch
 is a valid step that releases pure noise.
@@ -11,6 +15,8 @@ is a valid step that releases pure noise.
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,12 +26,15 @@ import torch
 
 from opake_core import random
 from opake_core.clipping import FixedClipState, clipped_grad
-from opake_core.errors import InputTypeError
+from opake_core.errors import ConfigurationError, InputTypeError, StateError
+from opake_core.mf import MFNoiseState, mf_gaussian_noise
+from opake_core.mf import optimize as _optimize_strategy
+from opake_core.mf.participation import SINGLE, Participation
 from opake_core.noise import add_gaussian_noise, compute_dtype_of
 from opake_core.optim import apply_updates
 from opake_core.tree import NAMESPACE, PerGroup
 
-__all__ = ["DPSGDState", "StepMetrics", "dp_sgd"]
+__all__ = ["DPFTRLState", "DPSGDState", "StepMetrics", "dp_ftrl", "dp_sgd"]
 
 
 @optree.dataclasses.dataclass(frozen=True, namespace=NAMESPACE)
@@ -49,6 +58,38 @@ class StepMetrics:
     batch_size: int
     loss: torch.Tensor
     clip_rate: torch.Tensor
+
+
+def _clipped_sum(
+    loss_fn: Callable[..., torch.Tensor],
+    clipping_norm: float | PerGroup,
+    expected_batch_size: float,
+    microbatch_size: int | None,
+) -> tuple[Callable[..., Any], FixedClipState]:
+    """The clipped, expected-batch-normalized gradient sum of a batch tuple, with diagnostics."""
+    return clipped_grad(
+        lambda params, batch: loss_fn(params, *batch),
+        clipping_norm=clipping_norm,
+        normalize_by=expected_batch_size,
+        microbatch_size=microbatch_size,
+        return_diagnostics=True,
+    )
+
+
+def _check_batch(batch: Any) -> None:
+    if not isinstance(batch, tuple):
+        raise InputTypeError(f"batch must be a tuple of per-example tensors, got {type(batch).__name__}.")
+
+
+def _metrics(step: int, noised: Any, diagnostics: Any) -> StepMetrics:
+    losses = diagnostics.losses
+    return StepMetrics(
+        step=step,
+        noise_std=noised.noise_std,
+        batch_size=diagnostics.batch_size,
+        loss=losses.mean() if losses.numel() else torch.zeros((), device=losses.device),
+        clip_rate=diagnostics.clip_rate,
+    )
 
 
 def dp_sgd(
@@ -79,21 +120,14 @@ def dp_sgd(
         loss) and ``key`` is the run's noise key: the noise of step ``t`` depends only on ``(key, t)``.
     """
     dtype = compute_dtype_of(compute_dtype)
-    grad_fn, clip_state = clipped_grad(
-        lambda params, batch: loss_fn(params, *batch),
-        clipping_norm=clipping_norm,
-        normalize_by=expected_batch_size,
-        microbatch_size=microbatch_size,
-        return_diagnostics=True,
-    )
+    grad_fn, clip_state = _clipped_sum(loss_fn, clipping_norm, expected_batch_size, microbatch_size)
 
     def step_fn(
         params: Any, opt_state: Any, dp_state: DPSGDState, batch: tuple[torch.Tensor, ...], key: random.Key
     ) -> tuple[Any, Any, DPSGDState, StepMetrics]:
         if not isinstance(dp_state, DPSGDState):
             raise InputTypeError(f"step_fn expects the DPSGDState from dp_sgd, got {type(dp_state).__name__}.")
-        if not isinstance(batch, tuple):
-            raise InputTypeError(f"batch must be a tuple of per-example tensors, got {type(batch).__name__}.")
+        _check_batch(batch)
         with torch.profiler.record_function("opake::dp_sgd_step"):
             (clipped, diagnostics), clip = grad_fn(params, batch, state=dp_state.clip)
             noised = add_gaussian_noise(
@@ -101,14 +135,97 @@ def dp_sgd(
             )
             updates, opt_state = optimizer.update(noised, opt_state, params=params)
             params = apply_updates(params, updates)
-        losses = diagnostics.losses
-        metrics = StepMetrics(
-            step=dp_state.step,
-            noise_std=noised.noise_std,
-            batch_size=diagnostics.batch_size,
-            loss=losses.mean() if losses.numel() else torch.zeros((), device=losses.device),
-            clip_rate=diagnostics.clip_rate,
-        )
-        return params, opt_state, DPSGDState(dp_state.step + 1, clip), metrics
+        return params, opt_state, DPSGDState(dp_state.step + 1, clip), _metrics(dp_state.step, noised, diagnostics)
 
     return step_fn, DPSGDState(0, clip_state)
+
+
+@optree.dataclasses.dataclass(frozen=True, namespace=NAMESPACE)
+class DPFTRLState:
+    """State of a composed DP-FTRL step: steps taken, the clipping state and the MF noise state (its buffers)."""
+
+    step: int = optree.dataclasses.field(pytree_node=False)
+    clip: FixedClipState
+    noise: MFNoiseState
+
+
+def dp_ftrl(
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    params: Any,
+    optimizer: Any,
+    strategy: Any,
+    n_steps: int,
+    clipping_norm: float | PerGroup,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    microbatch_size: int | None = None,
+    compute_dtype: torch.dtype | str = torch.float32,
+    participation: Participation = SINGLE,
+) -> tuple[Callable[..., tuple[Any, Any, DPFTRLState, StepMetrics]], DPFTRLState]:
+    """A composed DP-FTRL step as ``(step_fn, dp_state)``, used exactly like :func:`dp_sgd`.
+
+    Args:
+        loss_fn: ``loss_fn(params, *example) -> scalar`` for one example.
+        params: a tree shaped like the parameters: the noise buffers (the strategy's streaming memory) follow its
+            shapes and devices and live in ``dp_state.noise``.
+        optimizer: an :mod:`opake_core.optim` optimizer.
+        strategy: an :mod:`opake_core.mf` strategy; specifications are optimized here once for ``n_steps`` and
+            ``participation``.
+        n_steps: the declared horizon; ``step_fn`` raises StateError at step ``n_steps``.
+        clipping_norm: a fixed per-example L2 bound (float or PerGroup). Adaptive clipping is refused: the
+            matrix mechanism needs one sensitivity for the whole horizon.
+        noise_multiplier: ``z``; the noise of step ``t`` is ``z * sens(C, participation) * clipping_norm /
+            expected_batch_size * (C^-1 w)_t``. Account it with ``accounting.mf_process(strategy, sampler=...,
+            noise_multiplier=z, n_steps=n_steps, participation=participation)``. 0 = non-private.
+        expected_batch_size: the public expected batch size (``sampler.expected_batch_size``).
+        microbatch_size: vmap chunk size (memory only).
+        compute_dtype: dtype the noise is added in.
+        participation: the pattern the noise is scaled for (single participation: the per-round convention of
+            amplified accounting).
+
+    Returns:
+        ``step_fn(params, opt_state, dp_state, batch, key) -> (params, opt_state, dp_state, metrics)``; the noise of
+        step ``t`` is drawn from ``(key, t)``, so pass the run's key at every step.
+    """
+    if isinstance(clipping_norm, bool) or not isinstance(clipping_norm, numbers.Real | PerGroup):
+        raise ConfigurationError(
+            f"dp_ftrl needs a fixed clipping_norm (a number or PerGroup), got {type(clipping_norm).__name__}; "
+            "adaptive clipping is refused under matrix-factorization noise, whose privacy proof assumes a constant "
+            "per-step sensitivity. Use a fixed bound (or dp_sgd for adaptive clipping)."
+        )
+    dtype = compute_dtype_of(compute_dtype)
+    concrete = _optimize_strategy(strategy, n_steps, participation=participation)
+    grad_fn, clip_state = _clipped_sum(loss_fn, clipping_norm, expected_batch_size, microbatch_size)
+    noise_fn, noise_state = mf_gaussian_noise(
+        params,
+        concrete,
+        n_steps=n_steps,
+        noise_multiplier=noise_multiplier,
+        key=random.key(0),  # replaced by the step's key at every call
+        compute_dtype=dtype,
+        participation=participation,
+    )
+
+    def step_fn(
+        params: Any, opt_state: Any, dp_state: DPFTRLState, batch: tuple[torch.Tensor, ...], key: random.Key
+    ) -> tuple[Any, Any, DPFTRLState, StepMetrics]:
+        if not isinstance(dp_state, DPFTRLState):
+            raise InputTypeError(f"step_fn expects the DPFTRLState from dp_ftrl, got {type(dp_state).__name__}.")
+        _check_batch(batch)
+        if not isinstance(key, random.Key):
+            raise InputTypeError(f"step_fn needs key=opake_core.random.key(seed), got {type(key).__name__}.")
+        if dp_state.step >= n_steps:
+            raise StateError(
+                f"DP-FTRL step {dp_state.step} is past the declared horizon of n_steps={n_steps} (accounted as a "
+                "whole); build a new run with a larger n_steps, recalibrated, to train longer."
+            )
+        with torch.profiler.record_function("opake::dp_ftrl_step"):
+            (clipped, diagnostics), clip = grad_fn(params, batch, state=dp_state.clip)
+            noised, noise = noise_fn(clipped, dataclasses.replace(dp_state.noise, key=key))
+            updates, opt_state = optimizer.update(noised, opt_state, params=params)
+            params = apply_updates(params, updates)
+        state = DPFTRLState(dp_state.step + 1, clip, noise)
+        return params, opt_state, state, _metrics(dp_state.step, noised, diagnostics)
+
+    return step_fn, DPFTRLState(0, clip_state, noise_state)

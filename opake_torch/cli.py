@@ -4,6 +4,11 @@
 for people, or one JSON object with ``--json`` holding the answer and every input it used. Defaults match the
 trainer: PLD accountant, Poisson sampler, ``delta = 1 / N**1.1`` when a dataset size is given.
 
+``--mechanism mf_*`` accounts a DP-FTRL run for its whole horizon through
+:func:`opake_core.accounting.mf_process`; the sampler defaults to the mechanism's usual one (mf_band:
+cyclic_poisson, mf_identity: poisson, the others: balls_in_bins) and the strategy's parameters come from
+``--bands``, ``--max-buffers``, ``--bandwidth``, ``--alpha``, ``--beta`` and ``--lambda``.
+
 To add a command, write ``_add_<name>(subparsers)`` that registers a parser with
 ``set_defaults(run=<function>)`` and call it from :func:`build_parser`; ``run(args) -> dict`` returns the
 JSON-ready answer.
@@ -19,12 +24,24 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from opake_core import accounting as acc
+from opake_core import mf, sampling
 from opake_core.errors import ConfigurationError, OpakeError
 from opake_torch.demo import add_demo_command
 
 __all__ = ["build_parser", "main"]
 
 SAMPLERS = ("poisson", "truncated_poisson", "k_out_of_t")
+MF_SAMPLERS = ("cyclic_poisson", "b_min_sep", "balls_in_bins")
+MECHANISMS = ("gaussian", *acc.COMPATIBLE_SAMPLERS)
+_MF_DEFAULT_SAMPLER = {"mf_band": "cyclic_poisson", "mf_identity": "poisson"}
+_STRATEGY_FLAGS = {  # flag -> mechanisms it applies to
+    "bands": ("mf_band",),
+    "max_buffers": ("mf_blt",),
+    "bandwidth": ("mf_bisr", "mf_bsr"),
+    "alpha": ("mf_bisr", "mf_bsr"),
+    "beta": ("mf_bisr", "mf_bsr"),
+    "lambda_": ("mf_lambda_cgd",),
+}
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser, *, steps_known: bool = True) -> None:
@@ -35,11 +52,29 @@ def _sampling_arguments(parser: argparse.ArgumentParser, *, steps_known: bool = 
     if steps_known:
         group.add_argument("--steps", type=int, help="number of training steps (or give --epochs)")
         group.add_argument("--epochs", type=float, help="epochs; steps = ceil(epochs / q)")
-    group.add_argument("--sampler", choices=SAMPLERS, default="poisson", help="batch sampler (default poisson)")
+    group.add_argument(
+        "--sampler",
+        choices=SAMPLERS + MF_SAMPLERS,
+        default=None,
+        help="batch sampler (default poisson; for --mechanism mf_*: the mechanism's usual sampler)",
+    )
     group.add_argument("--truncated-batch-size", type=int, help="cap of truncated_poisson")
     group.add_argument("--k", type=int, help="participations per example for k_out_of_t")
     group.add_argument("--allocation", choices=("block", "total"), help="k_out_of_t allocation")
-    group.add_argument("--mc-samples", type=int, default=1_000_000, help="Monte Carlo samples (k_out_of_t)")
+    group.add_argument(
+        "--mc-samples",
+        type=int,
+        default=None,
+        help="Monte Carlo samples per direction (k_out_of_t: default 1e6; MF: default ceil(4 log(2G/beta) / delta))",
+    )
+    mech = parser.add_argument_group("mechanism")
+    mech.add_argument("--mechanism", choices=MECHANISMS, default="gaussian", help="noise mechanism (default gaussian)")
+    mech.add_argument("--bands", type=int, help="mf_band: bands (= cyclic_poisson groups, b_min_sep min_sep); 16")
+    mech.add_argument("--max-buffers", type=int, help="mf_blt: most buffers (default 10)")
+    mech.add_argument("--bandwidth", type=int, help="mf_bsr (default 8) / mf_bisr (default 4): bandwidth")
+    mech.add_argument("--alpha", type=float, help="mf_bsr / mf_bisr: weight decay factor (default 1.0)")
+    mech.add_argument("--beta", type=float, help="mf_bsr (default 0.9) / mf_bisr (default 0.0): momentum")
+    mech.add_argument("--lambda", dest="lambda_", type=float, help="mf_lambda_cgd: lambda in [0, 1) (default 0.5)")
     priv = parser.add_argument_group("privacy")
     priv.add_argument("--delta", type=float, help="delta in (0, 1); default 1/N**1.1 with --dataset-size")
     priv.add_argument(
@@ -114,8 +149,87 @@ def _run_factory(args: argparse.Namespace, q: float, steps: int) -> Callable[[fl
 def _query(args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = {"accountant": args.accountant}
     if args.sampler == "k_out_of_t":
+        extra["monte_carlo"] = acc.MonteCarlo(num_samples=args.mc_samples or 1_000_000)
+    elif args.mechanism != "gaussian" and args.mc_samples is not None:
         extra["monte_carlo"] = acc.MonteCarlo(num_samples=args.mc_samples)
     return extra
+
+
+def _resolve_sampler(args: argparse.Namespace) -> None:
+    """Fill in the default sampler and refuse flags that do not apply to the mechanism."""
+    if args.mechanism == "gaussian":
+        if args.sampler in MF_SAMPLERS:
+            users = [m for m, s in acc.COMPATIBLE_SAMPLERS.items() if args.sampler in s]
+            _fail(f"--sampler {args.sampler} is a DP-FTRL sampler; use it with --mechanism in {users}.")
+        args.sampler = args.sampler or "poisson"
+    else:
+        args.sampler = args.sampler or _MF_DEFAULT_SAMPLER.get(args.mechanism, "balls_in_bins")
+        if args.plot:
+            _fail("--plot draws epsilon against steps; a DP-FTRL run is accounted for its whole horizon only.")
+        allowed = acc.COMPATIBLE_SAMPLERS[args.mechanism]
+        if args.sampler not in allowed:
+            _fail(
+                f"--mechanism {args.mechanism} cannot be accounted with --sampler {args.sampler}; "
+                f"use one of {list(allowed)}."
+            )
+    for flag, users in _STRATEGY_FLAGS.items():
+        if getattr(args, flag, None) is not None and args.mechanism not in users:
+            name = "--lambda" if flag == "lambda_" else "--" + flag.replace("_", "-")
+            _fail(f"{name} applies to --mechanism {' / '.join(users)}, not {args.mechanism}; drop it.")
+
+
+def _strategy(args: argparse.Namespace) -> Any:
+    def given(name: str, default: Any) -> Any:
+        value = getattr(args, name)
+        return default if value is None else value
+
+    if args.mechanism == "mf_band":
+        return mf.band_mf(given("bands", 16))
+    if args.mechanism == "mf_blt":
+        return mf.blt(given("max_buffers", 10))
+    if args.mechanism == "mf_bisr":
+        return mf.bisr(given("bandwidth", 4), given("alpha", 1.0), given("beta", 0.0))
+    if args.mechanism == "mf_bsr":
+        return mf.bsr(given("bandwidth", 8), given("alpha", 1.0), given("beta", 0.9))
+    if args.mechanism == "mf_lambda_cgd":
+        return mf.lambda_cgd(given("lambda_", 0.5))
+    return mf.identity()
+
+
+def _mf_sampler(args: argparse.Namespace, q: float) -> Any:
+    # Only cyclic_poisson (group sizes) and truncation depend on N; the others are accounted from q alone.
+    size = args.dataset_size or 1
+    bands = 16 if args.bands is None else args.bands
+    if args.sampler == "cyclic_poisson":
+        if args.dataset_size is None:
+            _fail("--sampler cyclic_poisson needs --dataset-size: groups hold floor(N / bands) examples.")
+        return sampling.cyclic_poisson(dataset_size=args.dataset_size, sample_rate=q, bands=bands)
+    if args.sampler == "b_min_sep":
+        return sampling.b_min_sep(dataset_size=size, sample_rate=q, min_sep=bands)
+    if args.sampler == "balls_in_bins":
+        bins = round(1 / q)
+        if abs(bins * q - 1) > 1e-9:
+            _fail(f"--sampler balls_in_bins needs --sample-rate = 1 / num_bins, got {q}; use 1/{bins} = {1 / bins}.")
+        return sampling.balls_in_bins(dataset_size=size, num_bins=bins)
+    if args.sampler == "truncated_poisson":
+        if args.truncated_batch_size is None or args.dataset_size is None:
+            _fail("--sampler truncated_poisson needs --truncated-batch-size and --dataset-size.")
+        return sampling.poisson(dataset_size=size, sample_rate=q, truncated_batch_size=args.truncated_batch_size)
+    if args.sampler == "poisson":
+        return sampling.poisson(dataset_size=size, sample_rate=q)
+    users = sorted(m for m, s in acc.COMPATIBLE_SAMPLERS.items() if args.sampler in s)
+    _fail(
+        f"--mechanism {args.mechanism} cannot be accounted with --sampler {args.sampler}; samplers: {users or 'none'}."
+    )
+    return None
+
+
+def _mf_factory(args: argparse.Namespace, q: float, steps: int) -> Callable[[float], Any]:
+    """The whole-horizon MF process at a noise multiplier (the strategy is optimized once, for ``steps``)."""
+    concrete = mf.optimize(_strategy(args), steps)
+    sampler = _mf_sampler(args, q)
+    acc.mf_process(concrete, sampler=sampler, noise_multiplier=1.0, n_steps=steps)  # validate before searching
+    return lambda sigma: acc.mf_process(concrete, sampler=sampler, noise_multiplier=sigma, n_steps=steps)
 
 
 def _inputs(args: argparse.Namespace, **resolved: Any) -> dict[str, Any]:
@@ -124,8 +238,11 @@ def _inputs(args: argparse.Namespace, **resolved: Any) -> dict[str, Any]:
     for name in ("truncated_batch_size", "k", "allocation"):
         if getattr(args, name, None) is not None:
             out[name] = getattr(args, name)
-    if args.sampler == "k_out_of_t":
-        out["mc_samples"] = args.mc_samples
+    if args.sampler == "k_out_of_t" or (args.mechanism != "gaussian" and args.mc_samples is not None):
+        out["mc_samples"] = args.mc_samples or 1_000_000
+    if args.mechanism != "gaussian":
+        out["mechanism"] = args.mechanism
+        out.update({k: getattr(args, k) for k in _STRATEGY_FLAGS if getattr(args, k) is not None})
     out.update(resolved)
     return out
 
@@ -158,10 +275,14 @@ def _plot_steps(args: argparse.Namespace, sigma: float, q: float, steps: int, de
 
 
 def run_epsilon(args: argparse.Namespace) -> dict[str, Any]:
+    _resolve_sampler(args)
     q = _sample_rate(args)
     steps, delta = _steps(args, q), _delta(args)
     query = _query(args)
-    result = acc.epsilon(_run_factory(args, q, steps)(args.noise_multiplier), delta=delta, **query)
+    if args.mechanism == "gaussian":
+        result = acc.epsilon(_run_factory(args, q, steps)(args.noise_multiplier), delta=delta, **query)
+    else:
+        result = acc.mf_epsilon(_mf_factory(args, q, steps)(args.noise_multiplier), delta=delta, **query)
     _plot_steps(args, args.noise_multiplier, q, steps, delta, query)
     return {
         "epsilon": result.value,
@@ -171,11 +292,13 @@ def run_epsilon(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
+    _resolve_sampler(args)
     q = _sample_rate(args)
     steps, delta = _steps(args, q), _delta(args)
     query = _query(args)
-    found = acc.calibrate_noise_multiplier(
-        _run_factory(args, q, steps),
+    calibrate = acc.calibrate_noise_multiplier if args.mechanism == "gaussian" else acc.calibrate_mf_noise_multiplier
+    found = calibrate(
+        (_run_factory if args.mechanism == "gaussian" else _mf_factory)(args, q, steps),
         target_epsilon=args.target_epsilon,
         delta=delta,
         min=args.min,
@@ -197,6 +320,9 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_steps(args: argparse.Namespace) -> dict[str, Any]:
+    _resolve_sampler(args)
+    if args.mechanism != "gaussian":
+        _fail(f"'steps' needs a per-step mechanism; --mechanism {args.mechanism} is accounted for its whole horizon.")
     q = _sample_rate(args)
     delta = _delta(args)
     if args.sampler == "k_out_of_t":

@@ -1,9 +1,16 @@
-"""The ``opake demo`` job: DP-SGD on a generated classification task, with a non-private baseline.
+"""The ``opake demo`` job: private fine-tuning of a small causal LM that must not memorize planted secrets.
 
-The data is generated (a mixture of Gaussian clusters, one per class, with label noise), so nothing is downloaded.
-The run calibrates the noise multiplier to a target epsilon for Poisson sampling, trains a small MLP from the core
-primitives (sample, clip, noise, optimize, account), trains the same model without privacy for comparison, prints
-progress and the final accuracies and epsilon, and writes ``metrics.json`` and ``training.png`` to the output folder.
+The corpus is generated: synthetic customer records ("name: ... city: ... order: ...") plus a few *canaries*,
+records that carry a secret six-digit code, each repeated several times. A small Llama-style model (random init,
+character-level vocabulary, nothing downloaded) is fine-tuned twice with :class:`DPTrainer`:
+
+* privately, with the noise calibrated to a target epsilon under Poisson sampling;
+* non-privately (noise multiplier 0, no clipping), as the baseline.
+
+After training, every canary's true code is ranked among ``candidates`` random codes by the model's likelihood.
+A model that memorized the canary ranks the true code near the top (high *exposure*, Carlini et al. 2019); the
+private model's ranks stay close to uniform. The run prints progress, the final epsilon and both exposures, and
+writes ``metrics.json`` and ``training.png`` (loss and epsilon against steps; exposures) to the output folder.
 """
 
 from __future__ import annotations
@@ -11,170 +18,217 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import string
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from tqdm.auto import tqdm
 
-from opake_core import accounting, optim, random
-from opake_core.sampling import poisson
-from opake_core.step import dp_sgd
-from opake_torch.functional import functional_model
+from opake_torch.transformers.loss import causal_lm_loss
+
+__all__ = ["DemoConfig", "add_demo_command", "exposure", "make_corpus", "run"]
+
+ALPHABET = string.ascii_lowercase + string.digits + " :;.,-\n"
+NAMES = ["ada", "bo", "cyd", "dee", "eli", "fay", "gus", "hal", "ivy", "jo", "kai", "lu", "max", "nia", "oz", "pia"]
+CITIES = ["oslo", "lima", "rome", "kyiv", "doha", "baku", "riga", "nice", "bern", "cork"]
+COUNTS = ["1", "2", "3", "4", "5"]
+ITEMS = ["lamp", "desk", "sofa", "mug", "rug", "fan", "pen", "bag", "cup", "hat"]
 
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Everything the demo needs; the defaults take about a minute on two CPU cores."""
+    """Everything the demo needs; the defaults take two to three minutes on two CPU cores."""
 
-    dataset_size: int = 20_000
-    test_size: int = 4_000
-    num_classes: int = 10
-    features: int = 32
-    batch_size: int = 500
-    epochs: int = 6
+    records: int = 800
+    canaries: int = 4
+    canary_repeats: int = 8
+    candidates: int = 500
+    batch_size: int = 32
+    epochs: float = 4.0
+    learning_rate: float = 3e-3
     clipping_norm: float = 1.0
-    learning_rate: float = 1.0
-    target_epsilon: float = 2.0
+    target_epsilon: float = 3.0
+    hidden_size: int = 48
+    layers: int = 2
     seed: int = 0
 
-    @property
-    def delta(self) -> float:
-        return 1 / self.dataset_size**1.1
+
+class CharTokenizer:
+    """A character-level tokenizer over :data:`ALPHABET` (id 0 is padding)."""
+
+    pad_token_id = 0
+
+    def __init__(self) -> None:
+        self.ids = {ch: i + 1 for i, ch in enumerate(ALPHABET)}
 
     @property
-    def sample_rate(self) -> float:
-        return self.batch_size / self.dataset_size
+    def vocab_size(self) -> int:
+        return len(ALPHABET) + 1
 
-    @property
-    def steps(self) -> int:
-        return self.epochs * self.dataset_size // self.batch_size
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor([self.ids[ch] for ch in text], dtype=torch.long)
 
 
-def make_data(
-    config: DemoConfig,
-) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """Gaussian clusters (one centre per class) with 10% of training labels flipped at random."""
+def _code(gen: torch.Generator) -> str:
+    return "".join(str(d) for d in torch.randint(0, 10, (6,), generator=gen).tolist())
+
+
+def _pick(options: list[str], gen: torch.Generator) -> str:
+    return options[int(torch.randint(0, len(options), (1,), generator=gen))]
+
+
+def make_corpus(config: DemoConfig) -> tuple[list[str], list[tuple[str, str]]]:
+    """Synthetic records and the canaries ``(prefix, secret code)``; each canary is repeated in the corpus."""
     gen = torch.Generator().manual_seed(config.seed)
-    centres = torch.randn(config.num_classes, config.features, generator=gen) * 1.2
-    n = config.dataset_size + config.test_size
-    labels = torch.randint(0, config.num_classes, (n,), generator=gen)
-    x = centres[labels] + torch.randn(n, config.features, generator=gen) * 1.5
-    noisy = torch.rand(n, generator=gen) < 0.1
-    y = torch.where(noisy, torch.randint(0, config.num_classes, (n,), generator=gen), labels)
-    train = (x[: config.dataset_size], y[: config.dataset_size])
-    test = (x[config.dataset_size :], labels[config.dataset_size :])
-    return train, test
+    records = [
+        f"name: {_pick(NAMES, gen)}; city: {_pick(CITIES, gen)}; order: {_pick(ITEMS, gen)} x{_pick(COUNTS, gen)}."
+        for _ in range(config.records)
+    ]
+    canaries = [(f"name: {NAMES[i]}; code: ", _code(gen)) for i in range(config.canaries)]
+    corpus = records + [prefix + code + "." for prefix, code in canaries for _ in range(config.canary_repeats)]
+    order = torch.randperm(len(corpus), generator=gen).tolist()
+    return [corpus[i] for i in order], canaries
 
 
-def _model(config: DemoConfig) -> nn.Module:
+def _model(config: DemoConfig, vocab_size: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(config.seed)
-    return nn.Sequential(nn.Linear(config.features, 64), nn.Tanh(), nn.Linear(64, config.num_classes))
-
-
-def _accuracy(apply, params, frozen, data) -> float:
-    x, y = data
-    with torch.no_grad():
-        return (apply(params, frozen, x).argmax(dim=1) == y).float().mean().item()
-
-
-def train(config: DemoConfig, *, noise_multiplier: float, label: str) -> dict:
-    """Train with DP-SGD at ``noise_multiplier`` (0 = non-private; clipping is then off too)."""
-    train_data, test_data = make_data(config)
-    apply, params, frozen = functional_model(_model(config))
-
-    def loss(p, x, y):
-        return F.cross_entropy(apply(p, frozen, x[None]), y[None])
-
-    private = noise_multiplier > 0
-    optimizer = optim.sgd(lr=config.learning_rate)
-    step_fn, dp_state = dp_sgd(
-        loss,
-        optimizer=optimizer,
-        clipping_norm=config.clipping_norm if private else math.inf,
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=config.batch_size,
+    llama = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=2 * config.hidden_size,
+        num_hidden_layers=config.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
     )
-    sampler = poisson(dataset_size=config.dataset_size, sample_rate=config.sample_rate)
-    sampler_state, opt_state = sampler.init(), optimizer.init(params)
-    noise_key, sample_key = random.split(random.key(config.seed), 2)
-    history = {"step": [], "loss": []}
-    bar = tqdm(range(config.steps), desc=label, unit="step", mininterval=1.0)
-    for _ in bar:
-        index, sampler_state = sampler.sample(sample_key, sampler_state)
-        index = torch.as_tensor(index)
-        batch = (train_data[0][index], train_data[1][index])
-        params, opt_state, dp_state, metrics = step_fn(params, opt_state, dp_state, batch, noise_key)
-        history["step"].append(metrics.step + 1)
-        history["loss"].append(metrics.loss.item())
-        bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", refresh=False)
+    model = LlamaForCausalLM(llama)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def exposure(
+    model: torch.nn.Module, tokenizer: CharTokenizer, canary: tuple[str, str], candidates: int, seed: int
+) -> float:
+    """``log2(candidates + 1) - log2(rank)`` of the true code among random codes, ranked by the model's loss."""
+    prefix, secret = canary
+    gen = torch.Generator().manual_seed(seed)
+    codes = [secret] + [_code(gen) for _ in range(candidates)]
+    ids = torch.stack([tokenizer.encode(prefix + code + ".") for code in codes])
+    labels = ids.clone()
+    labels[:, : len(prefix)] = -100  # score only the code
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        losses = torch.vmap(causal_lm_loss)(logits, labels)
+    rank = 1 + int((losses[1:] < losses[0]).sum())
+    return math.log2(len(codes)) - math.log2(rank)
+
+
+def train(config: DemoConfig, output_dir: Path, *, private: bool) -> dict:
+    """Fine-tune the demo model with DPTrainer, privately or as the non-private baseline."""
+    from opake_torch.transformers import DPTrainer, TrainingArguments
+
+    tokenizer = CharTokenizer()
+    corpus, canaries = make_corpus(config)
+    dataset = [{"input_ids": tokenizer.encode(text)} for text in corpus]
+    privacy = (
+        {"privacy_target_epsilon": config.target_epsilon, "clipping_norm": config.clipping_norm}
+        if private
+        else {"privacy_noise_multiplier": 0.0, "clipping_norm": math.inf}
+    )
+    steps = math.ceil(config.epochs * len(dataset) / config.batch_size)
+    args = TrainingArguments(
+        str(output_dir / ("private" if private else "non_private")),
+        per_device_train_batch_size=config.batch_size,
+        max_steps=steps,
+        learning_rate=config.learning_rate,
+        lr_scheduler="constant",
+        optim="adam",
+        logging_steps=max(1, steps // 20),
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=config.seed,
+        **privacy,
+    )
+    trainer = DPTrainer(_model(config, tokenizer.vocab_size), args, train_dataset=dataset)
+    output = trainer.train()
+    history = [row for row in trainer.state.log_history if "loss" in row]
+    exposures = [
+        exposure(trainer.model, tokenizer, c, config.candidates, config.seed + i) for i, c in enumerate(canaries)
+    ]
     return {
-        "params": params,
-        "history": history,
-        "test_accuracy": _accuracy(apply, params, frozen, test_data),
+        "steps": [row["step"] for row in history],
+        "loss": [row["loss"] for row in history],
+        "epsilon": [row.get("privacy_epsilon", math.inf) for row in history],
+        "final_epsilon": output.metrics.get("privacy_epsilon", math.inf),
+        "delta": trainer.state.privacy_resolved_delta,
+        "noise_multiplier": trainer.state.privacy_resolved_noise_multiplier,
+        "exposures": exposures,
+        "dataset_size": len(dataset),
     }
 
 
 def run(config: DemoConfig, output_dir: Path) -> dict:
-    """Calibrate, train privately and non-privately, report, and write metrics and plots to ``output_dir``."""
+    """Train privately and non-privately, report, and write metrics and plots to ``output_dir``."""
     output_dir.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
+    max_exposure = math.log2(config.candidates + 1)
     print(
-        f"Opake demo: {config.dataset_size} generated examples, {config.num_classes} classes, Poisson sampling at "
-        f"q = {config.sample_rate:.4f}, {config.steps} steps, delta = {config.delta:.2e}"
+        f"Opake demo: fine-tune a {config.layers}-layer Llama-style model on {config.records} generated records and "
+        f"{config.canaries} planted secrets (each repeated {config.canary_repeats} times)"
     )
-
-    sampler = poisson(dataset_size=config.dataset_size, sample_rate=config.sample_rate)
-    calibrated = accounting.calibrate_noise_multiplier(
-        lambda m: sampler.process(m, config.steps), target_epsilon=config.target_epsilon, delta=config.delta
-    )
-    sigma = calibrated.value
-    print(f"calibrated noise multiplier {sigma:.4f} for epsilon <= {config.target_epsilon}")
-    private = train(config, noise_multiplier=sigma, label="DP-SGD")
-    baseline = train(config, noise_multiplier=0.0, label="non-private")
-    epsilon = accounting.epsilon(sampler.process(sigma, config.steps), delta=config.delta)
-    checkpoints = sorted({max(1, config.steps * i // 20) for i in range(1, 21)})
-    curve = [accounting.epsilon(sampler.process(sigma, steps), delta=config.delta).value for steps in checkpoints]
+    private = train(config, output_dir, private=True)
+    print(f"DP-SGD: epsilon = {private['final_epsilon']:.3f} at delta = {private['delta']:.2e}")
+    baseline = train(config, output_dir, private=False)
     result = {
         "config": asdict(config),
-        "delta": config.delta,
-        "noise_multiplier": sigma,
-        "epsilon": epsilon.value,
-        "accountant": epsilon.accountant,
-        "private_test_accuracy": private["test_accuracy"],
-        "non_private_test_accuracy": baseline["test_accuracy"],
-        "epsilon_curve": {"steps": checkpoints, "epsilon": curve},
+        "private": private,
+        "non_private": baseline,
+        "max_exposure": max_exposure,
         "seconds": time.perf_counter() - begin,
     }
-    (output_dir / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot(private["history"], baseline["history"], result, output_dir / "training.png")
+    (output_dir / "metrics.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    _plot(result, output_dir / "training.png")
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     print(
-        f"test accuracy: DP-SGD {private['test_accuracy']:.3f}, non-private {baseline['test_accuracy']:.3f}\n"
-        f"privacy: epsilon = {epsilon.value:.3f} at delta = {config.delta:.2e} ({epsilon.accountant} accountant)\n"
+        f"canary exposure (of {max_exposure:.1f} bits; about 1 bit = chance): "
+        f"non-private {mean(baseline['exposures']):.2f}, private {mean(private['exposures']):.2f}\n"
+        f"privacy: epsilon = {private['final_epsilon']:.3f} at delta = {private['delta']:.2e} "
+        f"(noise multiplier {private['noise_multiplier']:.3f}, PLD accountant, Poisson sampling)\n"
         f"wrote {output_dir / 'metrics.json'} and {output_dir / 'training.png'} in {result['seconds']:.0f} s"
     )
     return result
 
 
-def _plot(private: dict, baseline: dict, result: dict, path: Path) -> None:
+def _plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_eps) = plt.subplots(1, 2, figsize=(10, 4))
-    window = 10
-    for history, name in ((private, "DP-SGD"), (baseline, "non-private")):
-        loss = torch.tensor(history["loss"])
-        smooth = loss.unfold(0, window, 1).mean(dim=1) if len(loss) >= window else loss
-        ax_loss.plot(history["step"][len(history["step"]) - len(smooth) :], smooth.tolist(), label=name)
-    ax_loss.set(xlabel="step", ylabel="training loss (moving mean)", title="Loss")
+    private, baseline = result["private"], result["non_private"]
+    fig, (ax_loss, ax_eps, ax_exp) = plt.subplots(1, 3, figsize=(14, 4))
+    ax_loss.plot(private["steps"], private["loss"], label="DP-SGD")
+    ax_loss.plot(baseline["steps"], baseline["loss"], label="non-private")
+    ax_loss.set(xlabel="step", ylabel="training loss", title="Loss")
     ax_loss.legend()
-    ax_eps.plot(result["epsilon_curve"]["steps"], result["epsilon_curve"]["epsilon"], marker="o")
-    ax_eps.set(xlabel="step", ylabel="epsilon", title=f"Privacy spent (delta = {result['delta']:.1e})")
+    ax_eps.plot(private["steps"], private["epsilon"], marker="o")
+    ax_eps.set(xlabel="step", ylabel="epsilon", title=f"Privacy spent (delta = {private['delta']:.1e})")
+    width = 0.4
+    positions = range(len(private["exposures"]))
+    ax_exp.bar([p - width / 2 for p in positions], baseline["exposures"], width, label="non-private")
+    ax_exp.bar([p + width / 2 for p in positions], private["exposures"], width, label="DP-SGD")
+    ax_exp.axhline(result["max_exposure"], color="grey", linestyle="--", linewidth=1)
+    ax_exp.set_xticks(list(positions))
+    ax_exp.set(xlabel="canary", ylabel="exposure (bits)", title="Memorization of planted secrets")
+    ax_exp.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -182,14 +236,20 @@ def _plot(private: dict, baseline: dict, result: dict, path: Path) -> None:
 
 def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
     """Register ``opake demo`` on the command line."""
-    demo = subparsers.add_parser("demo", help="train a small model with DP-SGD on generated data")
+    demo = subparsers.add_parser("demo", help="private fine-tuning of a small causal LM with planted secrets")
     demo.add_argument("--output-dir", default="demo_output", help="where metrics.json and training.png go")
-    demo.add_argument("--epochs", type=int, default=DemoConfig.epochs)
+    demo.add_argument("--epochs", type=float, default=DemoConfig.epochs)
     demo.add_argument("--target-epsilon", type=float, default=DemoConfig.target_epsilon)
     demo.set_defaults(run=_run_command, json=False)
 
 
 def _run_command(args: argparse.Namespace) -> dict:
-    config = DemoConfig(epochs=args.epochs, target_epsilon=args.target_epsilon)
+    config = replace(DemoConfig(), epochs=args.epochs, target_epsilon=args.target_epsilon)
     result = run(config, Path(args.output_dir))
-    return {key: result[key] for key in ("epsilon", "delta", "private_test_accuracy", "non_private_test_accuracy")}
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {
+        "epsilon": result["private"]["final_epsilon"],
+        "delta": result["private"]["delta"],
+        "private_exposure": mean(result["private"]["exposures"]),
+        "non_private_exposure": mean(result["non_private"]["exposures"]),
+    }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
+from opake_core.accounting.mf import BallsInBinsMF, BMinSepMF
 from opake_core.accounting.processes import (
     AdaptiveClipping,
     Compose,
@@ -64,6 +65,23 @@ def _node(p: Process) -> dict[str, Any]:
         return {"type": "repeat", "process": _node(p.process), "count": p.count}
     if isinstance(p, Compose):
         return {"type": "compose", "processes": [_node(c) for c in p.processes]}
+    if isinstance(p, BallsInBinsMF):
+        return {
+            "type": "mf_balls_in_bins",
+            "coef": list(p.coef),
+            "noise_multiplier": p.noise_multiplier,
+            "num_bins": p.num_bins,
+            "n_steps": p.n_steps,
+        }
+    if isinstance(p, BMinSepMF):
+        return {
+            "type": "mf_b_min_sep",
+            "coef": list(p.coef),
+            "noise_multiplier": p.noise_multiplier,
+            "min_sep": p.min_sep,
+            "sampling_prob": p.sampling_prob,
+            "n_steps": p.n_steps,
+        }
     raise InputTypeError(f"to_json expects a process, got {type(p).__name__} {p!r}.")
 
 
@@ -75,6 +93,8 @@ _BUILDERS = {
     "random_allocation": (RandomAllocation, ("inner", "num_steps")),
     "repeat": (Repeat, ("process", "count")),
     "compose": (Compose, ("processes",)),
+    "mf_balls_in_bins": (BallsInBinsMF, ("coef", "noise_multiplier", "num_bins", "n_steps")),
+    "mf_b_min_sep": (BMinSepMF, ("coef", "noise_multiplier", "min_sep", "sampling_prob", "n_steps")),
 }
 
 

@@ -5,9 +5,26 @@ depends only on (key, s). Each sampler declares its accounting with ``sampler.pr
 steps)``, so a sampler and its accountant are chosen together.
 """
 
+from opake_core.sampling.b_min_sep import BMinSep, b_min_sep
+from opake_core.sampling.balls_in_bins import BallsInBins, balls_in_bins
+from opake_core.sampling.cyclic_poisson import CyclicPoisson, cyclic_poisson
 from opake_core.sampling.k_out_of_t import KOutOfT, k_out_of_t
 from opake_core.sampling.poisson import Poisson, poisson
 from opake_core.sampling.sequential import Sequential, sequential
 from opake_core.sampling.state import SamplerState
 
-__all__ = ["KOutOfT", "Poisson", "SamplerState", "Sequential", "k_out_of_t", "poisson", "sequential"]
+__all__ = [
+    "BMinSep",
+    "BallsInBins",
+    "CyclicPoisson",
+    "KOutOfT",
+    "Poisson",
+    "SamplerState",
+    "Sequential",
+    "b_min_sep",
+    "balls_in_bins",
+    "cyclic_poisson",
+    "k_out_of_t",
+    "poisson",
+    "sequential",
+]

@@ -145,6 +145,7 @@ class DPTrainer:
         root = random.key(args.seed)
         self._noise_key = random.fold_in(root, NOISE_STREAM)
         self._sampler_key = random.fold_in(root, SAMPLER_STREAM)
+        self._plan: PrivacyPlan | None = None
         default = [DefaultFlowCallback, PrinterCallback if args.disable_tqdm else ProgressCallback, RunLogCallback]
         self.callback_handler = CallbackHandler(
             default + list(callbacks or []), self.model, processing_class, None, None
@@ -176,21 +177,36 @@ class DPTrainer:
         template = self._collate(fetch(dataset, [0], self._columns))  # an empty Poisson draw is still a step
         return {k: v[:0] for k, v in template.items()}
 
+    def compute_per_example_loss(
+        self, params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The loss of **one** example (tensors without batch dimension) at trainable parameters ``params``.
+
+        This is the seam for other objectives (SFT variants, DPO): override it, and use ``self.apply_model(params,
+        **inputs)`` to run the model. It runs under ``vmap(grad)``: no in-place operations, no branching on tensor
+        values, and nothing computed from other examples.
+        """
+        return per_example_loss(
+            self._apply,
+            params,
+            self._frozen,
+            example,
+            task=self.task,
+            label_names=self.label_names,
+            compute_loss_func=self.compute_loss_func,
+            label_smoothing=self.args.label_smoothing_factor,
+        )
+
+    def apply_model(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        """Run the model with trainable parameters ``params`` (the frozen ones and buffers are filled in)."""
+        return self._apply(params, self._frozen, *args, **kwargs)
+
     def _loss_fn(self) -> Any:
         args = self.args
 
         def loss(params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]) -> torch.Tensor:
             with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                return per_example_loss(
-                    self._apply,
-                    params,
-                    self._frozen,
-                    example,
-                    task=self.task,
-                    label_names=self.label_names,
-                    compute_loss_func=self.compute_loss_func,
-                    label_smoothing=args.label_smoothing_factor,
-                )
+                return self.compute_per_example_loss(params, example)
 
         return loss
 
@@ -294,10 +310,13 @@ class DPTrainer:
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             self._restore_weights(Path(self.state.best_model_checkpoint), run)
         self._params = run.params
+        self._plan = plan
         self._sync_model(run.params)
         metrics = self._final_metrics(run, time.perf_counter() - begin)
         self.log(metrics)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        if args.push_to_hub and self.is_world_process_zero():
+            self.push_to_hub()
         mean_loss = run.total_loss / max(run.total_count, 1)
         return TrainOutput(self.state.global_step, mean_loss, metrics)
 
@@ -395,13 +414,7 @@ class DPTrainer:
         def write(tmp: Path) -> None:
             self._save_weights(tmp)
             if run.plan.accounted:
-                record = {
-                    "process": accounting.to_json(run.plan.process(self.state.global_step)),
-                    "epsilon": run.plan.epsilon(self.state.global_step),
-                    "delta": run.plan.delta,
-                    "steps": self.state.global_step,
-                }
-                (tmp / ckpt.ACCOUNTANT).write_text(json.dumps(record, indent=2))
+                (tmp / ckpt.ACCOUNTANT).write_text(json.dumps(self._accountant_record(run.plan), indent=2))
             if not args.save_only_model:
                 torch.save(self._dp_state(run), tmp / ckpt.DP_STATE)
                 torch.save(run.opt_state, tmp / ckpt.DP_OPTIMIZER)
@@ -413,6 +426,19 @@ class DPTrainer:
             protect = (Path(self.state.best_model_checkpoint),) if self.state.best_model_checkpoint else ()
             ckpt.rotate(args.output_dir, args.save_total_limit, protect=protect)
         return folder
+
+    def _accountant_record(self, plan: PrivacyPlan) -> dict[str, Any]:
+        steps = self.state.global_step
+        return {
+            "process": accounting.to_json(plan.process(steps)),
+            "epsilon": plan.epsilon(steps),
+            "delta": plan.delta,
+            "steps": steps,
+            "noise_multiplier": plan.noise_multiplier,
+            "sample_rate": plan.sample_rate,
+            "sampling_mode": self.args.sampling_mode,
+            "mechanism": self.args.privacy_noise_mechanism,
+        }
 
     def _update_best(self, folder: Path, metrics: dict[str, float] | None) -> None:
         name = self.args.metric_for_best_model
@@ -497,12 +523,25 @@ class DPTrainer:
             )
 
     def save_model(self, output_dir: str | None = None) -> Path:
-        """Save the trained weights (and tokenizer) to ``output_dir``: no keys, noise or sampler state."""
+        """Save the trained weights, the tokenizer and ``accountant.json`` to ``output_dir``.
+
+        Nothing secret is written: no keys, noise, optimizer or sampler state.
+        """
         folder = Path(output_dir or self.args.output_dir)
         folder.mkdir(parents=True, exist_ok=True)
         self._sync_model(self._params)
         self._save_weights(folder)
+        if self._plan is not None and self._plan.accounted:
+            (folder / ckpt.ACCOUNTANT).write_text(json.dumps(self._accountant_record(self._plan), indent=2))
         return folder
+
+    def push_to_hub(self, repo_id: str | None = None) -> object:
+        """Save the model to ``output_dir`` and upload its publishable files (never ``runs/``, keys or checkpoints)."""
+        from opake_torch.hub import push_to_hub
+
+        folder = self.save_model()
+        repo = repo_id or self.args.hub_model_id or Path(self.args.output_dir).name
+        return push_to_hub(folder, repo, token=self.args.hub_token, private=self.args.hub_private_repo is not False)
 
     # -- evaluation ------------------------------------------------------------------------------------------------
 
@@ -510,6 +549,7 @@ class DPTrainer:
         """Mean per-example loss (and ``compute_metrics``) on ``eval_dataset``; fires ``on_evaluate``."""
         if _run is not None:
             self._sync_model(_run.params)
+            self._params = _run.params
         output = self._prediction_loop(eval_dataset or self.eval_dataset, metric_key_prefix)
         self.log(output.metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=output.metrics)
@@ -534,9 +574,15 @@ class DPTrainer:
         losses, logits_list, labels_list = [], [], []
         size = args.per_device_eval_batch_size
         loss_of = vmap(self._logits_loss)
+        custom = type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss
         with torch.no_grad():
             for start in range(0, len(dataset), size):
                 batch = self._batch(dataset, np.arange(start, min(start + size, len(dataset))))
+                if custom:  # another objective: its per-example losses only, no logits
+                    losses.append(
+                        vmap(self.compute_per_example_loss, in_dims=(None, 0))(self._params, batch).float().cpu()
+                    )
+                    continue
                 labels = batch.get(self.label_names[0])
                 inputs = {k: v for k, v in batch.items() if k not in self.label_names}
                 with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16_full_eval):

@@ -1,0 +1,70 @@
+"""Publishing a trained model: what may leave the machine.
+
+An output folder holds more than weights. ``runs/`` holds exact training statistics (outside the privacy
+guarantee), and a checkpoint's ``dp_state.pt`` holds the random keys that generated the noise: whoever has them can
+recompute the noise and remove it. :func:`publishable_files` lists what an upload may contain, and
+:func:`strip_private_state` deletes the rest from a folder before it is shared by other means.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import shutil
+from pathlib import Path
+
+__all__ = ["PRIVATE_FILES", "PRIVATE_FOLDERS", "publishable_files", "push_to_hub", "strip_private_state"]
+
+PRIVATE_FOLDERS = ("runs",)
+PRIVATE_FILES = ("dp_state.pt", "dp_optimizer.pt", "rng_state*.pth", "trainer_state.json", "training_args.json")
+
+
+def _private(relative: str) -> bool:
+    parts = relative.split("/")
+    if parts[0] in PRIVATE_FOLDERS or parts[0].startswith("checkpoint-"):
+        return True
+    if any(part.startswith((".", "_")) for part in parts):
+        return True
+    return any(fnmatch.fnmatch(parts[-1], pattern) for pattern in PRIVATE_FILES)
+
+
+def publishable_files(folder: str | Path) -> list[str]:
+    """The files under ``folder`` (relative POSIX paths, sorted) that an upload may include.
+
+    Excluded: ``runs/`` (training logs outside the guarantee), every ``checkpoint-*`` folder (keys, optimizer and
+    sampler state), ``dp_state.pt``, ``dp_optimizer.pt``, RNG snapshots, trainer state and arguments, and hidden or
+    underscore-prefixed files. ``accountant.json`` (the privacy guarantee itself) and the weights stay.
+    """
+    root = Path(folder)
+    found = []
+    for path in root.rglob("*"):
+        if path.is_file():
+            relative = path.relative_to(root).as_posix()
+            if not _private(relative):
+                found.append(relative)
+    return sorted(found)
+
+
+def strip_private_state(folder: str | Path) -> list[str]:
+    """Delete from ``folder`` everything :func:`publishable_files` excludes; returns the removed relative paths."""
+    root = Path(folder)
+    keep = set(publishable_files(root))
+    removed = []
+    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        relative = path.relative_to(root).as_posix()
+        if path.is_file() and relative not in keep:
+            path.unlink()
+            removed.append(relative)
+        elif path.is_dir() and not any(path.iterdir()):
+            shutil.rmtree(path)
+    return sorted(removed)
+
+
+def push_to_hub(folder: str | Path, repo_id: str, *, token: str | None = None, private: bool = True) -> object:
+    """Upload the publishable files of ``folder`` to a Hugging Face Hub repository (needs ``huggingface_hub``)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    return api.upload_folder(
+        folder_path=str(folder), repo_id=repo_id, allow_patterns=publishable_files(folder), commit_message="Opake"
+    )

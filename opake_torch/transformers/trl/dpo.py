@@ -1,0 +1,242 @@
+"""``DPOTrainer``: private Direct Preference Optimization against a frozen reference model.
+
+The privacy unit is one (prompt, chosen, rejected) row. Its loss depends on the policy's log-probabilities of its two
+completions (summed over completion tokens) and on the reference's, nothing else; DP-SGD clips that row's gradient
+and adds noise, so the guarantee covers the row.
+
+Why the reference does not leak: the reference model is fixed before training and independent of the private data
+(a public pre-trained model, or the initial policy). Its log-probabilities for a row are a deterministic function of
+that row alone, used only inside that row's loss, so they are part of the row as far as the mechanism is concerned:
+whether they are precomputed once into the ``ref_chosen_logps`` / ``ref_rejected_logps`` columns or recomputed in every
+step, they reach the released model only through the clipped, noised gradient of their own row. They are never
+logged or saved. (A reference trained on the private data without DP would void this argument.)
+
+Losses, with ``d = (log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x))``:
+``sigmoid`` ``-log sigmoid(beta d)`` (Rafailov et al. 2023, arXiv 2305.18290, eq. 7); ``hinge`` ``max(0, 1 - beta d)``
+(SLiC, arXiv 2305.10425); ``ipo`` ``(d' - 1 / (2 beta))^2`` with ``d'`` the log-ratios averaged over completion tokens
+(Azar et al. 2023, arXiv 2310.12036, eq. 17, in TRL's length-normalized form).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opake_core.errors import ConfigurationError
+from opake_torch.functional import functional_model
+from opake_torch.transformers.arguments import TrainingArguments
+from opake_torch.transformers.trainer import DPTrainer
+from opake_torch.transformers.trl.config import DPOConfig
+from opake_torch.transformers.trl.data import pad_collator, preference_example
+from opake_torch.transformers.trl.sft import prepare_model, prepare_tokenizer, upcast_args
+
+__all__ = ["DPOTrainer", "adapters_disabled", "dpo_loss", "sequence_logps"]
+
+SIDES = ("chosen", "rejected")
+
+
+def sequence_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token log-probabilities over the completion tokens of one sequence (``logits [T, V]``)."""
+    logps = torch.gather(F.log_softmax(logits[:-1].float(), dim=-1), -1, input_ids[1:, None]).squeeze(-1)
+    return (logps * completion_mask[1:]).sum(-1)
+
+
+def dpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    *,
+    beta: float,
+    loss_type: str = "sigmoid",
+    chosen_tokens: torch.Tensor | None = None,
+    rejected_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The DPO loss of one preference pair (or elementwise over a batch of pairs); see the module docstring.
+
+    ``chosen_tokens`` / ``rejected_tokens`` (completion token counts) are needed by ``"ipo"`` only.
+    """
+    chosen, rejected = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * (chosen - rejected))
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * (chosen - rejected))
+    if loss_type == "ipo":
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ConfigurationError("loss_type='ipo' needs chosen_tokens and rejected_tokens (completion lengths).")
+        delta = chosen / chosen_tokens.clamp(min=1) - rejected / rejected_tokens.clamp(min=1)
+        return (delta - 1 / (2 * beta)) ** 2
+    raise ConfigurationError(f"loss_type must be one of ['sigmoid', 'hinge', 'ipo'], got {loss_type!r}.")
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """PEFT's ``model.disable_adapter()`` without its ``requires_grad_`` toggling, which functorch transforms refuse.
+
+    Only the layers' ``_disable_adapters`` flags change (plain Python state, restored on exit), so the context can be
+    entered inside ``vmap(grad(...))``.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    saved = [layer._disable_adapters for layer in layers]
+    try:
+        for layer in layers:
+            layer._disable_adapters = True
+        yield
+    finally:
+        for layer, flag in zip(layers, saved, strict=True):
+            layer._disable_adapters = flag
+
+
+def _disable_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+class DPOTrainer(DPTrainer):
+    """Private DPO on :class:`DPTrainer`'s DP-SGD loop.
+
+    Args:
+        model: the policy, a causal LM object (PEFT models train their adapters only).
+        ref_model: the frozen reference. None: for a PEFT policy, the base model with adapters disabled; otherwise a
+            frozen deep copy of the initial policy. Must not be ``model`` itself.
+        args: :class:`DPOConfig`; a plain :class:`TrainingArguments` is upcast.
+        data_collator: defaults to right-padding every column (ids with the pad token, masks with 0).
+        train_dataset, eval_dataset: rows with ``prompt`` / ``chosen`` / ``rejected`` (strings or message lists) or
+            conversational ``chosen`` / ``rejected`` with an implicit prompt; formatted once here.
+        processing_class: the tokenizer (a copy gets ``args.chat_template`` and an EOS pad fallback).
+        peft_config: wrap ``model`` with ``peft.get_peft_model`` first.
+        compute_metrics, callbacks, optimizers: as in :class:`DPTrainer`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ref_model: nn.Module | None = None,
+        args: DPOConfig | TrainingArguments | None = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        compute_metrics: Any = None,
+        callbacks: list[Any] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        peft_config: Any = None,
+    ) -> None:
+        args = upcast_args(args, DPOConfig)
+        if ref_model is not None and ref_model is model:
+            raise ConfigurationError(
+                "ref_model is the policy object itself: it would move with training. Pass ref_model=None (a frozen "
+                "copy of the initial policy, or the base model for PEFT) or a separate model."
+            )
+        model = prepare_model(model, peft_config)
+        if ref_model is None and not _is_peft(model):
+            ref_model = copy.deepcopy(model)
+        if ref_model is not None:
+            ref_model = ref_model.to(args.device).eval().requires_grad_(False)
+        if args.disable_dropout:
+            _disable_dropout(model)
+            if ref_model is not None:
+                _disable_dropout(ref_model)
+        self.ref_model = ref_model
+        tokenizer = prepare_tokenizer(processing_class, args.chat_template)
+        train_dataset, eval_dataset = (self._format(d, tokenizer, args) for d in (train_dataset, eval_dataset))
+        if data_collator is None:
+            pad = getattr(tokenizer, "pad_token_id", None)
+            data_collator = pad_collator(pad if pad is not None else 0, pad_to_multiple_of=args.pad_to_multiple_of)
+        super().__init__(
+            model,
+            args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            compute_loss_func=None,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self._columns = None  # the formatted rows hold exactly the preference columns
+        if ref_model is not None:
+            self._ref_apply, ref_params, ref_frozen = functional_model(ref_model)
+            self._ref_tensors = {**ref_frozen, **ref_params}
+        if args.precompute_ref_log_probs:
+            for dataset in (self.train_dataset, self.eval_dataset):
+                if dataset is not None:
+                    self.precompute_ref_log_probs(dataset)
+
+    @staticmethod
+    def _format(dataset: Any, tokenizer: Any, args: DPOConfig) -> list[dict[str, torch.Tensor]] | None:
+        if dataset is None:
+            return None
+        return [
+            preference_example(dataset[i], tokenizer, max_length=args.max_length, chat_template=args.chat_template)
+            for i in range(len(dataset))
+        ]
+
+    # -- reference -------------------------------------------------------------------------------------------------
+
+    def _reference_logits(self, params: dict[str, torch.Tensor], **inputs: torch.Tensor) -> torch.Tensor:
+        """Reference logits ``[B, T, V]``: the separate reference, or the PEFT policy with its adapters disabled."""
+        if self.ref_model is not None:
+            return self._ref_apply({}, self._ref_tensors, **inputs).logits
+        with adapters_disabled(self.model):
+            return self.apply_model(params, **inputs).logits
+
+    @torch.no_grad()
+    def precompute_ref_log_probs(self, dataset: list[dict[str, torch.Tensor]]) -> None:
+        """Add ``ref_chosen_logps`` / ``ref_rejected_logps`` to every formatted row, once, without gradients."""
+        size = self.args.precompute_ref_batch_size or self.args.per_device_eval_batch_size
+        was_training = self.model.training
+        self.model.eval()
+        for start in range(0, len(dataset), size):
+            rows = dataset[start : start + size]
+            batch = {k: v.to(self.args.device) for k, v in self.data_collator(rows).items()}
+            for side in SIDES:
+                ids, mask = batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"]
+                logits = self._reference_logits(self._params, input_ids=ids, attention_mask=mask)
+                logps = torch.vmap(sequence_logps)(logits, ids, batch[f"{side}_completion_mask"])
+                for row, value in zip(rows, logps.cpu(), strict=True):
+                    row[f"ref_{side}_logps"] = value
+        self.model.train(was_training)
+
+    # -- loss ------------------------------------------------------------------------------------------------------
+
+    def compute_per_example_loss(
+        self, params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The DPO loss (``args.loss_type``) of one preference pair, from summed completion log-probabilities."""
+        policy, reference, tokens = {}, {}, {}
+        for side in SIDES:
+            ids, completion = example[f"{side}_input_ids"], example[f"{side}_completion_mask"]
+            inputs = {"input_ids": ids[None], "attention_mask": example[f"{side}_attention_mask"][None]}
+            policy[side] = sequence_logps(self.apply_model(params, **inputs).logits[0], ids, completion)
+            tokens[side] = completion.sum()
+            if f"ref_{side}_logps" in example:
+                reference[side] = example[f"ref_{side}_logps"]
+            else:
+                with torch.no_grad():
+                    logits = self._reference_logits(params, **inputs)[0]
+                    reference[side] = sequence_logps(logits, ids, completion).detach()
+        return dpo_loss(
+            policy["chosen"],
+            policy["rejected"],
+            reference["chosen"],
+            reference["rejected"],
+            beta=self.args.beta,
+            loss_type=self.args.loss_type,
+            chosen_tokens=tokens["chosen"],
+            rejected_tokens=tokens["rejected"],
+        )

@@ -1,0 +1,210 @@
+"""``SFTTrainer``: private supervised fine-tuning with TRL's data formats.
+
+The privacy unit is one row of the dataset (one text, one conversation, one prompt-completion pair). The trainer
+formats every row once, at construction, into ``input_ids`` / ``attention_mask`` / ``labels``, then runs
+:class:`~opake_torch.transformers.DPTrainer`'s loop unchanged; only the per-example loss is chosen here. Each loss is
+a mask-aware mean over the example's own target tokens, never a normalization across the batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opake_core.errors import ConfigurationError
+from opake_torch.transformers.arguments import TrainingArguments
+from opake_torch.transformers.trainer import DPTrainer
+from opake_torch.transformers.trl.chunked_nll import chunked_nll
+from opake_torch.transformers.trl.config import SFTConfig
+from opake_torch.transformers.trl.data import IGNORE_INDEX, pad_collator, sft_example
+
+__all__ = ["SFTTrainer", "dft_loss"]
+
+COLUMNS = {"input_ids", "attention_mask", "labels"}
+
+
+def dft_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Dynamic Fine-Tuning loss of one sequence (arXiv 2508.05629): NLL weighted by the detached target probability.
+
+    ``logits [T, V]``, ``labels [T]`` (position ``t`` predicts ``labels[t + 1]``); mean over the target tokens.
+    """
+    targets = labels[1:]
+    mask = targets != IGNORE_INDEX
+    safe = torch.where(mask, targets, torch.zeros_like(targets))
+    logps = torch.gather(F.log_softmax(logits[:-1].float(), dim=-1), -1, safe[:, None]).squeeze(-1)
+    return -(logps * logps.detach().exp() * mask).sum() / mask.sum().clamp(min=1)
+
+
+def upcast_args(args: TrainingArguments | None, cls: type) -> Any:
+    """``args`` as ``cls`` (SFTConfig / DPOConfig): a plain TrainingArguments keeps its values."""
+    if args is None:
+        raise ConfigurationError(
+            f"{cls.__name__[:3]}Trainer needs args={cls.__name__}(..., privacy_noise_multiplier=... or "
+            "privacy_target_epsilon=...): a private run has no default budget."
+        )
+    if isinstance(args, cls):
+        return args
+    if not isinstance(args, TrainingArguments):
+        raise ConfigurationError(
+            f"args must be a {cls.__name__} (or opake_torch.transformers.TrainingArguments), got "
+            f"{type(args).__name__}; convert TRL configs with {cls.__name__}.from_trl(cfg, privacy_...=...)."
+        )
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
+    values["max_length"] = args.max_length
+    return cls(**values)
+
+
+def prepare_model(model: nn.Module, peft_config: Any) -> nn.Module:
+    if isinstance(model, str):
+        raise ConfigurationError(
+            f"model={model!r}: pass a model object (e.g. AutoModelForCausalLM.from_pretrained({model!r})); the private "
+            "trainers do not download or load models by name."
+        )
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+    return model
+
+
+def prepare_tokenizer(tokenizer: Any, chat_template: str | None) -> Any:
+    """A copy of ``tokenizer`` with ``chat_template`` set, and a pad token that falls back to EOS."""
+    if tokenizer is None:
+        return None
+    if chat_template is None and getattr(tokenizer, "pad_token", None) is not None:
+        return tokenizer
+    tokenizer = copy.deepcopy(tokenizer)  # never mutate the caller's tokenizer
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def output_embedding_name(model: nn.Module) -> tuple[str, str | None]:
+    """The parameter names (as ``functional_model`` keys them) of the LM head weight and bias."""
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ConfigurationError(
+            f"loss_type='chunked_nll' needs a model with an output embedding (get_output_embeddings()); "
+            f"{type(model).__name__} has none. Use loss_type='nll'."
+        )
+    config = getattr(model, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(config, attr, None) not in (None, 1, 1.0):
+            raise ConfigurationError(
+                f"loss_type='chunked_nll' computes logits as hidden @ W.T (+ b); {type(model).__name__} rescales them "
+                f"({attr}={getattr(config, attr)!r}). Use loss_type='nll'."
+            )
+    names = {id(p): name for name, p in reversed(list(model.named_parameters()))}
+    weight = names.get(id(head.weight))
+    bias = names.get(id(head.bias)) if getattr(head, "bias", None) is not None else None
+    if weight is None:
+        raise ConfigurationError("loss_type='chunked_nll': the output embedding weight is not a model parameter.")
+    return weight, bias
+
+
+class SFTTrainer(DPTrainer):
+    """Private SFT: TRL's ``SFTTrainer`` data formats on :class:`DPTrainer`'s DP-SGD loop.
+
+    Args:
+        model: a causal LM (a model object; PEFT models train their adapters only).
+        args: :class:`SFTConfig`; a plain :class:`TrainingArguments` is upcast (keeping its values).
+        data_collator: ``list of examples -> batch``; defaults to right-padding (labels -100, masks 0).
+        train_dataset, eval_dataset: map-style datasets of rows in one of the formats of
+            :mod:`opake_torch.transformers.trl.data`; formatted once here.
+        processing_class: the tokenizer (a copy gets ``args.chat_template`` and an EOS pad fallback).
+        compute_loss_func: ``(logits [T, V], labels [T]) -> scalar`` for one example; only with ``loss_type='nll'``.
+        peft_config: wrap ``model`` with ``peft.get_peft_model`` first.
+        formatting_func: ``row -> str`` written into ``args.dataset_text_field``.
+        compute_metrics, callbacks, optimizers: as in :class:`DPTrainer`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: SFTConfig | TrainingArguments | None = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        compute_loss_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        compute_metrics: Any = None,
+        callbacks: list[Any] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        peft_config: Any = None,
+        formatting_func: Callable[[Any], str] | None = None,
+    ) -> None:
+        args = upcast_args(args, SFTConfig)
+        if compute_loss_func is not None and args.loss_type != "nll":
+            raise ConfigurationError(
+                f"compute_loss_func replaces the loss, which loss_type={args.loss_type!r} also defines; pass one of "
+                "them (compute_loss_func with loss_type='nll')."
+            )
+        model = prepare_model(model, peft_config)
+        tokenizer = prepare_tokenizer(processing_class, args.chat_template)
+        self.formatting_func = formatting_func
+        train_dataset = self._format(train_dataset, tokenizer, args)
+        eval_dataset = self._format(eval_dataset, tokenizer, args)
+        if data_collator is None:
+            pad = getattr(tokenizer, "pad_token_id", None)
+            data_collator = pad_collator(pad if pad is not None else 0, pad_to_multiple_of=args.pad_to_multiple_of)
+        super().__init__(
+            model,
+            args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            compute_loss_func=compute_loss_func,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self._columns = COLUMNS
+        self._head = output_embedding_name(self.model) if args.loss_type == "chunked_nll" else None
+
+    def _format(self, dataset: Any, tokenizer: Any, args: SFTConfig) -> list[dict[str, torch.Tensor]] | None:
+        if dataset is None:
+            return None
+        return [
+            sft_example(
+                dataset[i],
+                tokenizer,
+                text_field=args.dataset_text_field,
+                completion_only_loss=args.completion_only_loss,
+                assistant_only_loss=args.assistant_only_loss,
+                max_length=args.max_length,
+                eos_token=args.eos_token,
+                chat_template=args.chat_template,
+                formatting_func=self.formatting_func,
+            )
+            for i in range(len(dataset))
+        ]
+
+    def compute_per_example_loss(
+        self, params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The mask-aware mean loss of one example (``args.loss_type``); see :class:`SFTConfig`."""
+        loss_type = self.args.loss_type
+        if loss_type == "nll":
+            return super().compute_per_example_loss(params, example)
+        inputs = {"input_ids": example["input_ids"][None], "attention_mask": example["attention_mask"][None]}
+        if loss_type == "dft":
+            return dft_loss(self.apply_model(params, **inputs).logits[0], example["labels"])
+        out = self.apply_model(params, **inputs, output_hidden_states=True, logits_to_keep=1)
+        weight_name, bias_name = self._head
+        tensors = {**self._frozen, **params}
+        return chunked_nll(
+            out.hidden_states[-1][0],
+            tensors[weight_name],
+            example["labels"],
+            bias=None if bias_name is None else tensors[bias_name],
+            chunk_size=self.args.loss_chunk_size,
+        )

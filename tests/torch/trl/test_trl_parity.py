@@ -1,0 +1,112 @@
+"""Parity with TRL: with multiplier 0 and clipping off, our per-example losses and gradients equal TRL's.
+
+Compared against the real ``trl.SFTTrainer`` / ``trl.DPOTrainer``, instantiated offline on the same tiny random model
+(same seed) and a locally built tokenizer: TRL prepares and collates the data, and ``trainer.compute_loss(model,
+batch)`` gives the loss, differentiated with ``torch.autograd.grad``. Ours is ``compute_per_example_loss`` under
+``torch.func.grad`` (what DP-SGD clips). SFT is compared one example per batch, because TRL's SFT loss divides by the
+number of tokens in the whole batch, which couples examples (our loss is the per-example mean by design); DPO's TRL
+loss is already a mean of per-pair losses, so it is also compared on a batch of several pairs.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from tiny_hf import tiny_model
+from trl_support import chat_rows, preference_rows, prompt_completion_rows, text_rows, tiny_tokenizer
+
+from opake_torch.transformers.trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+trl = pytest.importorskip("trl", reason="TRL parity needs the opake[trl] extra")
+datasets = pytest.importorskip("datasets", reason="TRL's trainers need the datasets library")
+
+OURS = {"privacy_noise_multiplier": 0.0, "clipping_norm": math.inf, "use_cpu": True, "disable_tqdm": True,
+        "report_to": "none", "save_strategy": "no", "max_steps": 1}  # fmt: skip
+THEIRS = {"report_to": "none", "use_cpu": True, "per_device_train_batch_size": 1, "gradient_checkpointing": False,
+          "bf16": False, "max_length": 64}  # fmt: skip
+
+
+def _trl_grads(trainer, batch):
+    model = trainer.model
+    loss = trainer.compute_loss(model, {k: v.clone() for k, v in batch.items()})
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    return loss.detach(), {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(named, grads, strict=True)}
+
+
+def _our_grads(trainer, batch):
+    def mean_loss(params):
+        losses = torch.func.vmap(trainer.compute_per_example_loss, in_dims=(None, 0))(params, batch)
+        return losses.mean(), losses
+
+    grads, losses = torch.func.grad(mean_loss, has_aux=True)(trainer._params)
+    return losses.mean().detach(), grads
+
+
+def _assert_equal(ours, theirs):
+    loss, grads = ours
+    trl_loss, trl_grads = theirs
+    torch.testing.assert_close(loss, trl_loss, atol=1e-5, rtol=1e-5)
+    assert set(grads) == set(trl_grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, trl_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("rows", "kwargs"),
+    [(text_rows, {}), (prompt_completion_rows, {}), (chat_rows, {}), (prompt_completion_rows, {"loss_type": "dft"})],
+)
+def test_sft_loss_and_gradient_equal_trl(tmp_path, rows, kwargs):
+    data, tokenizer = rows(3), tiny_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = trl.SFTTrainer(
+            tiny_model("llama"),
+            args=trl.SFTConfig(output_dir=str(tmp_path / "trl"), **THEIRS, **kwargs),
+            train_dataset=datasets.Dataset.from_list(data),
+            processing_class=tokenizer,
+        )
+    ours = SFTTrainer(
+        tiny_model("llama"), SFTConfig(str(tmp_path), **OURS, **kwargs), train_dataset=data, processing_class=tokenizer
+    )
+    for i in range(len(data)):
+        trl_batch = theirs.data_collator([theirs.train_dataset[i]])
+        our_batch = ours._batch(ours.train_dataset, [i])
+        assert torch.equal(our_batch["input_ids"], trl_batch["input_ids"])
+        assert torch.equal(our_batch["labels"], trl_batch["labels"])
+        _assert_equal(_our_grads(ours, our_batch), _trl_grads(theirs, trl_batch))
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo"])
+@pytest.mark.parametrize("conversational", [False, True])
+def test_dpo_loss_and_gradient_equal_trl(tmp_path, loss_type, conversational):
+    data, tokenizer = preference_rows(3, conversational=conversational), tiny_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = trl.DPOTrainer(
+            tiny_model("llama"),
+            ref_model=tiny_model("llama"),
+            args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), **THEIRS, loss_type=[loss_type], beta=0.5),
+            train_dataset=datasets.Dataset.from_list(data),
+            processing_class=tokenizer,
+        )
+    policy = tiny_model("llama")
+    with torch.no_grad():  # a reference different from the policy, so that the log-ratios are not zero
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        for p, q in zip(theirs.model.parameters(), policy.parameters(), strict=True):
+            p.copy_(q)
+    ours = DPOTrainer(
+        policy,
+        tiny_model("llama"),
+        DPOConfig(str(tmp_path), **OURS, loss_type=loss_type, beta=0.5),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    for rows in ([0], [1], [0, 1, 2]):
+        trl_batch = theirs.data_collator([theirs.train_dataset[i] for i in rows])
+        our_batch = ours._batch(ours.train_dataset, rows)
+        _assert_equal(_our_grads(ours, our_batch), _trl_grads(theirs, trl_batch))
