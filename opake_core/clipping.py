@@ -24,6 +24,16 @@ How it is computed:
 * ``clipping_norm=math.inf`` disables clipping (scale 1); the sensitivity is then infinite, which only a
   non-private run (noise multiplier 0) accepts.
 * Randomness inside the loss (dropout) is drawn independently for every example (``vmap(randomness="different")``).
+
+Two other rules replace the fixed bound (pass them as ``clipping_norm``):
+
+* :func:`auto_s` (AUTO-S, Bu et al. 2023, "Automatic clipping", arXiv 2206.07136): every example is scaled by
+  ``R / (||g_i|| + gamma)``, so each contribution has norm below ``R``; the sensitivity is ``R / n``.
+* :func:`adaptive` (Andrew, Thakkar, McMahan, Ramaswamy 2021, arXiv 1905.03871, Algorithm 1): the bound follows a
+  target quantile of the per-example norms, ``C <- C * exp(-eta * (b - gamma))`` where ``b`` is a noisy estimate of
+  the fraction of unclipped examples. The count is released with Gaussian noise of std
+  ``count_noise_fraction * n``; account for it with ``accounting.adaptive_clipping``. Updating the bound reads one
+  number from the device per step.
 """
 
 from __future__ import annotations
@@ -38,15 +48,103 @@ import optree.dataclasses
 import torch
 from torch.func import grad, vmap
 
+from opake_core import random
 from opake_core.errors import ConfigurationError, InputTypeError, VmapCompatibilityError
 from opake_core.tree import NAMESPACE, Clipped, PerGroup, leaf_paths
 
-__all__ = ["ClipDiagnostics", "FixedClipState", "clipped_grad"]
+__all__ = [
+    "AdaptiveClipState",
+    "AdaptiveRule",
+    "AutoSRule",
+    "ClipDiagnostics",
+    "FixedClipState",
+    "adaptive",
+    "auto_s",
+    "clipped_grad",
+]
+
+ADAPTIVE_STREAM = "opake.clipping.adaptive"
 
 
 @optree.dataclasses.dataclass(frozen=True, namespace=NAMESPACE)
 class FixedClipState:
     """State of fixed-bound clipping: it holds nothing and comes back unchanged from every call."""
+
+
+@dataclass(frozen=True)
+class AutoSRule:
+    """AUTO-S: scale each example by ``bound / (||g|| + gamma)`` (build with :func:`auto_s`)."""
+
+    bound: float
+    gamma: float
+
+
+@dataclass(frozen=True)
+class AdaptiveRule:
+    """Quantile-tracking adaptive clipping (build with :func:`adaptive`)."""
+
+    initial_clipping_norm: float
+    target_quantile: float
+    learning_rate: float
+    count_noise_fraction: float
+    clipping_norm_min: float
+    clipping_norm_max: float
+
+
+@optree.dataclasses.dataclass(frozen=True, namespace=NAMESPACE)
+class AdaptiveClipState:
+    """State of adaptive clipping: the bound for the next call, the number of calls, and the count-noise key."""
+
+    clipping_norm: float = optree.dataclasses.field(pytree_node=False)
+    step: int = optree.dataclasses.field(pytree_node=False)
+    key: random.Key = optree.dataclasses.field(pytree_node=False)
+
+
+def _positive_number(value: Any, name: str, *, allow_inf: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InputTypeError(f"{name} must be a number, got {type(value).__name__}.")
+    if not 0 < value < math.inf and not (allow_inf and value == math.inf):
+        raise ConfigurationError(f"{name} must be positive{'' if allow_inf else ' and finite'}, got {value!r}.")
+    return float(value)
+
+
+def auto_s(bound: float = 1.0, *, gamma: float = 0.01) -> AutoSRule:
+    """AUTO-S normalization with bound ``R = bound`` and stability constant ``gamma`` (both > 0)."""
+    return AutoSRule(_positive_number(bound, "bound"), _positive_number(gamma, "gamma"))
+
+
+def adaptive(
+    initial_clipping_norm: float = 1.0,
+    *,
+    target_quantile: float = 0.5,
+    learning_rate: float = 0.2,
+    count_noise_fraction: float = 0.05,
+    clipping_norm_min: float = 1e-3,
+    clipping_norm_max: float = 1e3,
+) -> AdaptiveRule:
+    """Adaptive clipping that tracks the ``target_quantile`` of per-example norms (Andrew et al. 2021).
+
+    Args:
+        initial_clipping_norm: the bound of the first step.
+        target_quantile: the fraction of examples that should stay unclipped, in (0, 1).
+        learning_rate: ``eta`` of the geometric update, > 0.
+        count_noise_fraction: the count's noise std as a fraction of the expected batch size, > 0.
+        clipping_norm_min, clipping_norm_max: the bound stays in this range.
+    """
+    if not isinstance(target_quantile, int | float) or not 0 < target_quantile < 1:
+        raise ConfigurationError(f"target_quantile must be in (0, 1), got {target_quantile!r}.")
+    low = _positive_number(clipping_norm_min, "clipping_norm_min")
+    high = _positive_number(clipping_norm_max, "clipping_norm_max", allow_inf=True)
+    if not high > low:
+        raise ConfigurationError(f"clipping_norm_max ({high}) must exceed clipping_norm_min ({low}).")
+    return AdaptiveRule(
+        _positive_number(initial_clipping_norm, "initial_clipping_norm"),
+        float(target_quantile),
+        _positive_number(learning_rate, "learning_rate"),
+        _positive_number(count_noise_fraction, "count_noise_fraction"),
+        low,
+        high,
+    )
 
 
 @dataclass(frozen=True)
@@ -85,7 +183,9 @@ def _as_argnums(value: Any, name: str, *, allow_empty: bool) -> tuple[int, ...]:
     return items
 
 
-def _check_bound(clipping_norm: Any) -> float | PerGroup:
+def _check_bound(clipping_norm: Any) -> float | PerGroup | AutoSRule | AdaptiveRule:
+    if isinstance(clipping_norm, AutoSRule | AdaptiveRule):
+        return clipping_norm
     if isinstance(clipping_norm, PerGroup):
         for group, bound in clipping_norm.values:
             if not bound > 0:
@@ -154,7 +254,8 @@ def clipped_grad(
     microbatch_size: int | None = None,
     has_aux: bool = False,
     return_diagnostics: bool = False,
-) -> tuple[Callable[..., Any], FixedClipState]:
+    key: random.Key | None = None,
+) -> tuple[Callable[..., Any], FixedClipState | AdaptiveClipState]:
     """Build a function that returns the clipped, summed and normalized per-example gradients of ``loss_fn``.
 
     Args:
@@ -162,7 +263,8 @@ def clipped_grad(
             arguments at ``batch_argnums`` are passed without their batch dimension. It must be a per-example loss
             (for a sequence, a mask-aware mean over that sequence's own tokens), never a batch-level normalization.
         clipping_norm: L2 bound ``C`` on each example's gradient; ``math.inf`` disables clipping; a
-            :class:`~opake_core.tree.PerGroup` (see :func:`~opake_core.tree.per_group`) clips each group separately.
+            :class:`~opake_core.tree.PerGroup` (see :func:`~opake_core.tree.per_group`) clips each group separately;
+            :func:`auto_s` or :func:`adaptive` select the other rules (module docstring).
         argnums: the argument(s) to differentiate (parameters). Other unbatched arguments (frozen parameters,
             buffers) are passed through unchanged.
         batch_argnums: the argument(s) whose tensors carry a leading batch dimension ``[B, ...]``.
@@ -172,6 +274,7 @@ def clipped_grad(
         has_aux: ``loss_fn`` returns ``(loss, aux)``; per-example ``aux`` values are returned stacked ``[B, ...]``.
             They are **not** covered by the privacy guarantee.
         return_diagnostics: also return :class:`ClipDiagnostics` (outside the guarantee).
+        key: the key of adaptive clipping's count noise (required for :func:`adaptive`, refused otherwise).
 
     Returns:
         ``(grad_fn, state)``. ``grad_fn(*args, state=state) -> (out, state)`` where ``out`` is a
@@ -196,20 +299,33 @@ def clipped_grad(
         raise ConfigurationError(f"microbatch_size must be None or an int >= 1, got {microbatch_size!r}.")
     if isinstance(bound, PerGroup) and len(diff_args) != 1:
         raise ConfigurationError("per-group clipping needs a single argnums (one parameter tree).")
-    sensitivity = bound.map(lambda c: c / normalize_by) if isinstance(bound, PerGroup) else bound / normalize_by
+    is_adaptive = isinstance(bound, AdaptiveRule)
+    if is_adaptive != (key is not None):
+        raise ConfigurationError(
+            "adaptive clipping needs key=opake_core.random.key(...) for its count noise"
+            if is_adaptive
+            else "key= is only used by adaptive clipping; drop it."
+        )
+    if is_adaptive and not isinstance(key, random.Key):
+        raise InputTypeError(f"key must be an opake_core.random.Key, got {type(key).__name__}.")
+    state_type = AdaptiveClipState if is_adaptive else FixedClipState
+    initial = AdaptiveClipState(bound.initial_clipping_norm, 0, key) if is_adaptive else FixedClipState()
     grad_argnums = diff_args[0] if isinstance(argnums, int) else diff_args
     per_example = grad(_with_value(loss_fn, has_aux), argnums=grad_argnums, has_aux=True)
 
-    def grad_fn(*args: Any, state: FixedClipState) -> tuple[Any, FixedClipState]:
-        if not isinstance(state, FixedClipState):
-            raise InputTypeError(f"grad_fn expects the FixedClipState from clipped_grad, got {type(state).__name__}.")
+    def grad_fn(*args: Any, state: Any) -> tuple[Any, Any]:
+        if not isinstance(state, state_type):
+            raise InputTypeError(
+                f"grad_fn expects the {state_type.__name__} from clipped_grad, got {type(state).__name__}."
+            )
         if max(*diff_args, *batch_args) >= len(args):
             raise ConfigurationError(
                 f"grad_fn got {len(args)} arguments but argnums={diff_args} and batch_argnums={batch_args}."
             )
         with torch.profiler.record_function("opake::clipped_grad"), torch.no_grad():
             params = args[diff_args[0]] if isinstance(argnums, int) else tuple(args[i] for i in diff_args)
-            engine = _ClipSum(params, bound)
+            current = state.clipping_norm if is_adaptive else bound
+            engine = _ClipSum(params, current)
             batch_size = _batch_size([args[i] for i in batch_args])
             chunk = microbatch_size or max(batch_size, 1)
             in_dims = tuple(0 if i in batch_args else None for i in range(len(args)))
@@ -228,15 +344,40 @@ def clipped_grad(
                 loss, aux = values if has_aux else (values, None)
                 losses.append(loss)
                 auxes.append(aux)
-            clipped = Clipped(engine.result(normalize_by), sensitivity)
+            clipped = Clipped(engine.result(normalize_by), _sensitivity(current, normalize_by))
             outputs: list[Any] = [clipped]
             if has_aux:
                 outputs.append(_concat(auxes) if auxes else None)
             if return_diagnostics:
                 outputs.append(engine.diagnostics(losses, batch_size))
+            if is_adaptive:
+                state = _next_adaptive_state(bound, state, engine.num_clipped(), batch_size, normalize_by)
         return (outputs[0] if len(outputs) == 1 else tuple(outputs)), state
 
-    return grad_fn, FixedClipState()
+    return grad_fn, initial
+
+
+def _sensitivity(bound: float | PerGroup | AutoSRule, normalize_by: float) -> float | PerGroup:
+    if isinstance(bound, PerGroup):
+        return bound.map(lambda c: c / normalize_by)
+    return (bound.bound if isinstance(bound, AutoSRule) else bound) / normalize_by
+
+
+def _next_adaptive_state(
+    rule: AdaptiveRule, state: AdaptiveClipState, num_clipped: torch.Tensor, batch_size: int, normalize_by: float
+) -> AdaptiveClipState:
+    """Andrew et al. 2021, Algorithm 1: a noisy centred count of unclipped examples moves the bound geometrically.
+
+    The centred count ``sum_i (1[||g_i|| <= C] - 1/2)`` has sensitivity 1/2 under adding or removing an example; it
+    is released with Gaussian noise of std ``count_noise_fraction * n`` (n the expected batch size).
+    """
+    unclipped = batch_size - int(num_clipped.item())
+    noise = random.numpy_generator(random.fold_in(state.key, ADAPTIVE_STREAM, state.step)).normal()
+    centred = unclipped - batch_size / 2 + noise * rule.count_noise_fraction * normalize_by
+    fraction = centred / normalize_by + 0.5
+    bound = state.clipping_norm * math.exp(-rule.learning_rate * (fraction - rule.target_quantile))
+    bound = min(max(bound, rule.clipping_norm_min), rule.clipping_norm_max)
+    return AdaptiveClipState(bound, state.step + 1, state.key)
 
 
 def _with_value(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
@@ -268,7 +409,9 @@ def _concat(chunks: list[Any]) -> Any:
 class _ClipSum:
     """Running clipped sum over chunks (the generic torch backend)."""
 
-    def __init__(self, params: Any, bound: float | PerGroup) -> None:
+    def __init__(self, params: Any, bound: float | PerGroup | AutoSRule) -> None:
+        self._gamma = bound.gamma if isinstance(bound, AutoSRule) else None
+        bound = bound.bound if isinstance(bound, AutoSRule) else bound
         leaves, self._treedef = optree.tree_flatten(params)
         for path, leaf in zip(leaf_paths(params), leaves, strict=True):
             if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
@@ -305,7 +448,10 @@ class _ClipSum:
         scales = {}
         for dtype in {total.dtype for total in self._sums}:
             u = torch.finfo(dtype).eps / 2
-            scale = torch.clamp(bounds * (1 - 4 * u) / group_norms, max=1.0)
+            if self._gamma is None:
+                scale = torch.clamp(bounds * (1 - 4 * u) / group_norms, max=1.0)
+            else:  # AUTO-S: bound * ||g|| / (||g|| + gamma) < bound, no clamp
+                scale = bounds * (1 - 4 * u) / (group_norms + self._gamma)
             scales[dtype] = torch.where(torch.isfinite(norms), scale, torch.zeros_like(scale))
         for index, (g, total) in enumerate(zip(leaves, self._sums, strict=True)):
             scale = scales[total.dtype]
@@ -314,6 +460,12 @@ class _ClipSum:
             total.add_(contribution.sum(dim=0))
         self._norms.append(norms.float())
         self._clipped.append((group_norms > bounds).any(dim=0))
+
+    def num_clipped(self) -> torch.Tensor:
+        """The number of examples whose norm exceeded the bound so far (a tensor on the device)."""
+        if not self._clipped:
+            return torch.zeros((), dtype=torch.long)
+        return torch.cat(self._clipped).sum()
 
     def result(self, normalize_by: float) -> Any:
         return optree.tree_unflatten(self._treedef, [total / normalize_by for total in self._sums])

@@ -25,7 +25,7 @@ import optree.dataclasses
 import torch
 
 from opake_core import random
-from opake_core.clipping import FixedClipState, clipped_grad
+from opake_core.clipping import ADAPTIVE_STREAM, AdaptiveClipState, AdaptiveRule, AutoSRule, clipped_grad
 from opake_core.errors import ConfigurationError, InputTypeError, StateError
 from opake_core.mf import MFNoiseState, mf_gaussian_noise
 from opake_core.mf import optimize as _optimize_strategy
@@ -42,7 +42,7 @@ class DPSGDState:
     """State of a composed DP-SGD step: steps taken so far and the clipping state."""
 
     step: int = optree.dataclasses.field(pytree_node=False)
-    clip: FixedClipState
+    clip: Any
 
 
 @dataclass(frozen=True)
@@ -62,18 +62,30 @@ class StepMetrics:
 
 def _clipped_sum(
     loss_fn: Callable[..., torch.Tensor],
-    clipping_norm: float | PerGroup,
+    clipping_norm: float | PerGroup | AutoSRule | AdaptiveRule,
     expected_batch_size: float,
     microbatch_size: int | None,
-) -> tuple[Callable[..., Any], FixedClipState]:
-    """The clipped, expected-batch-normalized gradient sum of a batch tuple, with diagnostics."""
+) -> tuple[Callable[..., Any], Any]:
+    """The clipped, expected-batch-normalized gradient sum of a batch tuple, with diagnostics.
+
+    Adaptive clipping gets a placeholder key here; :func:`_keyed` replaces it with one derived from the run's key
+    at every step, so that a step depends only on ``(key, t)``.
+    """
     return clipped_grad(
         lambda params, batch: loss_fn(params, *batch),
         clipping_norm=clipping_norm,
         normalize_by=expected_batch_size,
         microbatch_size=microbatch_size,
         return_diagnostics=True,
+        key=random.key(0) if isinstance(clipping_norm, AdaptiveRule) else None,
     )
+
+
+def _keyed(clip_state: Any, key: random.Key) -> Any:
+    """The clipping state with the count-noise key of adaptive clipping taken from the run's key."""
+    if isinstance(clip_state, AdaptiveClipState):
+        return dataclasses.replace(clip_state, key=random.fold_in(key, ADAPTIVE_STREAM))
+    return clip_state
 
 
 def _check_batch(batch: Any) -> None:
@@ -108,7 +120,9 @@ def dp_sgd(
         loss_fn: ``loss_fn(params, *example) -> scalar`` for one example (see
             :func:`~opake_core.clipping.clipped_grad`).
         optimizer: an :mod:`opake_core.optim` optimizer (``init`` / ``update``).
-        clipping_norm: per-example L2 bound (float, ``math.inf`` for none, or PerGroup).
+        clipping_norm: per-example L2 bound (float, ``math.inf`` for none, or PerGroup), or a rule from
+            :func:`~opake_core.clipping.auto_s` or :func:`~opake_core.clipping.adaptive`. Adaptive clipping releases a
+            noisy count too: account it with ``accounting.adaptive_clipping``.
         noise_multiplier: ``z``; the noise std is ``z * clipping_norm / expected_batch_size``. 0 = non-private.
         expected_batch_size: the public expected batch size (sampling rate times dataset size).
         microbatch_size: vmap chunk size (memory only; the result does not depend on it).
@@ -129,7 +143,7 @@ def dp_sgd(
             raise InputTypeError(f"step_fn expects the DPSGDState from dp_sgd, got {type(dp_state).__name__}.")
         _check_batch(batch)
         with torch.profiler.record_function("opake::dp_sgd_step"):
-            (clipped, diagnostics), clip = grad_fn(params, batch, state=dp_state.clip)
+            (clipped, diagnostics), clip = grad_fn(params, batch, state=_keyed(dp_state.clip, key))
             noised = add_gaussian_noise(
                 clipped, noise_multiplier=noise_multiplier, key=key, step=dp_state.step, compute_dtype=dtype
             )
@@ -145,7 +159,7 @@ class DPFTRLState:
     """State of a composed DP-FTRL step: steps taken, the clipping state and the MF noise state (its buffers)."""
 
     step: int = optree.dataclasses.field(pytree_node=False)
-    clip: FixedClipState
+    clip: Any
     noise: MFNoiseState
 
 
@@ -188,7 +202,7 @@ def dp_ftrl(
         ``step_fn(params, opt_state, dp_state, batch, key) -> (params, opt_state, dp_state, metrics)``; the noise of
         step ``t`` is drawn from ``(key, t)``, so pass the run's key at every step.
     """
-    if isinstance(clipping_norm, bool) or not isinstance(clipping_norm, numbers.Real | PerGroup):
+    if isinstance(clipping_norm, bool) or not isinstance(clipping_norm, numbers.Real | PerGroup | AutoSRule):
         raise ConfigurationError(
             f"dp_ftrl needs a fixed clipping_norm (a number or PerGroup), got {type(clipping_norm).__name__}; "
             "adaptive clipping is refused under matrix-factorization noise, whose privacy proof assumes a constant "

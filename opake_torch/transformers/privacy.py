@@ -1,23 +1,42 @@
-"""The privacy plan of a trainer run: sampler, noise multiplier, accountant and horizon, chosen together.
+"""The privacy plan of a trainer run: sampler, mechanism, clipping rule, noise multiplier and accountant, chosen
+together.
 
 ``build_plan(args, dataset_size)`` turns :class:`TrainingArguments` and the (sensitive, so not configuration)
-dataset size into a :class:`PrivacyPlan`. The sampler declares the accounting process that matches it
-(``sampler.process(noise_multiplier, steps)``), so the epsilon is always computed for the sampler that ran.
+dataset size into a :class:`PrivacyPlan`. The accounting process always comes from the sampler that runs
+(``sampler.process``), so the epsilon is computed for exactly the sampling, noise and clipping of the run:
 
-Batch-size contract: ``per_device_train_batch_size`` is the expected Poisson batch of one rank; the cluster batch is
-that times the world size, and ``q = cluster batch / N`` is the sampling rate the accountant sees.
+* DP-SGD (``gaussian``): Poisson (optionally truncated), k-out-of-t or sequential; adaptive clipping adds its noisy
+  count release to every step (``accounting.adaptive_clipping``).
+* DP-FTRL (``mf_*``): the strategy is optimized once for the horizon and the sampler's participation pattern, and
+  the whole horizon is accounted as one process (``accounting.mf_process``); every reported epsilon is that
+  full-horizon value.
+
+Batch-size contract: ``per_device_train_batch_size`` is the expected batch of one rank; the cluster batch is that
+times the world size, and ``q = cluster batch / N`` is the sampling rate the accountant sees.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from opake_core import accounting, sampling
+from opake_core import accounting, mf, sampling
+from opake_core.clipping import adaptive, auto_s
 from opake_core.errors import ConfigurationError, PrivacyBudgetError
 
-__all__ = ["PrivacyPlan", "build_plan", "total_steps"]
+__all__ = ["PrivacyPlan", "build_plan", "clipping_rule", "total_steps"]
+
+ADAPTIVE_COUNT_NOISE = 0.05  # Andrew et al. 2021: count noise std = expected batch / 20
+STRATEGIES: dict[str, Callable[..., Any]] = {
+    "mf_band": mf.band_mf,
+    "mf_blt": mf.blt,
+    "mf_bisr": mf.bisr,
+    "mf_bsr": mf.bsr,
+    "mf_lambda_cgd": mf.lambda_cgd,
+    "mf_identity": mf.identity,
+}
 
 
 @dataclass(frozen=True)
@@ -26,18 +45,21 @@ class PrivacyPlan:
 
     Attributes:
         sampler: the batch sampler (``init``/``sample``/``process``).
+        make_process: ``(noise_multiplier, steps) -> process``, the accounting of ``steps`` steps of this run.
         noise_multiplier: resolved multiplier (0 for a non-private run).
         calibration_source: ``"fixed"`` or ``"calibrated"``.
         delta: the delta every epsilon is reported at.
         total_steps: the declared number of steps.
         expected_batch_size: the public normalizer of the clipped sum (cluster-wide).
-        sample_rate: the cluster-wide sampling rate.
+        sample_rate: the cluster-wide fraction of the dataset per step.
         stop_step: for stop-at-epsilon, the first step at which epsilon reaches the target (None otherwise).
         accounted: whether epsilon is computed and reported.
         horizon: whether the run is accounted once for its whole declared horizon.
+        strategy: the optimized DP-FTRL strategy (None for DP-SGD).
     """
 
     sampler: Any
+    make_process: Callable[[float, int], Any]
     noise_multiplier: float
     calibration_source: str
     delta: float
@@ -47,14 +69,15 @@ class PrivacyPlan:
     stop_step: int | None
     accounted: bool
     horizon: bool
+    strategy: Any = None
 
     @property
     def steps_per_epoch(self) -> float:
         return 1 / self.sample_rate
 
-    def process(self, steps: int) -> accounting.Process:
+    def process(self, steps: int) -> Any:
         """The accounting process after ``steps`` steps (the whole horizon for horizon runs)."""
-        return self.sampler.process(self.noise_multiplier, self.total_steps if self.horizon else steps)
+        return self.make_process(self.noise_multiplier, self.total_steps if self.horizon else steps)
 
     def epsilon(self, steps: int) -> float:
         """Epsilon spent after ``steps`` steps at :attr:`delta` (inf for a non-private run)."""
@@ -62,7 +85,7 @@ class PrivacyPlan:
             return math.inf
         if steps == 0 and not self.horizon:
             return 0.0
-        return accounting.epsilon(self.process(steps), delta=self.delta).value
+        return accounting.mf_epsilon(self.process(steps), delta=self.delta).value
 
 
 def total_steps(args: Any, dataset_size: int) -> int:
@@ -72,42 +95,103 @@ def total_steps(args: Any, dataset_size: int) -> int:
     return max(1, math.ceil(args.num_train_epochs * dataset_size / args.train_batch_size))
 
 
+def clipping_rule(args: Any) -> Any:
+    """The core clipping rule for ``clipping_mode``: the bound, ``auto_s`` or ``adaptive`` (per-group: a dict)."""
+    kwargs = args.clipping_kwargs
+    if args.clipping_mode == "auto":
+        return auto_s(args.clipping_norm, gamma=kwargs.get("gamma", 0.01))
+    if args.clipping_mode == "adaptive":
+        return adaptive(
+            args.clipping_norm,
+            target_quantile=kwargs.get("target_quantile", 0.5),
+            clipping_norm_max=kwargs.get("clipping_norm_max", 1e3),
+            count_noise_fraction=ADAPTIVE_COUNT_NOISE,
+        )
+    return args.clipping_norm
+
+
 def _sampler(args: Any, dataset_size: int, steps: int) -> Any:
     mode, kwargs = args.sampling_mode, args.sampling_kwargs
-    rate = args.train_batch_size / dataset_size
-    if mode == "poisson":
-        if rate > 1:
-            raise ConfigurationError(
-                f"the expected batch {args.train_batch_size} exceeds the dataset size {dataset_size}: lower "
-                "per_device_train_batch_size."
-            )
-        return sampling.poisson(
-            dataset_size=dataset_size, sample_rate=rate, truncated_batch_size=kwargs.get("truncated_batch_size")
+    batch = args.train_batch_size
+    rate = batch / dataset_size
+    if rate > 1:
+        raise ConfigurationError(
+            f"the expected batch {batch} exceeds the dataset size {dataset_size}: lower per_device_train_batch_size."
         )
+    if mode == "poisson":
+        cap = kwargs.get("truncated_batch_size")
+        return sampling.poisson(dataset_size=dataset_size, sample_rate=rate, truncated_batch_size=cap)
     if mode == "k_out_of_t":
         return sampling.k_out_of_t(dataset_size=dataset_size, k=kwargs["k"], t=steps, allocation=kwargs["allocation"])
     if mode == "sequential":
-        return sampling.sequential(dataset_size=dataset_size, batch_size=args.train_batch_size)
-    raise ConfigurationError(
-        f"sampling_mode={mode!r} with privacy_noise_mechanism={args.privacy_noise_mechanism!r} is not available in "
-        "this trainer yet; use privacy_noise_mechanism='gaussian' with sampling_mode='poisson'."
+        return sampling.sequential(dataset_size=dataset_size, batch_size=batch)
+    if mode == "cyclic_poisson":
+        bands = args.privacy_noise_mechanism_kwargs["bands"]
+        return sampling.cyclic_poisson(dataset_size=dataset_size, sample_rate=rate, bands=bands)
+    if mode == "b_min_sep":
+        bands = args.privacy_noise_mechanism_kwargs["bands"]
+        return sampling.b_min_sep(dataset_size=dataset_size, sample_rate=rate, min_sep=bands)
+    if mode == "balls_in_bins":
+        bins = max(1, round(dataset_size / batch))
+        if steps % bins:
+            raise ConfigurationError(
+                f"balls_in_bins needs a whole number of epochs: {steps} steps is not a multiple of {bins} bins "
+                f"(dataset size / batch). Set max_steps to a multiple of {bins}."
+            )
+        return sampling.balls_in_bins(dataset_size=dataset_size, num_bins=bins)
+    raise ConfigurationError(f"sampling_mode={mode!r} is not supported by the trainer.")
+
+
+def _strategy(args: Any, sampler: Any, steps: int) -> Any:
+    kwargs = {k: v for k, v in args.privacy_noise_mechanism_kwargs.items() if k != "compute_dtype"}
+    spec = STRATEGIES[args.privacy_noise_mechanism](**kwargs)
+    if args.privacy_noise_mechanism == "mf_band" and kwargs.get("bands", 1) > steps:
+        raise ConfigurationError(
+            f"mf_band needs bands <= total steps, got bands={kwargs['bands']} for {steps} steps; lower bands."
+        )
+    participation = (
+        accounting.sampler_participation(sampler) if args.sampling_mode != "poisson" else mf.SingleParticipation()
     )
+    return mf.optimize(spec, steps, participation=participation)
+
+
+def _process_maker(args: Any, sampler: Any, strategy: Any) -> Callable[[float, int], Any]:
+    if strategy is not None:
+        return lambda z, steps: accounting.mf_process(strategy, sampler=sampler, noise_multiplier=z, n_steps=steps)
+    if args.clipping_mode != "adaptive":
+        return sampler.process
+    if not isinstance(sampler, sampling.Poisson) or sampler.truncated_batch_size is not None:
+        raise ConfigurationError(
+            "clipping_mode='adaptive' is accounted for plain Poisson sampling only; use sampling_mode='poisson' "
+            "without truncation, or clipping_mode='fixed'."
+        )
+
+    def make(z: float, steps: int) -> Any:
+        step = accounting.adaptive_clipping(
+            accounting.gaussian(z),
+            count_noise_fraction=ADAPTIVE_COUNT_NOISE,
+            expected_batch_size=sampler.expected_batch_size,
+        )
+        return accounting.repeat(accounting.poisson(step, sampler.sample_rate), steps)
+
+    return make
 
 
 def build_plan(args: Any, dataset_size: int) -> PrivacyPlan:
-    """Resolve the sampler, delta, horizon and noise multiplier (calibrating it when a target is given)."""
+    """Resolve sampler, mechanism, delta, horizon and noise multiplier (calibrating it when a target is given)."""
     if dataset_size < 1:
         raise ConfigurationError("the training dataset is empty.")
     steps = total_steps(args, dataset_size)
     sampler = _sampler(args, dataset_size, steps)
+    strategy = _strategy(args, sampler, steps) if args.privacy_noise_mechanism != "gaussian" else None
+    make_process = _process_maker(args, sampler, strategy)
     delta = args.privacy_target_delta or 1 / dataset_size**1.1
-    horizon = args.is_complete_horizon
     target, multiplier = args.privacy_target_epsilon, args.privacy_noise_multiplier
     stop = None
     if multiplier is None:
         bounds = args.noise_calibration_kwargs
-        calibrated = accounting.calibrate_noise_multiplier(
-            lambda m: sampler.process(m, steps),
+        calibrated = accounting.calibrate_mf_noise_multiplier(
+            lambda z: make_process(z, steps),
             target_epsilon=target,
             delta=delta,
             min=bounds["min"],
@@ -118,23 +202,25 @@ def build_plan(args: Any, dataset_size: int) -> PrivacyPlan:
     else:
         source = "fixed"
         if target is not None:
-            step_process = sampler.process(multiplier, 1)
+            step_process = make_process(multiplier, 1)
             stop = accounting.stop_step(step_process, target_epsilon=target, delta=delta, max_steps=steps + 1)
             if stop == 1 and accounting.epsilon(step_process, delta=delta).value > target:
                 raise PrivacyBudgetError(
                     f"a single step at privacy_noise_multiplier={multiplier} already exceeds "
                     f"privacy_target_epsilon={target}: raise the multiplier or the target."
                 )
-    expected = getattr(sampler, "expected_batch_size", args.train_batch_size)
+    expected = float(getattr(sampler, "expected_batch_size", args.train_batch_size))
     return PrivacyPlan(
         sampler=sampler,
+        make_process=make_process,
         noise_multiplier=multiplier,
         calibration_source=source,
         delta=delta,
         total_steps=steps,
-        expected_batch_size=float(expected),
+        expected_batch_size=expected,
         sample_rate=expected / dataset_size,
         stop_step=stop,
         accounted=bool(args.privacy_accounting) or multiplier == 0,
-        horizon=horizon,
+        horizon=args.is_complete_horizon,
+        strategy=strategy,
     )

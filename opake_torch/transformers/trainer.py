@@ -32,8 +32,9 @@ from transformers.trainer_callback import (
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput
 
 from opake_core import accounting, random
+from opake_core.clipping import AdaptiveClipState
 from opake_core.errors import CheckpointError, ConfigurationError
-from opake_core.step import DPSGDState, dp_sgd
+from opake_core.step import DPFTRLState, DPSGDState, dp_ftrl, dp_sgd
 from opake_core.tree import per_group
 from opake_torch.functional import functional_model
 from opake_torch.patches import apply_compat_patches, check_attention_implementation
@@ -42,7 +43,7 @@ from opake_torch.transformers.arguments import TrainingArguments
 from opake_torch.transformers.data import collate, fetch, language_modeling_labels, model_input_names
 from opake_torch.transformers.loss import infer_task, loss_from_logits, per_example_loss
 from opake_torch.transformers.optimizer import build_optimizer, build_schedule
-from opake_torch.transformers.privacy import PrivacyPlan, build_plan
+from opake_torch.transformers.privacy import PrivacyPlan, build_plan, clipping_rule
 from opake_torch.transformers.reporting import RunLogCallback
 
 __all__ = ["DPTrainer", "DPTrainerState"]
@@ -69,7 +70,7 @@ class _Run:
     plan: PrivacyPlan
     params: dict[str, torch.Tensor]
     opt_state: Any
-    dp_state: DPSGDState
+    dp_state: DPSGDState | DPFTRLState
     sampler_state: Any
     schedule: Any
     loss_sum: torch.Tensor
@@ -215,7 +216,7 @@ class DPTrainer:
         if isinstance(bound, dict):
             patterns = {k: v for k, v in bound.items() if k != "fallback"}
             return per_group(self._params, patterns, fallback=bound["fallback"])
-        return bound
+        return clipping_rule(self.args)
 
     # -- training --------------------------------------------------------------------------------------------------
 
@@ -223,21 +224,22 @@ class DPTrainer:
         args = self.args
         if self.train_dataset is None:
             raise ConfigurationError("train() needs a train_dataset.")
-        if args.clipping_mode != "fixed":
-            raise ConfigurationError(
-                f"clipping_mode={args.clipping_mode!r} is not available in DPTrainer yet; use clipping_mode='fixed'."
-            )
         plan = build_plan(args, len(self.train_dataset))
         optimizer = build_optimizer(args, plan.total_steps)
-        step_fn, dp_state = dp_sgd(
-            self._loss_fn(),
-            optimizer=optimizer,
-            clipping_norm=self._clipping_norm(),
-            noise_multiplier=plan.noise_multiplier,
-            expected_batch_size=plan.expected_batch_size,
-            microbatch_size=args.microbatch_size,
-            compute_dtype=args.privacy_noise_mechanism_kwargs.get("compute_dtype", torch.float32),
-        )
+        common = {
+            "optimizer": optimizer,
+            "clipping_norm": self._clipping_norm(),
+            "noise_multiplier": plan.noise_multiplier,
+            "expected_batch_size": plan.expected_batch_size,
+            "microbatch_size": args.microbatch_size,
+            "compute_dtype": args.privacy_noise_mechanism_kwargs.get("compute_dtype", torch.float32),
+        }
+        if plan.strategy is None:
+            step_fn, dp_state = dp_sgd(self._loss_fn(), **common)
+        else:
+            step_fn, dp_state = dp_ftrl(
+                self._loss_fn(), params=self._params, strategy=plan.strategy, n_steps=plan.total_steps, **common
+            )
         zero = torch.zeros((), device=args.device)
         run = _Run(
             plan=plan,
@@ -327,6 +329,10 @@ class DPTrainer:
             logs["privacy_delta"] = plan.delta
         return logs
 
+    def _current_bound(self, run: _Run) -> float:
+        clip = run.dp_state.clip
+        return clip.clipping_norm if isinstance(clip, AdaptiveClipState) else _scalar_bound(self.args.clipping_norm)
+
     def _flush_logs(self, run: _Run) -> None:
         if run.count:
             self._emit_step_logs(run)
@@ -337,8 +343,8 @@ class DPTrainer:
             "loss": loss,
             "learning_rate": float(run.schedule(max(self.state.global_step - 1, 0))),
             "privacy_clip_rate": (run.clip_sum / run.count).item(),
-            "privacy_clipping_norm": _scalar_bound(self.args.clipping_norm),
-            "privacy_noise_std": _noise_std(run.plan, self.args.clipping_norm),
+            "privacy_clipping_norm": self._current_bound(run),
+            "privacy_noise_std": _noise_std(run.plan, self._current_bound(run)),
             **self._privacy_logs(run.plan),
         }
         run.total_loss += loss * run.count
@@ -387,7 +393,7 @@ class DPTrainer:
         return {
             "version": DP_STATE_VERSION,
             "global_step": self.state.global_step,
-            "dp_step": run.dp_state.step,
+            "step_state": run.dp_state,
             "sampler_state": run.sampler_state.to_json(),
             "noise_key": random.key_to_json(self._noise_key),
             "sampler_key": random.key_to_json(self._sampler_key),
@@ -492,7 +498,12 @@ class DPTrainer:
         self._check_same_run(saved, run.plan)
         self._restore_weights(folder, run)
         run.opt_state = torch.load(folder / ckpt.DP_OPTIMIZER, map_location=self.args.device, weights_only=False)
-        run.dp_state = DPSGDState(saved["dp_step"], run.dp_state.clip)
+        if type(saved["step_state"]) is not type(run.dp_state):
+            raise CheckpointError(
+                f"the checkpoint holds a {type(saved['step_state']).__name__}, this run needs a "
+                f"{type(run.dp_state).__name__}: the mechanism changed."
+            )
+        run.dp_state = saved["step_state"]
         run.sampler_state = type(run.sampler_state).from_json(saved["sampler_state"])
         torch.set_rng_state(saved["torch_rng_state"])
         state = DPTrainerState.load_from_json(str(folder / ckpt.TRAINER_STATE))
@@ -627,11 +638,11 @@ def _as_count(value: int | float, total: int) -> int:
     return max(1, math.ceil(value * total)) if isinstance(value, float) and value < 1 else max(1, int(value))
 
 
-def _noise_std(plan: PrivacyPlan, bound: float | dict[str, float]) -> float:
-    """The noise std on the normalized update (joint over groups); 0 for a non-private run."""
+def _noise_std(plan: PrivacyPlan, bound: float) -> float:
+    """The scale of the noise on the normalized update (before DP-FTRL's correlation); 0 for a non-private run."""
     if plan.noise_multiplier == 0:
         return 0.0
-    return plan.noise_multiplier * _scalar_bound(bound) / plan.expected_batch_size
+    return plan.noise_multiplier * bound / plan.expected_batch_size
 
 
 def _scalar_bound(bound: float | dict[str, float]) -> float:

@@ -279,3 +279,57 @@ def test_empty_poisson_batch_is_a_step(tmp_path):
     assert trainer.state.global_step == 3
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.named_parameters())
     assert np.isfinite([p.detach().sum().item() for p in trainer.model.parameters()]).all()
+
+
+@pytest.mark.parametrize(
+    ("mechanism", "extra"),
+    [
+        ("mf_band", {"privacy_noise_mechanism_kwargs": {"bands": 2}}),
+        ("mf_blt", {"privacy_noise_mechanism_kwargs": {"max_buffers": 2}}),
+        ("mf_identity", {}),
+    ],
+)
+def test_dp_ftrl_mechanisms_train_and_resume_exactly(tmp_path, mechanism, extra):
+    """DP-FTRL runs through the trainer; the noise buffers travel in the checkpoint, so resume is bitwise."""
+    kw = {"privacy_noise_mechanism": mechanism, "max_steps": 5, "save_strategy": "steps", "save_steps": 2, **extra}
+    full = DPTrainer(tiny_model("llama"), _args(tmp_path / "a", **kw), train_dataset=DATA)
+    output = full.train()
+    assert math.isfinite(output.metrics["privacy_epsilon"])
+    first = DPTrainer(tiny_model("llama"), _args(tmp_path / "b", **kw), train_dataset=DATA)
+    first.add_callback(_StopAt(2))
+    first.train()
+    resumed = DPTrainer(tiny_model("llama"), _args(tmp_path / "b", **kw), train_dataset=DATA)
+    resumed_output = resumed.train(resume_from_checkpoint=True)
+    for (name, a), (_, b) in zip(full.model.named_parameters(), resumed.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert resumed_output.metrics["privacy_epsilon"] == output.metrics["privacy_epsilon"]
+
+
+def test_dp_ftrl_epsilon_is_the_full_horizon_value_from_the_first_log(tmp_path):
+    args = _args(
+        tmp_path,
+        privacy_noise_mechanism="mf_band",
+        privacy_noise_mechanism_kwargs={"bands": 2},
+        max_steps=4,
+        logging_steps=1,
+    )
+    trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA)
+    trainer.train()
+    epsilons = [row["privacy_epsilon"] for row in trainer.state.log_history if "loss" in row]
+    assert len(epsilons) == 4 and len(set(epsilons)) == 1
+
+
+@pytest.mark.parametrize("mode", ["auto", "adaptive"])
+def test_clipping_modes(tmp_path, mode):
+    args = _args(tmp_path, clipping_mode=mode, max_steps=3, logging_steps=1, privacy_accounting=True)
+    trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA)
+    output = trainer.train()
+    bounds = [row["privacy_clipping_norm"] for row in trainer.state.log_history if "loss" in row]
+    if mode == "adaptive":
+        assert len(set(bounds)) > 1  # the bound moves
+        fixed = DPTrainer(
+            tiny_model("llama"), _args(tmp_path / "f", max_steps=3, privacy_accounting=True), train_dataset=DATA
+        ).train()
+        assert output.metrics["privacy_epsilon"] > fixed.metrics["privacy_epsilon"]  # the count costs privacy
+    else:
+        assert set(bounds) == {1.0}
