@@ -35,6 +35,7 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/noise_throughput.py
+	$(PY) benchmarks/harness.py --suite gpu --out bench_results --profile --steps 8 --warmup 3
 
 clean:
 	rm -rf site demo_output .pytest_cache .ruff_cache

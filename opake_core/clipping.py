@@ -255,6 +255,7 @@ def clipped_grad(
     has_aux: bool = False,
     return_diagnostics: bool = False,
     key: random.Key | None = None,
+    clip_backend: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[Callable[..., Any], FixedClipState | AdaptiveClipState]:
     """Build a function that returns the clipped, summed and normalized per-example gradients of ``loss_fn``.
 
@@ -275,6 +276,10 @@ def clipped_grad(
             They are **not** covered by the privacy guarantee.
         return_diagnostics: also return :class:`ClipDiagnostics` (outside the guarantee).
         key: the key of adaptive clipping's count noise (required for :func:`adaptive`, refused otherwise).
+        clip_backend: a faster clip-and-sum for the fixed and adaptive rules (for example the fused kernels of
+            ``opake_torch.patches.kernels.clip_and_sum``): ``backend(leaves, *, group_index, bounds, accumulators)
+            -> (norms [m], group_norms [G, m])`` must add exactly what the generic engine adds to the float32
+            accumulators (same margin, zero for non-finite examples). ``None`` uses the generic torch engine.
 
     Returns:
         ``(grad_fn, state)``. ``grad_fn(*args, state=state) -> (out, state)`` where ``out`` is a
@@ -325,7 +330,7 @@ def clipped_grad(
         with torch.profiler.record_function("opake::clipped_grad"), torch.no_grad():
             params = args[diff_args[0]] if isinstance(argnums, int) else tuple(args[i] for i in diff_args)
             current = state.clipping_norm if is_adaptive else bound
-            engine = _ClipSum(params, current)
+            engine = _ClipSum(params, current, backend=clip_backend)
             batch_size = _batch_size([args[i] for i in batch_args])
             chunk = microbatch_size or max(batch_size, 1)
             in_dims = tuple(0 if i in batch_args else None for i in range(len(args)))
@@ -409,8 +414,11 @@ def _concat(chunks: list[Any]) -> Any:
 class _ClipSum:
     """Running clipped sum over chunks (the generic torch backend)."""
 
-    def __init__(self, params: Any, bound: float | PerGroup | AutoSRule) -> None:
+    def __init__(
+        self, params: Any, bound: float | PerGroup | AutoSRule, backend: Callable[..., Any] | None = None
+    ) -> None:
         self._gamma = bound.gamma if isinstance(bound, AutoSRule) else None
+        self._backend = backend if self._gamma is None else None  # backends implement the clamp rule only
         bound = bound.bound if isinstance(bound, AutoSRule) else bound
         leaves, self._treedef = optree.tree_flatten(params)
         for path, leaf in zip(leaf_paths(params), leaves, strict=True):
@@ -432,11 +440,23 @@ class _ClipSum:
         else:
             self._group_index = [0] * len(leaves)
             self._bounds = [bound]
+        # built once, so that add() makes no host-to-device copy (CUDA graph capture forbids one)
+        self._bound_tensor = torch.tensor(self._bounds, dtype=torch.float64).unsqueeze(1).to(self._sums[0].device)
         self._norms: list[torch.Tensor] = []
         self._clipped: list[torch.Tensor] = []
 
     def add(self, grads: Any) -> None:
         leaves = optree.tree_leaves(grads)
+        if self._backend is not None:
+            norms, group_norms = self._backend(
+                [g.detach() for g in leaves],
+                group_index=self._group_index,
+                bounds=self._bounds,
+                accumulators=self._sums,
+            )
+            self._norms.append(norms.float())
+            self._clipped.append((group_norms > self._bound_tensor).any(dim=0))
+            return
         m = leaves[0].shape[0]
         device = leaves[0].device
         group_sq = torch.zeros(len(self._bounds), m, dtype=torch.float64, device=device)
@@ -444,7 +464,7 @@ class _ClipSum:
             group_sq[index] += g.detach().to(torch.float64).square().reshape(m, -1).sum(dim=1)
         group_norms = group_sq.sqrt()
         norms = group_sq.sum(dim=0).sqrt()
-        bounds = torch.tensor(self._bounds, dtype=torch.float64, device=device).unsqueeze(1)
+        bounds = self._bound_tensor
         scales = {}
         for dtype in {total.dtype for total in self._sums}:
             u = torch.finfo(dtype).eps / 2

@@ -65,6 +65,7 @@ def _clipped_sum(
     clipping_norm: float | PerGroup | AutoSRule | AdaptiveRule,
     expected_batch_size: float,
     microbatch_size: int | None,
+    clip_backend: Callable[..., Any] | None = None,
 ) -> tuple[Callable[..., Any], Any]:
     """The clipped, expected-batch-normalized gradient sum of a batch tuple, with diagnostics.
 
@@ -78,6 +79,7 @@ def _clipped_sum(
         microbatch_size=microbatch_size,
         return_diagnostics=True,
         key=random.key(0) if isinstance(clipping_norm, AdaptiveRule) else None,
+        clip_backend=clip_backend,
     )
 
 
@@ -113,6 +115,7 @@ def dp_sgd(
     expected_batch_size: float,
     microbatch_size: int | None = None,
     compute_dtype: torch.dtype | str = torch.float32,
+    clip_backend: Callable[..., Any] | None = None,
 ) -> tuple[Callable[..., tuple[Any, Any, DPSGDState, StepMetrics]], DPSGDState]:
     """A composed DP-SGD step as ``(step_fn, dp_state)``.
 
@@ -127,6 +130,7 @@ def dp_sgd(
         expected_batch_size: the public expected batch size (sampling rate times dataset size).
         microbatch_size: vmap chunk size (memory only; the result does not depend on it).
         compute_dtype: dtype the noise is drawn and added in.
+        clip_backend: a faster clip-and-sum engine (see :func:`~opake_core.clipping.clipped_grad`).
 
     Returns:
         ``step_fn(params, opt_state, dp_state, batch, key) -> (params, opt_state, dp_state, metrics)`` where
@@ -134,7 +138,7 @@ def dp_sgd(
         loss) and ``key`` is the run's noise key: the noise of step ``t`` depends only on ``(key, t)``.
     """
     dtype = compute_dtype_of(compute_dtype)
-    grad_fn, clip_state = _clipped_sum(loss_fn, clipping_norm, expected_batch_size, microbatch_size)
+    grad_fn, clip_state = _clipped_sum(loss_fn, clipping_norm, expected_batch_size, microbatch_size, clip_backend)
 
     def step_fn(
         params: Any, opt_state: Any, dp_state: DPSGDState, batch: tuple[torch.Tensor, ...], key: random.Key
@@ -176,6 +180,7 @@ def dp_ftrl(
     microbatch_size: int | None = None,
     compute_dtype: torch.dtype | str = torch.float32,
     participation: Participation = SINGLE,
+    clip_backend: Callable[..., Any] | None = None,
 ) -> tuple[Callable[..., tuple[Any, Any, DPFTRLState, StepMetrics]], DPFTRLState]:
     """A composed DP-FTRL step as ``(step_fn, dp_state)``, used exactly like :func:`dp_sgd`.
 
@@ -197,6 +202,7 @@ def dp_ftrl(
         compute_dtype: dtype the noise is added in.
         participation: the pattern the noise is scaled for (single participation: the per-round convention of
             amplified accounting).
+        clip_backend: a faster clip-and-sum engine (see :func:`~opake_core.clipping.clipped_grad`).
 
     Returns:
         ``step_fn(params, opt_state, dp_state, batch, key) -> (params, opt_state, dp_state, metrics)``; the noise of
@@ -210,7 +216,7 @@ def dp_ftrl(
         )
     dtype = compute_dtype_of(compute_dtype)
     concrete = _optimize_strategy(strategy, n_steps, participation=participation)
-    grad_fn, clip_state = _clipped_sum(loss_fn, clipping_norm, expected_batch_size, microbatch_size)
+    grad_fn, clip_state = _clipped_sum(loss_fn, clipping_norm, expected_batch_size, microbatch_size, clip_backend)
     noise_fn, noise_state = mf_gaussian_noise(
         params,
         concrete,

@@ -38,10 +38,15 @@ from opake_core.step import DPFTRLState, DPSGDState, dp_ftrl, dp_sgd
 from opake_core.tree import per_group
 from opake_torch.functional import functional_model
 from opake_torch.patches import apply_compat_patches, check_attention_implementation
+from opake_torch.patches.checkpointing import check_memory_knobs, enable_vmap_checkpointing
+from opake_torch.patches.families import apply_family_patches
+from opake_torch.patches.kernels import clip_and_sum
+from opake_torch.patches.performance import apply_performance_kernels
 from opake_torch.transformers import checkpoint as ckpt
 from opake_torch.transformers.arguments import TrainingArguments
 from opake_torch.transformers.data import collate, fetch, language_modeling_labels, model_input_names
 from opake_torch.transformers.loss import infer_task, loss_from_logits, per_example_loss
+from opake_torch.transformers.microbatch import retry_eval_batch, run_with_oom_retry
 from opake_torch.transformers.optimizer import build_optimizer, build_schedule
 from opake_torch.transformers.privacy import PrivacyPlan, build_plan, clipping_rule
 from opake_torch.transformers.reporting import RunLogCallback
@@ -126,11 +131,24 @@ class DPTrainer:
                 f"pass the bare model, not {type(model).__name__}: DPTrainer handles DDP itself; DataParallel is "
                 "not supported (use torchrun)."
             )
+        if args.torch_compile or args.cuda_graphs:
+            raise ConfigurationError(
+                "torch_compile and cuda_graphs are not wired into DPTrainer yet (compiling the vmap(grad) chunk of "
+                "Hugging Face models falls back to eager, and the step is not captured as a graph). Leave them off; "
+                "opake_torch.transformers.compile offers compile_chunk and CudaGraphChunk for loops of your own."
+            )
         self.args = args
-        if args.use_compat_patches:
-            apply_compat_patches()
+        self.compat_patches = apply_compat_patches() + apply_family_patches(model) if args.use_compat_patches else []
         check_attention_implementation(model)
+        if args.gradient_checkpointing:
+            enable_vmap_checkpointing(model)
+        check_memory_knobs(model, args)
         self.model = model.to(args.device)
+        self.performance_patches = apply_performance_kernels(
+            self.model,
+            use_performance_kernels=args.use_performance_kernels,
+            performance_kernels_config=args.performance_kernels_config,
+        )
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class = processing_class
         self.data_collator = data_collator
@@ -147,6 +165,7 @@ class DPTrainer:
         self._noise_key = random.fold_in(root, NOISE_STREAM)
         self._sampler_key = random.fold_in(root, SAMPLER_STREAM)
         self._plan: PrivacyPlan | None = None
+        self._microbatch: int | None = args.microbatch_size
         default = [DefaultFlowCallback, PrinterCallback if args.disable_tqdm else ProgressCallback, RunLogCallback]
         self.callback_handler = CallbackHandler(
             default + list(callbacks or []), self.model, processing_class, None, None
@@ -233,13 +252,20 @@ class DPTrainer:
             "expected_batch_size": plan.expected_batch_size,
             "microbatch_size": args.microbatch_size,
             "compute_dtype": args.privacy_noise_mechanism_kwargs.get("compute_dtype", torch.float32),
+            # fused Triton clip-and-sum on CUDA (it falls back to the identical torch path where it cannot run)
+            "clip_backend": clip_and_sum if args.device.type == "cuda" else None,
         }
-        if plan.strategy is None:
-            step_fn, dp_state = dp_sgd(self._loss_fn(), **common)
-        else:
-            step_fn, dp_state = dp_ftrl(
-                self._loss_fn(), params=self._params, strategy=plan.strategy, n_steps=plan.total_steps, **common
+
+        def make_step(microbatch_size: int | None) -> tuple[Any, Any]:
+            options = {**common, "microbatch_size": microbatch_size}
+            if plan.strategy is None:
+                return dp_sgd(self._loss_fn(), **options)
+            return dp_ftrl(
+                self._loss_fn(), params=self._params, strategy=plan.strategy, n_steps=plan.total_steps, **options
             )
+
+        self._make_step = make_step
+        step_fn, dp_state = make_step(args.microbatch_size)
         zero = torch.zeros((), device=args.device)
         run = _Run(
             plan=plan,
@@ -293,9 +319,11 @@ class DPTrainer:
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             indices, run.sampler_state = plan.sampler.sample(self._sampler_key, run.sampler_state)
             batch = self._batch(self.train_dataset, indices)
-            run.params, run.opt_state, run.dp_state, metrics = step_fn(
-                run.params, run.opt_state, run.dp_state, (batch,), self._noise_key
-            )
+            if args.auto_find_microbatch_size and len(indices):
+                step_fn, outputs = self._step_with_oom_retry(step_fn, run, batch, len(indices))
+            else:
+                outputs = step_fn(run.params, run.opt_state, run.dp_state, (batch,), self._noise_key)
+            run.params, run.opt_state, run.dp_state, metrics = outputs
             run.loss_sum += metrics.loss
             run.clip_sum += metrics.clip_rate
             run.count += 1
@@ -321,6 +349,26 @@ class DPTrainer:
             self.push_to_hub()
         mean_loss = run.total_loss / max(run.total_count, 1)
         return TrainOutput(self.state.global_step, mean_loss, metrics)
+
+    def _step_with_oom_retry(self, step_fn: Any, run: _Run, batch: dict, batch_size: int) -> tuple[Any, Any]:
+        """Run the step; on out-of-memory, halve the vmap chunk and rerun the same batch, key and step state.
+
+        The step functions are pure, so a failed attempt changed nothing: the retried step releases exactly what
+        the first attempt would have (privacy-neutral). The converged chunk is kept for the following steps.
+        """
+        current = self._microbatch or batch_size
+        steps = {current: step_fn}
+
+        def attempt(chunk: int) -> Any:
+            if chunk not in steps:
+                steps[chunk] = self._make_step(chunk)[0]
+            return steps[chunk](run.params, run.opt_state, run.dp_state, (batch,), self._noise_key)
+
+        outputs, chunk = run_with_oom_retry(attempt, microbatch_size=current, batch_size=batch_size)
+        if chunk < current:
+            self._microbatch = chunk
+            self.log({"converged_microbatch_size": float(chunk)})
+        return steps[chunk], outputs
 
     def _privacy_logs(self, plan: PrivacyPlan) -> dict[str, float]:
         logs = {"privacy_noise_multiplier": plan.noise_multiplier}
@@ -586,23 +634,37 @@ class DPTrainer:
         size = args.per_device_eval_batch_size
         loss_of = vmap(self._logits_loss)
         custom = type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss
+
+        def evaluate_range(lo: int, hi: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+            batch = self._batch(dataset, np.arange(lo, hi))
+            if custom:  # another objective: its per-example losses only, no logits
+                return (
+                    vmap(self.compute_per_example_loss, in_dims=(None, 0))(self._params, batch).float().cpu(),
+                    None,
+                    None,
+                )
+            labels = batch.get(self.label_names[0])
+            inputs = {k: v for k, v in batch.items() if k not in self.label_names}
+            with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16_full_eval):
+                logits = self.model(**inputs).logits
+            loss = loss_of(logits, labels).float().cpu() if labels is not None else None
+            kept = None if args.prediction_loss_only else logits.float().cpu()
+            return loss, kept, (labels.cpu() if labels is not None else None)
+
         with torch.no_grad():
             for start in range(0, len(dataset), size):
-                batch = self._batch(dataset, np.arange(start, min(start + size, len(dataset))))
-                if custom:  # another objective: its per-example losses only, no logits
-                    losses.append(
-                        vmap(self.compute_per_example_loss, in_dims=(None, 0))(self._params, batch).float().cpu()
-                    )
-                    continue
-                labels = batch.get(self.label_names[0])
-                inputs = {k: v for k, v in batch.items() if k not in self.label_names}
-                with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16_full_eval):
-                    logits = self.model(**inputs).logits
-                if labels is not None:
-                    losses.append(loss_of(logits, labels).float().cpu())
-                    labels_list.append(labels.cpu())
-                if not args.prediction_loss_only:
-                    logits_list.append(logits.float().cpu())
+                stop = min(start + size, len(dataset))
+                if args.auto_find_microbatch_size:
+                    pieces, size = retry_eval_batch(evaluate_range, start=start, stop=stop, batch_size=size)
+                else:
+                    pieces = [evaluate_range(start, stop)]
+                for loss, logits, labels in pieces:
+                    if loss is not None:
+                        losses.append(loss)
+                    if logits is not None:
+                        logits_list.append(logits)
+                    if labels is not None and not custom:
+                        labels_list.append(labels)
         self.model.train(was_training)
         metrics: dict[str, float] = {}
         if losses:

@@ -333,3 +333,80 @@ def test_clipping_modes(tmp_path, mode):
         assert output.metrics["privacy_epsilon"] > fixed.metrics["privacy_epsilon"]  # the count costs privacy
     else:
         assert set(bounds) == {1.0}
+
+
+def test_oom_retry_halves_the_chunk_and_replays_the_same_step(tmp_path, monkeypatch):
+    """An out-of-memory error in a chunk of more than 2 examples: the trainer reruns the same batch, key and state
+    with halved chunks; the result equals a run that used chunks of 2 from the start."""
+    from opake_core import clipping
+
+    reference = DPTrainer(tiny_model("llama"), _args(tmp_path / "ref", microbatch_size=2), train_dataset=DATA)
+    reference.train()
+    original = clipping._ClipSum.add
+
+    def add(self, grads):
+        import optree
+
+        if optree.tree_leaves(grads)[0].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return original(self, grads)
+
+    monkeypatch.setattr(clipping._ClipSum, "add", add)
+    args = _args(tmp_path / "oom", microbatch_size=8, auto_find_microbatch_size=True)
+    trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA, eval_dataset=DATA[:6])
+    trainer.train()
+    assert any(row.get("converged_microbatch_size") == 2.0 for row in trainer.state.log_history)
+    for (name, a), (_, b) in zip(reference.model.named_parameters(), trainer.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_eval_oom_retry_keeps_every_example(tmp_path, monkeypatch):
+    trainer = DPTrainer(
+        tiny_model("llama"),
+        _args(tmp_path, auto_find_microbatch_size=True, microbatch_size=8),
+        train_dataset=DATA,
+        eval_dataset=DATA[:10],
+    )
+    expected = trainer.evaluate()["eval_loss"]
+    forward = type(trainer.model).forward
+
+    def guarded(self, *args, **kwargs):
+        if kwargs["input_ids"].shape[0] > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(trainer.model), "forward", guarded)
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_gradient_checkpointing_gives_the_same_update(tmp_path):
+    plain = DPTrainer(tiny_model("llama"), _args(tmp_path / "p", max_steps=2), train_dataset=DATA)
+    plain.train()
+    checkpointed = DPTrainer(
+        tiny_model("llama"), _args(tmp_path / "c", max_steps=2, gradient_checkpointing=True), train_dataset=DATA
+    )
+    checkpointed.train()
+    for (name, a), (_, b) in zip(plain.model.named_parameters(), checkpointed.model.named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_compile_and_graphs_are_refused_until_wired(tmp_path):
+    with pytest.raises(ConfigurationError, match="torch_compile and cuda_graphs"):
+        DPTrainer(tiny_model("llama"), _args(tmp_path, torch_compile=True), train_dataset=DATA)
+
+
+def test_save_total_limit_and_save_only_model(tmp_path):
+    args = _args(
+        tmp_path, max_steps=4, save_strategy="steps", save_steps=1, save_total_limit=2, privacy_accounting=True
+    )
+    DPTrainer(tiny_model("llama"), args, train_dataset=DATA).train()
+    assert [p.name for p in ckpt.checkpoints(tmp_path / "out")] == ["checkpoint-3", "checkpoint-4"]
+    only = _args(
+        tmp_path / "m", max_steps=1, save_strategy="steps", save_steps=1, save_only_model=True, privacy_accounting=True
+    )
+    DPTrainer(tiny_model("llama"), only, train_dataset=DATA).train()
+    folder = tmp_path / "m/out/checkpoint-1"
+    assert (folder / ckpt.ACCOUNTANT).is_file() and (folder / "model.safetensors").is_file()
+    assert not (folder / ckpt.DP_STATE).exists() and not (folder / ckpt.DP_OPTIMIZER).exists()
+    with pytest.raises(CheckpointError, match="not a complete DP checkpoint"):
+        ckpt.require_resumable(folder, accounted=True)

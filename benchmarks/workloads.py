@@ -1,0 +1,204 @@
+"""Benchmark workloads: models built from configs with random weights, and synthetic token batches.
+
+Every workload is a (model, batch size, sequence length, dtype) that all modes of :mod:`harness` run on the same
+batch. Nothing is downloaded: models come from ``transformers`` configs with a fixed seed, inputs from
+``torch.randint`` on a seeded CPU generator (so CPU and GPU runs see the same tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["SUITES", "Workload", "build_model", "make_batch", "model_inputs", "per_example_losses"]
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmark setting.
+
+    Attributes:
+        name: identifier used in the outputs and on the command line.
+        family: ``"bert"`` (sequence classification, full fine-tune), ``"llama_lora"`` (causal LM, frozen base with
+            LoRA adapters on every linear layer of the blocks) or ``"gpt2"`` (causal LM, full fine-tune).
+        batch: examples per step (the same fixed batch in every mode).
+        seq: tokens per example.
+        dtype: dtype of the base weights (``"float32"`` or ``"bfloat16"``); LoRA adapters stay float32 (PEFT's default).
+        config: keyword overrides of the ``transformers`` config (the defaults are the full-size models).
+        lora_rank: LoRA rank for ``llama_lora``.
+        description: one line for the tables.
+    """
+
+    name: str
+    family: str
+    batch: int
+    seq: int
+    dtype: str = "float32"
+    config: dict[str, Any] = field(default_factory=dict)
+    lora_rank: int = 16
+    description: str = ""
+
+    @property
+    def task(self) -> str:
+        return "sequence_classification" if self.family == "bert" else "causal_lm"
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.get("vocab_size", {"bert": 30522, "gpt2": 50257, "llama_lora": 32000}[self.family]))
+
+
+LLAMA_1B = {
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+TINY_BERT = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
+TINY_LLAMA = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
+TINY_GPT2 = {
+    "n_embd": 32,
+    "n_layer": 1,
+    "n_head": 2,
+    "vocab_size": 128,
+    "n_positions": 64,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+
+SUITES: dict[str, tuple[Workload, ...]] = {
+    "gpu": (
+        Workload("bert_base_s128_b32", "bert", 32, 128, description="BERT-base seq-cls, full fine-tune, fp32"),
+        Workload(
+            "llama1b_lora16_s512_b16",
+            "llama_lora",
+            16,
+            512,
+            "bfloat16",
+            LLAMA_1B,
+            description="Llama-style 1.1B (2048 hidden, 16 layers), bf16 base, LoRA r=16 on all linear layers",
+        ),
+        Workload(
+            "llama1b_lora16_s2048_b8",
+            "llama_lora",
+            8,
+            2048,
+            "bfloat16",
+            LLAMA_1B,
+            description="same model, seq 2048",
+        ),
+        Workload(
+            "gpt2_small_s512_b16", "gpt2", 16, 512, description="GPT-2 small (124M) causal LM, full fine-tune, fp32"
+        ),
+    ),
+    # Tiny float32 stand-ins of the same three families: fast on CPU, and exact enough for a float64 reference.
+    "smoke": (
+        Workload("tiny_bert_s16_b4", "bert", 4, 16, config=TINY_BERT, description="tiny BERT seq-cls, full"),
+        Workload(
+            "tiny_llama_lora4_s16_b4",
+            "llama_lora",
+            4,
+            16,
+            config=TINY_LLAMA,
+            lora_rank=4,
+            description="tiny Llama LoRA",
+        ),
+        Workload("tiny_gpt2_s16_b4", "gpt2", 4, 16, config=TINY_GPT2, description="tiny GPT-2 causal LM, full"),
+    ),
+}
+
+
+def build_model(workload: Workload, device: torch.device, *, seed: int = 0) -> torch.nn.Module:
+    """The workload's model with random weights (identical for a given seed), on ``device``, in train mode."""
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    dtype = getattr(torch, workload.dtype)
+    with torch.device(device):
+        if workload.family == "bert":
+            config = BertConfig(num_labels=2, attn_implementation="sdpa", **workload.config)
+            config.problem_type = "single_label_classification"
+            model = BertForSequenceClassification(config)
+        elif workload.family == "gpt2":
+            model = GPT2LMHeadModel(GPT2Config(attn_implementation="sdpa", **workload.config))
+        elif workload.family == "llama_lora":
+            model = LlamaForCausalLM(LlamaConfig(attn_implementation="sdpa", **workload.config))
+        else:
+            raise ValueError(f"unknown workload family {workload.family!r}; use 'bert', 'gpt2' or 'llama_lora'.")
+    model = model.to(dtype)
+    if workload.family == "llama_lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=workload.lora_rank, lora_alpha=workload.lora_rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS)
+        )
+        model = get_peft_model(model, lora)
+    return model.train()
+
+
+def make_batch(workload: Workload, batch: int, device: torch.device, *, seed: int = 1) -> dict[str, torch.Tensor]:
+    """A synthetic batch ``{name: [batch, ...]}`` with ``labels``, identical on every device for a given seed.
+
+    BERT gets explicit per-example ``position_ids`` and ``token_type_ids``: the model's broadcast ``[1, T]`` buffers
+    break Opacus's per-sample hooks, and explicit inputs keep every mode on the same tensors.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, workload.vocab_size, (batch, workload.seq), generator=gen)
+    if workload.task == "causal_lm":
+        out = {"input_ids": ids, "labels": ids.clone()}
+    else:
+        out = {
+            "input_ids": ids,
+            "token_type_ids": torch.zeros_like(ids),
+            "position_ids": torch.arange(workload.seq).expand(batch, -1).contiguous(),
+            "labels": torch.randint(0, 2, (batch,), generator=gen),
+        }
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch without its labels (what ``model(**inputs)`` takes)."""
+    return {k: v for k, v in batch.items() if k != "labels"}
+
+
+def per_example_losses(model: torch.nn.Module, batch: dict[str, torch.Tensor], task: str) -> torch.Tensor:
+    """Float32 losses ``[B]``, the same per-example objective as ``opake_torch.transformers.loss``.
+
+    Causal LM: mean next-token cross-entropy over each sequence's own tokens; classification: cross-entropy.
+    """
+    logits = model(**model_inputs(batch)).logits
+    labels = batch["labels"]
+    if task == "causal_lm":
+        shifted = logits[:, :-1].float()
+        nll = F.cross_entropy(shifted.reshape(-1, shifted.shape[-1]), labels[:, 1:].reshape(-1), reduction="none")
+        return nll.view(labels.shape[0], -1).mean(dim=1)
+    return F.cross_entropy(logits.float(), labels, reduction="none")

@@ -1,0 +1,222 @@
+"""Performance kernels applied as model patches: :func:`apply_performance_kernels`.
+
+Supported families: Llama, Mistral and Qwen2 (``model.config.model_type``), their ``*RMSNorm`` modules, the SwiGLU
+activation of their ``*MLP`` modules, ``apply_rotary_pos_emb``, and PEFT LoRA ``Linear`` layers (any model).
+Each patch replaces a forward with the Triton kernel of :mod:`opake_torch.patches.kernels`, which computes the same
+function (see :mod:`~opake_torch.patches.kernels.reference`), with per-example gradients under ``vmap``. The
+patches are idempotent; a patched forward falls back to the original for anything it does not serve (multiple
+active adapters, DoRA, active dropout, mixed dtypes).
+
+Without CUDA or without Triton nothing is patched and the reason is logged: a CPU run is never changed.
+``cross_entropy`` and ``fused_linear_cross_entropy`` are switches for the loss (the trainer's per-example loss calls
+:func:`~opake_torch.patches.kernels.opake_fused_linear_cross_entropy`); the model's own forward is not patched for
+them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from opake_core.errors import ConfigurationError, InputTypeError
+from opake_torch.patches.kernels import (
+    available,
+    opake_lora_mlp,
+    opake_lora_w,
+    opake_rms_norm,
+    opake_rope,
+    opake_swiglu,
+)
+from opake_torch.patches.kernels.reference import LoRAProjection
+
+__all__ = ["KERNELS", "SUPPORTED_MODEL_TYPES", "apply_performance_kernels", "resolve_performance_kernels"]
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("rms_norm", "activation", "rope", "lora", "cross_entropy", "fused_linear_cross_entropy")
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_SWIGLU_ACTIVATIONS = ("silu", "swish")
+_PATCHED = "_opake_kernel"
+
+
+def resolve_performance_kernels(
+    use_performance_kernels: bool | None = None, performance_kernels_config: Mapping[str, bool] | None = None
+) -> dict[str, bool]:
+    """The per-kernel switches in effect.
+
+    Args:
+        use_performance_kernels: ``None`` (auto) enables the kernels where :func:`kernels.available`; ``True``
+            asks for them (still off, with a warning, where they cannot run); ``False`` turns them all off.
+        performance_kernels_config: per-kernel overrides, e.g. ``{"fused_linear_cross_entropy": False}``; keys from
+            :data:`KERNELS`.
+
+    Returns:
+        ``{kernel: enabled}`` for every name in :data:`KERNELS`; all False where the kernels cannot run.
+    """
+    if use_performance_kernels is not None and not isinstance(use_performance_kernels, bool):
+        raise InputTypeError(f"use_performance_kernels must be None or a bool, got {use_performance_kernels!r}.")
+    config = dict(performance_kernels_config or {})
+    unknown = sorted(set(config) - set(KERNELS))
+    if unknown:
+        raise ConfigurationError(
+            f"performance_kernels_config has unknown kernels {unknown}; the switches are {list(KERNELS)}."
+        )
+    for name, value in config.items():
+        if not isinstance(value, bool):
+            raise InputTypeError(f"performance_kernels_config[{name!r}] must be a bool, got {value!r}.")
+    if use_performance_kernels is False:
+        return dict.fromkeys(KERNELS, False)
+    if not available():
+        reason = _unavailable_reason()
+        if use_performance_kernels:
+            logger.warning("use_performance_kernels=True, but the kernels cannot run here (%s): they are off.", reason)
+        else:
+            logger.info("performance kernels off: %s.", reason)
+        return dict.fromkeys(KERNELS, False)
+    return {name: config.get(name, True) for name in KERNELS}
+
+
+def _unavailable_reason() -> str:
+    from opake_torch.patches.kernels import _triton
+
+    if _triton.triton is None:
+        return "Triton is not installed"
+    if torch.version.cuda is None:
+        return "this torch build has no CUDA (ROCm and CPU builds use the torch path)"
+    return "no CUDA device"
+
+
+def apply_performance_kernels(
+    model: torch.nn.Module,
+    *,
+    use_performance_kernels: bool | None = None,
+    performance_kernels_config: Mapping[str, bool] | None = None,
+) -> list[str]:
+    """Patch the supported modules of ``model`` with the Triton kernels (idempotent).
+
+    Returns:
+        The names of the patches in effect (``"rms_norm"``, ``"activation"``, ``"rope:<module>"``, ``"lora"``),
+        empty where nothing applies (CPU, no Triton, switched off, unsupported family); the reason is logged.
+    """
+    switches = resolve_performance_kernels(use_performance_kernels, performance_kernels_config)
+    if not any(switches.values()):
+        return []
+    applied: list[str] = []
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = SUPPORTED_MODEL_TYPES.get(model_type)
+    if family is None:
+        logger.info("no RMSNorm/activation/RoPE kernels for model_type %r (supported: %s).", model_type,
+                    sorted(SUPPORTED_MODEL_TYPES))  # fmt: skip
+    else:
+        hidden_act = getattr(model.config, "hidden_act", None)
+        for module in model.modules():
+            name = type(module).__name__
+            if switches["rms_norm"] and name.endswith("RMSNorm") and _patch(module, _rms_norm_forward):
+                _note(applied, "rms_norm")
+            elif (
+                switches["activation"]
+                and name.endswith("MLP")
+                and hidden_act in _SWIGLU_ACTIVATIONS
+                and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))
+                and _patch(module, functools.partial(_swiglu_mlp_forward, lora=switches["lora"]))
+            ):
+                _note(applied, "activation")
+        if switches["rope"]:
+            applied.append(f"rope:{_patch_rope(family)}")
+    if switches["lora"]:
+        for module in model.modules():
+            if _is_lora_linear(module) and _patch(module, _lora_forward):
+                _note(applied, "lora")
+    logger.info("performance kernels applied: %s", applied or "none")
+    return applied
+
+
+def _note(applied: list[str], name: str) -> None:
+    if name not in applied:
+        applied.append(name)
+
+
+def _patch(module: torch.nn.Module, forward: Any) -> bool:
+    """Replace ``module.forward`` by ``forward(module, original, *args)``; False when it was patched already."""
+    if getattr(module, _PATCHED, False):
+        return True
+    original = module.forward
+    module.forward = functools.partial(forward, module, original)
+    setattr(module, _PATCHED, True)
+    return True
+
+
+def _rms_norm_forward(module: torch.nn.Module, original: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if eps is None:
+        return original(hidden_states)
+    return opake_rms_norm(hidden_states, module.weight, eps)
+
+
+def _swiglu_mlp_forward(module: torch.nn.Module, original: Any, x: torch.Tensor, *, lora: bool) -> torch.Tensor:
+    projections = [_lora_projection(getattr(module, p), x) for p in ("gate_proj", "up_proj", "down_proj")]
+    if lora and all(p is not None for p in projections):
+        (gate, scaling), (up, _), (down, _) = projections  # type: ignore[misc]
+        if all(p[1] == scaling for p in projections):  # type: ignore[index]
+            return opake_lora_mlp(x, gate, up, down, scaling)
+    return module.down_proj(opake_swiglu(module.gate_proj(x), module.up_proj(x)))
+
+
+def _patch_rope(family: str) -> str:
+    name = f"transformers.models.{family}.modeling_{family}"
+    modeling = importlib.import_module(name)
+    original = modeling.apply_rotary_pos_emb
+    if not getattr(original, _PATCHED, False):
+
+        @functools.wraps(original)
+        def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # the signature HF calls
+            return opake_rope(q, k, cos, sin, unsqueeze_dim)
+
+        setattr(apply_rotary_pos_emb, _PATCHED, True)
+        modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
+    return name
+
+
+def _is_lora_linear(module: torch.nn.Module) -> bool:
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError:
+        return False
+    return isinstance(module, LoraLinear)
+
+
+def _lora_projection(module: torch.nn.Module, x: torch.Tensor) -> tuple[LoRAProjection, float] | None:
+    """The single active adapter of a PEFT LoRA ``Linear`` as a :class:`LoRAProjection`, or None when the kernel
+    does not serve it (several or no active adapters, merged, DoRA, active dropout, non-Linear base, mixed dtypes)."""
+    if not _is_lora_linear(module) or module.disable_adapters or module.merged:
+        return None
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    if len(active) != 1:
+        return None
+    adapter = active[0]
+    base = module.base_layer
+    dropout = module.lora_dropout[adapter]
+    if (
+        type(base) is not torch.nn.Linear
+        or module.use_dora.get(adapter, False)
+        or (module.training and not isinstance(dropout, torch.nn.Identity))
+        or getattr(module, "lora_bias", {}).get(adapter, False)
+    ):
+        return None
+    lora_a, lora_b = module.lora_A[adapter].weight, module.lora_B[adapter].weight
+    if len({x.dtype, base.weight.dtype, lora_a.dtype, lora_b.dtype}) != 1:
+        return None
+    return LoRAProjection(base.weight, lora_a, lora_b, base.bias), float(module.scaling[adapter])
+
+
+def _lora_forward(module: torch.nn.Module, original: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    found = None if args or kwargs else _lora_projection(module, x)
+    if found is None:
+        return original(x, *args, **kwargs)
+    projection, scaling = found
+    return opake_lora_w(x, projection.weight, projection.lora_A, projection.lora_B, scaling, projection.bias)

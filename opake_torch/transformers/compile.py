@@ -1,0 +1,141 @@
+"""Compiled and graph-captured chunk functions.
+
+A *chunk function* takes tensors (and hashable non-tensor arguments) and returns tensors: in the trainer it is the
+per-chunk ``vmap(grad) -> clip -> sum`` kernel. Neither wrapper changes the maths; they change how it is launched.
+
+* :func:`compile_chunk`: ``torch.compile(dynamic=True)``. A compilation failure (an unsupported operation, a
+  backend error) warns once and the function runs eagerly from then on, instead of failing the run.
+* :class:`CudaGraphChunk`: one CUDA graph per input *signature* (shapes, strides, dtypes, devices,
+  ``requires_grad`` of every tensor, and the non-tensor arguments), at most ``max_graphs`` of them; later calls with
+  a captured signature copy their inputs into the graph's static buffers and replay it. Signatures seen after the
+  cap run eagerly. Sequence lengths vary per batch, so bound them with ``pad_to_multiple_of`` and ``max_length``
+  (docs/memory.md): every distinct padded length is a signature.
+
+Outputs of a replayed graph live in the graph's static buffers and are overwritten by its next replay: the wrapper
+returns clones, so callers may keep them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from opake_core.errors import ConfigurationError
+
+__all__ = ["CudaGraphChunk", "compile_chunk", "signature"]
+
+
+def compile_chunk(fn: Callable[..., Any], *, backend: str = "inductor", mode: str | None = None) -> Callable[..., Any]:
+    """``torch.compile(fn, dynamic=True, backend=backend, mode=mode)`` with an eager fallback.
+
+    The first call that fails to compile (any exception raised while compiling or running the compiled function)
+    emits one ``RuntimeWarning`` naming the error, reruns that call eagerly, and every later call is eager. An
+    error that the eager function also raises is the function's own and propagates.
+    """
+    compiled = torch.compile(fn, dynamic=True, backend=backend, mode=mode)
+    state = {"eager": False}
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if state["eager"]:
+            return fn(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as exc:
+            result = fn(*args, **kwargs)  # raises the function's own errors
+            state["eager"] = True
+            warnings.warn(
+                f"torch.compile(backend={backend!r}, mode={mode!r}) failed for {getattr(fn, '__name__', fn)!r}; "
+                f"running it eagerly from now on ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). "
+                "Set torch_compile=False to silence this.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return result
+
+    run.is_eager = lambda: state["eager"]  # type: ignore[attr-defined]
+    return run
+
+
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Hashable:
+    """The key under which a call is captured: the tree structure, and per leaf either the tensor's
+    ``(shape, stride, dtype, device, requires_grad)`` or the value itself (non-tensors must be hashable)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs or {}))
+    keys: list[Hashable] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            keys.append(("T", tuple(leaf.shape), leaf.stride(), leaf.dtype, str(leaf.device), leaf.requires_grad))
+        else:
+            try:
+                hash(leaf)
+            except TypeError as exc:
+                raise ConfigurationError(
+                    f"a CUDA-graph chunk argument must be a tensor or hashable, got {type(leaf).__name__}; pass it "
+                    "through a closure instead."
+                ) from exc
+            keys.append(("V", type(leaf).__name__, leaf))
+    return (str(spec), tuple(keys))
+
+
+class _Graph:
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        leaves, self.spec = pytree.tree_flatten((args, kwargs))
+        self.static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        static_args, static_kwargs = pytree.tree_unflatten(self.static, self.spec)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up on a side stream, as torch.cuda.graphs recommends
+            for _ in range(2):
+                fn(*static_args, **static_kwargs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = fn(*static_args, **static_kwargs)
+
+    def replay(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        leaves, _ = pytree.tree_flatten((args, kwargs))
+        for buffer, leaf in zip(self.static, leaves, strict=True):
+            if isinstance(buffer, torch.Tensor):
+                buffer.copy_(leaf)
+        self.graph.replay()
+        return pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, self.output)
+
+
+class CudaGraphChunk:
+    """Capture ``fn`` as one CUDA graph per input signature (at most ``max_graphs``), replay afterwards.
+
+    Args:
+        fn: the chunk function; it must be capturable (no host synchronization such as ``.item()``, no CPU
+            tensors, no RNG state reads: see :func:`~opake_torch.patches.checkpointing.check_memory_knobs`).
+        max_graphs: the number of signatures to capture (``TrainingArguments.cuda_graphs``); later new signatures
+            run eagerly.
+
+    Raises:
+        ConfigurationError at construction without CUDA.
+    """
+
+    def __init__(self, fn: Callable[..., Any], max_graphs: int) -> None:
+        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ConfigurationError(f"max_graphs must be an int >= 1, got {max_graphs!r}.")
+        if not torch.cuda.is_available():
+            raise ConfigurationError(
+                f"cuda_graphs={max_graphs} requires a CUDA device and none is available; set cuda_graphs=0."
+            )
+        self.fn, self.max_graphs = fn, max_graphs
+        self.graphs: dict[Hashable, _Graph] = {}
+        self.eager_calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = signature(args, kwargs)
+        graph = self.graphs.get(key)
+        if graph is None:
+            if len(self.graphs) >= self.max_graphs:
+                self.eager_calls += 1
+                return self.fn(*args, **kwargs)
+            if any(isinstance(x, torch.Tensor) and x.device.type != "cuda" for x in pytree.tree_leaves((args, kwargs))):
+                raise ConfigurationError("cuda_graphs needs every tensor argument on a CUDA device; move the batch.")
+            graph = self.graphs[key] = _Graph(self.fn, args, kwargs)
+        return graph.replay(args, kwargs)

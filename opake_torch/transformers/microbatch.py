@@ -1,0 +1,155 @@
+"""Microbatch sizing: retry a logical batch with a smaller vmap chunk after a CUDA out-of-memory error.
+
+The chunk size (``microbatch_size``) only changes how many examples ``vmap(grad)`` processes at once; the clipped
+sum does not depend on it beyond float summation order (:func:`opake_core.clipping.clipped_grad`). Retrying the
+**same** logical batch (same sampled indices, same noise key and step) with a smaller chunk therefore releases
+exactly what a run configured with the smaller chunk would have released: the retry is privacy-neutral. What must
+never happen is resampling the batch or redrawing the noise after a failure, which would leak through the retry;
+the caller guarantees it by passing a closure over one batch and one step state.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from opake_core.errors import ConfigurationError
+
+__all__ = ["choose_microbatch_size", "is_out_of_memory", "retry_eval_batch", "run_with_oom_retry"]
+
+T = TypeVar("T")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is a CUDA (or other accelerator) out-of-memory error."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _check_size(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}.")
+    return value
+
+
+def run_with_oom_retry(
+    step: Callable[[int], T],
+    *,
+    microbatch_size: int,
+    batch_size: int,
+    on_shrink: Callable[[int, int], None] | None = None,
+) -> tuple[T, int]:
+    """Run ``step(chunk)``, halving ``chunk`` after each out-of-memory error; returns ``(result, chunk)``.
+
+    Args:
+        step: runs the **same** logical step with vmap chunks of the given size (rebuild the step function for the
+            chunk, reuse the batch, the noise key and the step state). It must not have mutated any state when it
+            raises (the core step functions are pure).
+        microbatch_size: the first chunk size to try; chunks start at ``min(microbatch_size, batch_size)``.
+        batch_size: the realized batch size (0 is allowed: an empty batch is still a step).
+        on_shrink: ``on_shrink(old, new)`` after each halving (for a warning or a log line).
+
+    Returns:
+        The step's result and the chunk size that succeeded: pass it as ``microbatch_size`` to later steps, so
+        the search happens once per run, not once per step.
+
+    Raises:
+        ConfigurationError when the step runs out of memory with a chunk of 1 (the original error is chained).
+    """
+    chunk = max(1, min(_check_size(microbatch_size, "microbatch_size"), max(batch_size, 1)))
+    while True:
+        try:
+            return step(chunk), chunk
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            if chunk == 1:
+                raise ConfigurationError(
+                    "out of memory with microbatch_size=1: one example's per-example gradient does not fit. Enable "
+                    "gradient_checkpointing, bf16, LoRA, or lower max_length."
+                ) from exc
+        # the failed attempt's tensors are released only after leaving the except block
+        _release_memory()
+        new = max(1, chunk // 2)
+        if on_shrink is not None:
+            on_shrink(chunk, new)
+        chunk = new
+
+
+def retry_eval_batch(
+    evaluate: Callable[[int, int], T],
+    *,
+    start: int,
+    stop: int,
+    batch_size: int,
+    on_shrink: Callable[[int, int], None] | None = None,
+) -> tuple[list[T], int]:
+    """Evaluate examples ``[start, stop)`` in sub-batches of ``batch_size``, halving it on out-of-memory errors.
+
+    ``evaluate(lo, hi)`` evaluates examples ``[lo, hi)`` and returns its piece of the result. Evaluation releases
+    nothing private, so the only requirement is that every example is evaluated exactly once: a failed sub-batch is
+    retried from its own start, and finished pieces are kept. Returns the pieces in order and the batch size that
+    worked last.
+    """
+    size = _check_size(batch_size, "batch_size")
+    pieces: list[T] = []
+    lo = start
+    while lo < stop:
+        hi = min(lo + size, stop)
+        try:
+            pieces.append(evaluate(lo, hi))
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            if size == 1:
+                raise ConfigurationError(
+                    "out of memory evaluating one example; lower max_length or set bf16_full_eval=True."
+                ) from exc
+        else:
+            lo = hi
+            continue
+        _release_memory()
+        new = max(1, size // 2)
+        if on_shrink is not None:
+            on_shrink(size, new)
+        size = new
+    return pieces, size
+
+
+def choose_microbatch_size(
+    *,
+    per_example_bytes: int,
+    batch_size: int,
+    device: torch.device | str | None = None,
+    headroom: float = 0.8,
+) -> int:
+    """A starting chunk size from free CUDA memory: the largest power of two ``m <= batch_size`` with
+    ``m * per_example_bytes <= headroom * free``.
+
+    ``per_example_bytes`` is the caller's estimate of one example's footprint (its per-example gradient copy plus
+    its activations, e.g. measured as the peak-memory difference between chunks of 1 and 2). This is only a first
+    guess for :func:`run_with_oom_retry`, which still halves on failure; without CUDA it returns ``batch_size``.
+    """
+    _check_size(batch_size, "batch_size")
+    _check_size(per_example_bytes, "per_example_bytes")
+    if not 0 < headroom <= 1:
+        raise ConfigurationError(f"headroom must be in (0, 1], got {headroom!r}.")
+    dev = torch.device(device) if device is not None else None
+    if not torch.cuda.is_available() or (dev is not None and dev.type != "cuda"):
+        return batch_size
+    free, _ = torch.cuda.mem_get_info(dev)
+    fits = int(headroom * free) // per_example_bytes
+    size = 1
+    while size * 2 <= min(fits, batch_size):
+        size *= 2
+    return size

@@ -1,0 +1,91 @@
+"""The benchmark harness on its tiny CPU suite: well-formed outputs and a passing same-batch clipped-sum check.
+
+Timings are not asserted: they depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+HARNESS = Path(__file__).resolve().parents[1] / "benchmarks" / "harness.py"
+MODES = ("nonprivate", "opacus_hooks", "opacus_ghost", "opake_core", "opake_trainer")
+WORKLOADS = ("tiny_bert_s16_b4", "tiny_llama_lora4_s16_b4", "tiny_gpt2_s16_b4")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("bench")
+    command = [
+        sys.executable,
+        str(HARNESS),
+        "--suite",
+        "smoke",
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--profile",
+        "--profile-steps",
+        "1",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
+
+def test_one_record_per_workload_and_mode(report: tuple[dict, str]) -> None:
+    results, _ = report
+    pairs = [(r["workload"], r["mode"]) for r in results["records"]]
+    assert pairs == [(w, m) for w in WORKLOADS for m in MODES]
+    for r in results["records"]:
+        if r["mode"] in ("opacus_hooks", "opacus_ghost") and r.get("skipped"):
+            assert r["error"] == "opacus not installed"
+            continue
+        assert r["ok"], r
+        assert r["step_s_median"] > 0 and r["steps_timed"] == 2
+        assert r["tokens_per_s"] == pytest.approx(r["examples_per_s"] * r["seq"])
+        assert r["time_vs_nonprivate"] > 0
+        assert r["peak_mem_gib"] is None  # CPU: no CUDA allocator statistics
+
+
+def test_clipped_sum_matches_reference(report: tuple[dict, str]) -> None:
+    results, _ = report
+    assert [c["workload"] for c in results["checks"]] == list(WORKLOADS)
+    for check in results["checks"]:
+        assert check["ok"], check
+        assert check["reference"] in ("opacus_hooks", "float64_loop")
+        assert check["leaves_compared"] > 0 and not check["leaves_unmatched"]
+        assert check["l2_rel_diff"] <= check["tolerance_l2_rel"]
+    core = [r for r in results["records"] if r["mode"] == "opake_core"]
+    assert all(any(k.startswith("clipped_sum_max_rel_diff_vs_") for k in r) for r in core)
+
+
+def test_phase_breakdown_names_the_core_labels(report: tuple[dict, str]) -> None:
+    results, _ = report
+    assert results["accounting_query_ms"] > 0
+    for phases in results["phases"]:
+        assert phases["ok"], phases
+        names = set(phases["phases"])
+        assert {"opake::dp_sgd_step", "opake::clipped_grad", "opake::gaussian_noise"} <= names
+        assert any(name.startswith("opake::optim.") for name in names)
+        assert phases["per_example_grads_ms"] > 0
+
+
+def test_meta_and_markdown(report: tuple[dict, str]) -> None:
+    results, text = report
+    meta = results["meta"]
+    assert meta["device"] and meta["date_utc"] and meta["versions"]["torch"]
+    table = [line for line in text.splitlines() if line.startswith("| tiny_")]
+    header = next(line for line in text.splitlines() if line.startswith("| workload | mode |"))
+    assert all(line.count("|") == header.count("|") for line in table[: len(WORKLOADS) * len(MODES)])
+    for workload in WORKLOADS:
+        assert f"| {workload} | opake_core" in text
+    assert "Same-batch clipped sum" in text and "Phase breakdown" in text

@@ -1,0 +1,107 @@
+"""Compiled and graph-captured chunk functions: signatures, the eager fallback, the capture cap (faked on CPU)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from opake_core.errors import ConfigurationError
+from opake_torch.transformers import compile as compile_mod
+from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk, signature
+
+
+def test_signature_distinguishes_every_property() -> None:
+    x = torch.zeros(2, 3)
+    base = signature((x, 1))
+    assert signature((torch.ones(2, 3), 1)) == base  # values do not matter
+    assert signature((torch.zeros(3, 2), 1)) != base  # shape
+    assert signature((torch.zeros(3, 2).t(), 1)) != base  # strides
+    assert signature((x.double(), 1)) != base  # dtype
+    assert signature((x.requires_grad_(True), 1)) != base  # requires_grad
+    assert signature((torch.zeros(2, 3), 2)) != base  # non-tensor value
+    assert signature((torch.zeros(2, 3),), {"k": 1}) != base  # structure
+    assert signature((torch.zeros(2, 3, device="meta"), 1)) != base  # device
+
+
+def test_signature_refuses_unhashable_arguments() -> None:
+    with pytest.raises(ConfigurationError, match=r"tensor or hashable.*closure"):
+        signature((torch.zeros(1), [object()], {"a": {1: set()}}))
+
+
+def test_cuda_graphs_need_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigurationError, match=r"cuda_graphs=4 requires a CUDA device.*cuda_graphs=0"):
+        CudaGraphChunk(lambda x: x, 4)
+    with pytest.raises(ConfigurationError, match="max_graphs"):
+        CudaGraphChunk(lambda x: x, 0)
+
+
+def test_capture_cap_then_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    captured = []
+
+    class FakeGraph:
+        def __init__(self, fn, args, kwargs):
+            captured.append(signature(args, kwargs))
+            self.fn = fn
+
+        def replay(self, args, kwargs):
+            return ("replay", self.fn(*args, **kwargs))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(compile_mod, "_Graph", FakeGraph)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
+    chunk = CudaGraphChunk(lambda x: x.sum(), 2)
+    assert chunk(torch.ones(2))[0] == "replay"
+    assert chunk(torch.ones(2))[0] == "replay"
+    assert chunk(torch.ones(3))[0] == "replay"
+    assert len(captured) == 2
+    assert chunk(torch.ones(4)) == 4  # third signature: eager, not captured
+    assert chunk(torch.ones(2))[0] == "replay"
+    assert len(captured) == 2 and chunk.eager_calls == 1
+
+
+def test_compile_failure_falls_back_to_eager_and_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"compiled": 0}
+
+    def broken_compile(fn, **kwargs):
+        assert kwargs["dynamic"] is True
+
+        def compiled(*args, **kw):
+            calls["compiled"] += 1
+            raise RuntimeError("inductor: unsupported operator aten::foo\nmore")
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+
+    def chunk(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    run = compile_chunk(chunk, backend="inductor", mode=None)
+    with pytest.warns(RuntimeWarning, match="failed for 'chunk'.*aten::foo.*torch_compile=False") as record:
+        assert torch.equal(run(torch.ones(2)), torch.full((2,), 2.0))
+    assert len(record) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(run(torch.ones(3)), torch.full((3,), 2.0))
+    assert calls["compiled"] == 1 and run.is_eager()
+
+
+def test_compile_propagates_the_functions_own_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def chunk(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("bad input")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    with pytest.raises(ValueError, match="bad input"):
+        compile_chunk(chunk)(torch.ones(1))
+
+
+def test_compile_eager_backend_matches() -> None:
+    def chunk(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * 3
+
+    x = torch.randn(5)
+    run = compile_chunk(chunk, backend="eager")
+    assert torch.equal(run(x), chunk(x)) and not run.is_eager()
