@@ -408,7 +408,7 @@ def _ours_clipped_sum(workload: Workload, batch: dict[str, torch.Tensor], settin
     from opake_core.clipping import clipped_grad
 
     model, _, params, _, loss_fn = _core_parts(workload, settings)
-    model.eval()
+    _dropout_off_hooks_on(model)
     grad_fn, state = clipped_grad(
         loss_fn,
         clipping_norm=settings.clipping_norm,
@@ -417,6 +417,19 @@ def _ours_clipped_sum(workload: Workload, batch: dict[str, torch.Tensor], settin
     )
     clipped, _ = grad_fn(params, batch, state=state)
     return {"model": model, "sums": {k: v.detach() for k, v in clipped.value.items()}}
+
+
+def _dropout_off_hooks_on(model: torch.nn.Module) -> None:
+    """Deterministic forward for the same-batch check that Opacus can still hook.
+
+    Opacus records activations only for modules in training mode, while any module in training mode may apply
+    dropout (``nn.Dropout`` or an attention module's own dropout probability). So: everything in eval mode except
+    the modules that own trainable parameters directly (linear, embedding, norm layers), which apply no dropout.
+    """
+    model.eval()
+    for module in model.modules():
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            module.train()
 
 
 def _opacus_clipped_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor], workload: Workload, bound: float):
