@@ -32,7 +32,7 @@ from opake_core.mf import optimize as _optimize_strategy
 from opake_core.mf.participation import SINGLE, Participation
 from opake_core.noise import add_gaussian_noise, compute_dtype_of
 from opake_core.optim import apply_updates
-from opake_core.tree import NAMESPACE, PerGroup
+from opake_core.tree import NAMESPACE, Clipped, Noised, PerGroup
 
 __all__ = ["DPFTRLState", "DPSGDState", "StepMetrics", "dp_ftrl", "dp_sgd"]
 
@@ -90,6 +90,19 @@ def _keyed(clip_state: Any, key: random.Key) -> Any:
     return clip_state
 
 
+def _reduced(reduce: Callable[[Clipped], Clipped] | None, clipped: Clipped) -> Clipped:
+    """``reduce(clipped)`` (a cross-rank sum), checked to keep the type and the sensitivity of the clipped sum."""
+    if reduce is None:
+        return clipped
+    out = reduce(clipped)
+    if not isinstance(out, Clipped) or isinstance(out, Noised) or out.sensitivity != clipped.sensitivity:
+        raise InputTypeError(
+            f"reduce must return an un-noised Clipped with the same sensitivity ({clipped.sensitivity!r}), got "
+            f"{type(out).__name__} with sensitivity {getattr(out, 'sensitivity', None)!r}; sum the clipped values only."
+        )
+    return out
+
+
 def _check_batch(batch: Any) -> None:
     if not isinstance(batch, tuple):
         raise InputTypeError(f"batch must be a tuple of per-example tensors, got {type(batch).__name__}.")
@@ -116,6 +129,7 @@ def dp_sgd(
     microbatch_size: int | None = None,
     compute_dtype: torch.dtype | str = torch.float32,
     clip_backend: Callable[..., Any] | None = None,
+    reduce: Callable[[Clipped], Clipped] | None = None,
 ) -> tuple[Callable[..., tuple[Any, Any, DPSGDState, StepMetrics]], DPSGDState]:
     """A composed DP-SGD step as ``(step_fn, dp_state)``.
 
@@ -131,6 +145,9 @@ def dp_sgd(
         microbatch_size: vmap chunk size (memory only; the result does not depend on it).
         compute_dtype: dtype the noise is drawn and added in.
         clip_backend: a faster clip-and-sum engine (see :func:`~opake_core.clipping.clipped_grad`).
+        reduce: applied to the clipped, normalized sum before the noise (default: identity). Data-parallel adapters
+            pass a cross-rank SUM here (``opake_torch.distributed.sum_gradients``), so that the noise is added once,
+            after the sum; it must return a :class:`~opake_core.tree.Clipped` with the same sensitivity.
 
     Returns:
         ``step_fn(params, opt_state, dp_state, batch, key) -> (params, opt_state, dp_state, metrics)`` where
@@ -148,6 +165,7 @@ def dp_sgd(
         _check_batch(batch)
         with torch.profiler.record_function("opake::dp_sgd_step"):
             (clipped, diagnostics), clip = grad_fn(params, batch, state=_keyed(dp_state.clip, key))
+            clipped = _reduced(reduce, clipped)
             noised = add_gaussian_noise(
                 clipped, noise_multiplier=noise_multiplier, key=key, step=dp_state.step, compute_dtype=dtype
             )
@@ -181,6 +199,7 @@ def dp_ftrl(
     compute_dtype: torch.dtype | str = torch.float32,
     participation: Participation = SINGLE,
     clip_backend: Callable[..., Any] | None = None,
+    reduce: Callable[[Clipped], Clipped] | None = None,
 ) -> tuple[Callable[..., tuple[Any, Any, DPFTRLState, StepMetrics]], DPFTRLState]:
     """A composed DP-FTRL step as ``(step_fn, dp_state)``, used exactly like :func:`dp_sgd`.
 
@@ -203,6 +222,9 @@ def dp_ftrl(
         participation: the pattern the noise is scaled for (single participation: the per-round convention of
             amplified accounting).
         clip_backend: a faster clip-and-sum engine (see :func:`~opake_core.clipping.clipped_grad`).
+        reduce: applied to the clipped, normalized sum before the noise (default: identity). Data-parallel adapters
+            pass a cross-rank SUM here (``opake_torch.distributed.sum_gradients``), so that the noise is added once,
+            after the sum; it must return a :class:`~opake_core.tree.Clipped` with the same sensitivity.
 
     Returns:
         ``step_fn(params, opt_state, dp_state, batch, key) -> (params, opt_state, dp_state, metrics)``; the noise of
@@ -242,6 +264,7 @@ def dp_ftrl(
             )
         with torch.profiler.record_function("opake::dp_ftrl_step"):
             (clipped, diagnostics), clip = grad_fn(params, batch, state=dp_state.clip)
+            clipped = _reduced(reduce, clipped)
             noised, noise = noise_fn(clipped, dataclasses.replace(dp_state.noise, key=key))
             updates, opt_state = optimizer.update(noised, opt_state, params=params)
             params = apply_updates(params, updates)

@@ -118,6 +118,8 @@ def _sampler(args: Any, dataset_size: int, steps: int) -> Any:
         raise ConfigurationError(
             f"the expected batch {batch} exceeds the dataset size {dataset_size}: lower per_device_train_batch_size."
         )
+    if args.world_size > 1:
+        return _rank_sampler(args, dataset_size, rate)
     if mode == "poisson":
         cap = kwargs.get("truncated_batch_size")
         return sampling.poisson(dataset_size=dataset_size, sample_rate=rate, truncated_batch_size=cap)
@@ -140,6 +142,32 @@ def _sampler(args: Any, dataset_size: int, steps: int) -> Any:
             )
         return sampling.balls_in_bins(dataset_size=dataset_size, num_bins=bins)
     raise ConfigurationError(f"sampling_mode={mode!r} is not supported by the trainer.")
+
+
+DDP_SAMPLING_MODES = ("poisson", "cyclic_poisson")
+
+
+def _rank_sampler(args: Any, dataset_size: int, rate: float) -> Any:
+    """Under DDP: this rank's sampler at the global rate (the accountant sees the cluster-wide rate)."""
+    from opake_torch.distributed import rank_poisson
+
+    mode, world, rank = args.sampling_mode, args.world_size, args.process_index
+    if mode == "poisson":
+        if args.sampling_kwargs.get("truncated_batch_size") is not None:
+            raise ConfigurationError(
+                "truncated Poisson sampling is not supported under DDP (world_size > 1): a per-rank cap is not the "
+                "global cap the accountant analyses. Drop sampling_kwargs['truncated_batch_size']."
+            )
+        return rank_poisson(dataset_size=dataset_size, sample_rate=rate, world_size=world, rank=rank)
+    if mode == "cyclic_poisson":
+        bands = args.privacy_noise_mechanism_kwargs["bands"]
+        return sampling.cyclic_poisson(
+            dataset_size=dataset_size, sample_rate=rate, bands=bands, world_size=world, rank=rank
+        )
+    raise ConfigurationError(
+        f"sampling_mode={mode!r} is not supported under DDP (world_size={world}); use one of {DDP_SAMPLING_MODES}, "
+        "whose per-rank shards are sampled independently so the union is the sampler the accountant analyses."
+    )
 
 
 def _strategy(args: Any, sampler: Any, steps: int) -> Any:

@@ -36,6 +36,7 @@ from opake_core.clipping import AdaptiveClipState
 from opake_core.errors import CheckpointError, ConfigurationError
 from opake_core.step import DPFTRLState, DPSGDState, dp_ftrl, dp_sgd
 from opake_core.tree import per_group
+from opake_torch import distributed
 from opake_torch.functional import functional_model
 from opake_torch.patches import apply_compat_patches, check_attention_implementation
 from opake_torch.patches.checkpointing import check_memory_knobs, enable_vmap_checkpointing
@@ -138,12 +139,15 @@ class DPTrainer:
                 "opake_torch.transformers.compile offers compile_chunk and CudaGraphChunk for loops of your own."
             )
         self.args = args
+        self._distributed = self._init_distributed(args)
         self.compat_patches = apply_compat_patches() + apply_family_patches(model) if args.use_compat_patches else []
         check_attention_implementation(model)
         if args.gradient_checkpointing:
             enable_vmap_checkpointing(model)
         check_memory_knobs(model, args)
         self.model = model.to(args.device)
+        if self._distributed:  # every rank starts from rank 0's weights
+            distributed.broadcast_params(dict(self.model.named_parameters()))
         self.performance_patches = apply_performance_kernels(
             self.model,
             use_performance_kernels=args.use_performance_kernels,
@@ -170,9 +174,40 @@ class DPTrainer:
         self.callback_handler = CallbackHandler(
             default + list(callbacks or []), self.model, processing_class, None, None
         )
-        self.state = DPTrainerState(is_local_process_zero=True, is_world_process_zero=args.process_index == 0)
+        self.state = DPTrainerState(
+            is_local_process_zero=args.local_process_index == 0, is_world_process_zero=args.process_index == 0
+        )
         self.control = TrainerControl()
         self.control = self.callback_handler.on_init_end(args, self.state, self.control)
+
+    @staticmethod
+    def _init_distributed(args: TrainingArguments) -> bool:
+        """Under torchrun (WORLD_SIZE > 1): initialize the process group and refuse what DDP does not support."""
+        if args.world_size <= 1:
+            if distributed.is_distributed():
+                raise ConfigurationError(
+                    f"a process group of {distributed.get_world_size()} ranks is initialized but WORLD_SIZE is not "
+                    "set: launch with torchrun (or set WORLD_SIZE, RANK and LOCAL_RANK), so that sampling and "
+                    "accounting see the cluster."
+                )
+            return False
+        if args.clipping_mode == "adaptive":
+            raise ConfigurationError(
+                "clipping_mode='adaptive' is not supported under DDP yet: its clip-count statistic would have to be "
+                "summed across ranks before its noise. Use clipping_mode='fixed' (or 'auto') with torchrun."
+            )
+        if args.auto_find_microbatch_size:
+            raise ConfigurationError(
+                "auto_find_microbatch_size is not supported under DDP: an out-of-memory retry on one rank would "
+                "desynchronize the cross-rank sum. Set microbatch_size explicitly."
+            )
+        initialized = distributed.init_process_group(args.ddp_backend, args.ddp_timeout, args.device)
+        if distributed.get_rank() != args.process_index:
+            raise ConfigurationError(
+                f"the process group rank {distributed.get_rank()} differs from RANK={args.process_index}; launch with "
+                "torchrun, whose RANK is the process group rank."
+            )
+        return initialized
 
     # -- batches ---------------------------------------------------------------------------------------------------
 
@@ -254,6 +289,8 @@ class DPTrainer:
             "compute_dtype": args.privacy_noise_mechanism_kwargs.get("compute_dtype", torch.float32),
             # fused Triton clip-and-sum on CUDA (it falls back to the identical torch path where it cannot run)
             "clip_backend": clip_and_sum if args.device.type == "cuda" else None,
+            # DDP: clipped sums are normalized by the cluster expected batch, summed across ranks, then noised once
+            "reduce": distributed.sum_gradients if self._distributed else None,
         }
 
         def make_step(microbatch_size: int | None) -> tuple[Any, Any]:
@@ -306,6 +343,8 @@ class DPTrainer:
             raise CheckpointError(f"resume_from_checkpoint=True but {args.output_dir} holds no checkpoint.")
         if folder:
             self._restore(Path(folder), run)
+        if self._distributed:
+            self._check_ranks_agree(run)
         self.model.train()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start and self.state.global_step == 0:
@@ -342,6 +381,8 @@ class DPTrainer:
         self._params = run.params
         self._plan = plan
         self._sync_model(run.params)
+        if self._distributed:
+            distributed.check_params_synchronized(run.params)
         metrics = self._final_metrics(run, time.perf_counter() - begin)
         self.log(metrics)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
@@ -349,6 +390,29 @@ class DPTrainer:
             self.push_to_hub()
         mean_loss = run.total_loss / max(run.total_count, 1)
         return TrainOutput(self.state.global_step, mean_loss, metrics)
+
+    def _check_ranks_agree(self, run: _Run) -> None:
+        """Keys, step counters and the privacy configuration must be the same on every rank (ConfigurationError)."""
+        plan, sampler_state = run.plan, run.sampler_state
+        distributed.check_synchronized(
+            noise_key=self._noise_key,
+            sampler_key=self._sampler_key,
+            global_step=self.state.global_step,
+            dp_step=run.dp_state.step,
+            sampler_step=sampler_state.step,
+            noise_multiplier=plan.noise_multiplier,
+            expected_batch_size=plan.expected_batch_size,
+            sample_rate=plan.sample_rate,
+            total_steps=plan.total_steps,
+            delta=plan.delta,
+            mechanism=self.args.privacy_noise_mechanism,
+            mechanism_kwargs={k: str(v) for k, v in self.args.privacy_noise_mechanism_kwargs.items()},
+            clipping_norm=self.args.clipping_norm,
+            clipping_mode=self.args.clipping_mode,
+            optim=self.args.optim,
+            learning_rate=self.args.learning_rate,
+            parameters=sorted(self._params),
+        )
 
     def _step_with_oom_retry(self, step_fn: Any, run: _Run, batch: dict, batch_size: int) -> tuple[Any, Any]:
         """Run the step; on out-of-memory, halve the vmap chunk and rerun the same batch, key and step state.
@@ -386,11 +450,14 @@ class DPTrainer:
             self._emit_step_logs(run)
 
     def _emit_step_logs(self, run: _Run) -> None:
-        loss = (run.loss_sum / run.count).item()
+        loss_sum, clip_sum = run.loss_sum, run.clip_sum
+        if self._distributed and self.args.average_tokens_across_devices:  # the same logged values on every rank
+            loss_sum, clip_sum = distributed.reduce_mean(loss_sum), distributed.reduce_mean(clip_sum)
+        loss = (loss_sum / run.count).item()
         logs = {
             "loss": loss,
             "learning_rate": float(run.schedule(max(self.state.global_step - 1, 0))),
-            "privacy_clip_rate": (run.clip_sum / run.count).item(),
+            "privacy_clip_rate": (clip_sum / run.count).item(),
             "privacy_clipping_norm": self._current_bound(run),
             "privacy_noise_std": _noise_std(run.plan, self._current_bound(run)),
             **self._privacy_logs(run.plan),
@@ -475,11 +542,24 @@ class DPTrainer:
             self.state.save_to_json(str(tmp / ckpt.TRAINER_STATE))
             (tmp / ckpt.TRAINING_ARGS).write_text(json.dumps(args.to_dict(), indent=2, default=str))
 
-        if args.should_save:
-            ckpt.write_atomically(folder, write)
-            protect = (Path(self.state.best_model_checkpoint),) if self.state.best_model_checkpoint else ()
-            ckpt.rotate(args.output_dir, args.save_total_limit, protect=protect)
+        if not self._distributed:
+            if args.should_save:
+                self._write_checkpoint(folder, write)
+            return folder
+        # DDP: rank 0 (local rank 0 of each node with save_on_each_node) writes; a failure aborts every rank
+        try:
+            if args.should_save:
+                self._write_checkpoint(folder, write)
+        except BaseException:
+            distributed.all_ok(False, "checkpoint save")
+            raise
+        distributed.all_ok(True, "checkpoint save")
         return folder
+
+    def _write_checkpoint(self, folder: Path, write: Any) -> None:
+        ckpt.write_atomically(folder, write)
+        protect = (Path(self.state.best_model_checkpoint),) if self.state.best_model_checkpoint else ()
+        ckpt.rotate(self.args.output_dir, self.args.save_total_limit, protect=protect)
 
     def _accountant_record(self, plan: PrivacyPlan) -> dict[str, Any]:
         steps = self.state.global_step
@@ -552,7 +632,10 @@ class DPTrainer:
                 f"{type(run.dp_state).__name__}: the mechanism changed."
             )
         run.dp_state = saved["step_state"]
-        run.sampler_state = type(run.sampler_state).from_json(saved["sampler_state"])
+        if self._distributed:  # rank 0 wrote the state; each rank keeps its own sampler configuration
+            run.sampler_state = distributed.local_sampler_state(saved["sampler_state"], run.sampler_state)
+        else:
+            run.sampler_state = type(run.sampler_state).from_json(saved["sampler_state"])
         torch.set_rng_state(saved["torch_rng_state"])
         state = DPTrainerState.load_from_json(str(folder / ckpt.TRAINER_STATE))
         for name in ("global_step", "epoch", "log_history", "best_metric", "best_global_step", "best_model_checkpoint"):
@@ -587,8 +670,10 @@ class DPTrainer:
         Nothing secret is written: no keys, noise, optimizer or sampler state.
         """
         folder = Path(output_dir or self.args.output_dir)
-        folder.mkdir(parents=True, exist_ok=True)
         self._sync_model(self._params)
+        if self._distributed and not self.args.should_save:  # DDP: one writer (per node with save_on_each_node)
+            return folder
+        folder.mkdir(parents=True, exist_ok=True)
         self._save_weights(folder)
         if self._plan is not None and self._plan.accounted:
             (folder / ckpt.ACCOUNTANT).write_text(json.dumps(self._accountant_record(self._plan), indent=2))

@@ -1,0 +1,270 @@
+"""Data-parallel DP training on ``torch.distributed`` (DDP-style: every rank holds the whole model).
+
+One logical step on ``W`` ranks:
+
+    rank r: sample its local batch -> per-example grads -> clip -> sum / cluster expected batch
+    all ranks: SUM the clipped sums (:func:`sum_gradients`) -> the same Gaussian / MF noise on every rank -> update
+
+* The clipped sum of each rank is divided by the **cluster-wide** expected batch (``q * N``); summing those across
+  ranks gives exactly the single-process normalized sum, with the single-process sensitivity ``C / (q N)``.
+* Noise synchronization: every rank uses the **same noise key and step**, so every rank draws the *identical* noise
+  locally, without communication (the noise of step ``t`` depends only on ``(key, t)``). The noise is thus added
+  once, after the cross-rank sum, and the released update is the single-process one. This holds bit-exactly on
+  the same device type and library versions (the counter-based generator is deterministic); mixing device types
+  across ranks is not supported. :func:`check_synchronized` verifies at start (and after a resume) that keys, step
+  counters and the privacy configuration agree on every rank; it raises ConfigurationError otherwise.
+* Every rank runs every step, even with an empty local batch: the all-reduce happens anyway, so no rank waits.
+* Sampling (:class:`RankPoisson`): rank ``r`` owns the strided shard ``r, r + W, r + 2W, ...`` and samples it with
+  Poisson at the global rate ``q`` from the key ``fold_in(sampler_key, "rank", r)``. The union over ranks is exactly
+  Poisson(q) over the whole dataset, so the accountant sees the cluster-wide rate ``q`` and the epsilon equals the
+  single-process epsilon for the cluster batch. Cyclic Poisson (BandMF) uses its own per-rank shards and streams.
+
+This module is the only place the adapter touches ``torch.distributed``; the core stays free of it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import optree
+import torch
+import torch.distributed as dist
+
+from opake_core.errors import ConfigurationError, StateError
+from opake_core.random import Key, fold_in
+from opake_core.sampling import Poisson
+from opake_core.sampling.state import SamplerState, check_state
+from opake_core.tree import Clipped, Noised
+
+__all__ = [
+    "RankPoisson",
+    "barrier",
+    "broadcast_params",
+    "check_params_synchronized",
+    "check_synchronized",
+    "get_rank",
+    "get_world_size",
+    "init_process_group",
+    "is_distributed",
+    "local_sampler_state",
+    "rank_poisson",
+    "reduce_mean",
+    "sum_gradients",
+]
+
+RANK_TAG = "rank"
+
+
+def is_distributed() -> bool:
+    """Whether a process group with more than one rank is initialized."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def init_process_group(backend: str | None, timeout_s: int, device: torch.device) -> bool:
+    """Initialize the default process group from the torchrun environment when ``WORLD_SIZE > 1``.
+
+    The backend is ``backend``, or NCCL on CUDA and Gloo on CPU. An already initialized group is kept, but a
+    configured backend that differs from the live one is refused. Returns whether the run is distributed.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return False
+    if not dist.is_available():
+        raise ConfigurationError(f"WORLD_SIZE={world} but this torch build has no torch.distributed.")
+    if dist.is_initialized():
+        live = str(dist.get_backend()).lower()
+        if backend is not None and backend not in live:
+            raise ConfigurationError(
+                f"ddp_backend={backend!r} but the live process group uses {live!r}; drop ddp_backend or initialize "
+                "the group with the same backend."
+            )
+        if dist.get_world_size() != world:
+            raise ConfigurationError(
+                f"WORLD_SIZE={world} but the live process group has {dist.get_world_size()} ranks."
+            )
+        return True
+    chosen = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if chosen == "mpi" and not dist.is_mpi_available():
+        raise ConfigurationError("ddp_backend='mpi' but this torch build has no MPI support; use 'gloo' or 'nccl'.")
+    if chosen == "nccl" and device.type != "cuda":
+        raise ConfigurationError("ddp_backend='nccl' needs CUDA devices; use 'gloo' on CPU.")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=chosen, timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+def sum_gradients(clipped: Clipped) -> Clipped:
+    """All-reduce (SUM) every leaf of a clipped sum across ranks; a new Clipped with the same sensitivity.
+
+    Copy-returning: the input is left untouched. Refuses a noised tree (the noise must come after the sum). A no-op
+    copy when not distributed.
+    """
+    if isinstance(clipped, Noised) or not isinstance(clipped, Clipped):
+        raise ConfigurationError(
+            f"sum_gradients takes the clipped, un-noised sum (a Clipped), got {type(clipped).__name__}: sum across "
+            "ranks first, then add the noise once."
+        )
+
+    def reduce(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        out = leaf.detach().clone()
+        if is_distributed():
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    return Clipped(optree.tree_map(reduce, clipped.value), clipped.sensitivity)
+
+
+def reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """The mean of a tensor over ranks (a copy; the value itself when not distributed)."""
+    if not is_distributed():
+        return value
+    out = value.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out / dist.get_world_size()
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def all_ok(ok: bool, what: str) -> None:
+    """All-reduce a failure flag; on ranks where it did not fail locally, raise StateError when another rank did."""
+    if not is_distributed():
+        return
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+    if ok and int(flag.item()):
+        raise StateError(f"{what} failed on another rank; aborting this rank too (see that rank's error).")
+
+
+def _fingerprint(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def check_synchronized(**fields: Any) -> None:
+    """All-gather the fingerprint of ``fields`` (keys as hex, step counters, privacy configuration) and raise
+    ConfigurationError naming the fields that differ between ranks. A no-op when not distributed."""
+    if not is_distributed():
+        return
+    mine = {k: (v.hex if isinstance(v, Key) else v) for k, v in fields.items()}
+    prints = {k: _fingerprint(v) for k, v in mine.items()}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, prints)
+    differ = sorted({k for other in gathered for k in prints if other.get(k) != prints[k]})
+    if differ:
+        raise ConfigurationError(
+            f"ranks disagree on {differ} (rank {dist.get_rank()} has { ({k: mine[k] for k in differ})!r}): every rank "
+            "must use the same seed, arguments, dataset size and checkpoint, or the noise would not be the same "
+            "on every rank and the update would not be private."
+        )
+
+
+def params_checksum(params: dict[str, torch.Tensor]) -> float:
+    total = 0.0
+    for name in sorted(params):
+        value = params[name].detach().double()
+        total += float(value.sum()) + float(value.abs().sum())
+    return total
+
+
+def check_params_synchronized(params: dict[str, torch.Tensor]) -> None:
+    """Debug check: all-gather a parameter checksum and raise StateError when the ranks' parameters differ."""
+    if not is_distributed():
+        return
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, params_checksum(params))
+    if len(set(gathered)) > 1:
+        raise StateError(f"the ranks' parameters diverged (checksums {gathered}); the runs are not synchronized.")
+
+
+def broadcast_params(params: dict[str, torch.Tensor]) -> None:
+    """Copy rank 0's values into ``params`` on every rank (in place), so that all ranks start from the same weights."""
+    if not is_distributed():
+        return
+    with torch.no_grad():
+        for name in sorted(params):
+            dist.broadcast(params[name].data, src=0)
+
+
+@dataclass(frozen=True)
+class RankPoisson(Poisson):
+    """Per-rank Poisson: rank ``r`` of ``world_size`` samples its strided shard ``r, r + W, ...`` at the global rate.
+
+    ``dataset_size``, ``sample_rate``, :attr:`expected_batch_size` and :meth:`process` are the global ones (the
+    union over ranks is Poisson(q) over the whole dataset). The draws of rank ``r`` come from the key
+    ``fold_in(key, "rank", r)``. The state records the step and the global configuration (not the rank), so every
+    rank resumes from rank 0's checkpoint.
+    """
+
+    world_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.truncated_batch_size is not None:
+            raise ConfigurationError(
+                "truncated Poisson is not supported under DDP (a per-rank cap is not the global cap the accountant "
+                "analyses); drop sampling_kwargs['truncated_batch_size']."
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigurationError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}.")
+
+    @property
+    def config(self) -> tuple[tuple[str, object], ...]:
+        return tuple(sorted((*super().config, ("world_size", self.world_size))))
+
+    def rank_key(self, key: Key, rank: int | None = None) -> Key:
+        return fold_in(key, RANK_TAG, self.rank if rank is None else rank)
+
+    def shard(self, rank: int | None = None) -> np.ndarray:
+        r = self.rank if rank is None else rank
+        return np.arange(r, self.dataset_size, self.world_size, dtype=np.int64)
+
+    def sample(self, key: Key, state: SamplerState) -> tuple[np.ndarray, SamplerState]:
+        """This rank's sorted int64 dataset indices of step ``state.step`` and the next state."""
+        return self.sample_rank(key, state, self.rank)
+
+    def sample_rank(self, key: Key, state: SamplerState, rank: int) -> tuple[np.ndarray, SamplerState]:
+        """Rank ``rank``'s draw (any rank can be replayed, e.g. to rebuild the union batch in a test)."""
+        state = check_state(state, self.config)
+        shard = self.shard(rank)
+        local = Poisson(len(shard), self.sample_rate)
+        picked, _ = local.sample(self.rank_key(key, rank), SamplerState(state.step, local.config))
+        return shard[picked], SamplerState(state.step + 1, state.config)
+
+
+def rank_poisson(*, dataset_size: int, sample_rate: float, world_size: int, rank: int) -> RankPoisson:
+    if dataset_size < world_size:
+        raise ConfigurationError(f"dataset_size={dataset_size} is smaller than world_size={world_size}.")
+    return RankPoisson(dataset_size, sample_rate, None, world_size, rank)
+
+
+def local_sampler_state(saved: Any, fresh: SamplerState) -> SamplerState:
+    """Rank 0's saved sampler state made this rank's: the same step, the config checked up to the ``rank`` entry."""
+    state = SamplerState.from_json(saved) if isinstance(saved, dict) else saved
+    strip = lambda config: tuple(item for item in config if item[0] != "rank")  # noqa: E731
+    if strip(state.config) != strip(fresh.config):
+        raise StateError(
+            f"the checkpoint's sampler configuration {dict(state.config)} differs from this run's {dict(fresh.config)}."
+        )
+    return SamplerState(state.step, fresh.config)

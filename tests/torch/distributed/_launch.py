@@ -1,0 +1,25 @@
+"""Launch ``ddp_worker.py`` on 2 CPU processes (Gloo) with torchrun and load what each rank wrote."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def launch(mode: str, out: Path, timeout: float = 120, **env: str) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    environ = {k: v for k, v in os.environ.items() if k not in {"WORLD_SIZE", "RANK", "LOCAL_RANK"}}
+    environ.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env})
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run(
+        [*command, str(WORKER), mode, str(out)], env=environ, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]

@@ -1,0 +1,128 @@
+"""DPTrainer under torchrun (2 Gloo processes) against a single process that sees the union of the ranks' batches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny_hf import tiny_model, token_data
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _launch import launch
+
+from opake_core import sampling
+from opake_core.errors import CheckpointError, ConfigurationError, StateError
+from opake_core.sampling.state import SamplerState
+from opake_torch import distributed
+from opake_torch.transformers import DPTrainer, TrainingArguments
+from opake_torch.transformers.privacy import build_plan
+
+DATA = token_data(40)
+STEPS, PER_DEVICE = 5, 2
+
+
+def _args(tmp_path, **kw):
+    base = {
+        "per_device_train_batch_size": PER_DEVICE * 2,  # one process, the cluster batch of 2 ranks
+        "max_steps": STEPS,
+        "privacy_noise_multiplier": 1.0,
+        "privacy_accounting": True,
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "learning_rate": 0.05,
+        "lr_scheduler": "constant",
+        "optim": "sgd",
+        "save_strategy": "no",
+        "report_to": "none",
+    }
+    return TrainingArguments(str(tmp_path / "single"), **{**base, **kw})
+
+
+def _mf(kind):
+    if kind != "mf":
+        return {}
+    return {
+        "privacy_noise_mechanism": "mf_band",
+        "privacy_noise_mechanism_kwargs": {"bands": 2},
+        "sampling_mode": "cyclic_poisson",
+    }
+
+
+def _rank_samplers(kind, rate):
+    if kind == "mf":
+        return [
+            sampling.cyclic_poisson(dataset_size=40, sample_rate=rate, bands=2, world_size=2, rank=r) for r in (0, 1)
+        ]
+    return [distributed.rank_poisson(dataset_size=40, sample_rate=rate, world_size=2, rank=r) for r in (0, 1)]
+
+
+def _single_process(tmp_path, kind):
+    """Parameters of a one-process run fed, at every step, the union of the two ranks' draws (same per-rank keys)."""
+    trainer = DPTrainer(tiny_model("llama"), _args(tmp_path, **_mf(kind)), train_dataset=DATA)
+    run, step_fn = trainer._start()
+    samplers = _rank_samplers(kind, run.plan.sample_rate)
+    states = [s.init() for s in samplers]
+    sizes = []
+    for _ in range(STEPS):
+        parts = []
+        for r, sampler in enumerate(samplers):
+            idx, states[r] = sampler.sample(trainer._sampler_key, states[r])
+            parts.append(idx)
+        sizes.append([len(p) for p in parts])
+        batch = trainer._batch(DATA, np.sort(np.concatenate(parts)))
+        run.params, run.opt_state, run.dp_state, _ = step_fn(
+            run.params, run.opt_state, run.dp_state, (batch,), trainer._noise_key
+        )
+    return run.params, run.plan.epsilon(STEPS), sizes
+
+
+@pytest.mark.parametrize("kind", ["sgd", "mf"])
+def test_ddp_trainer_equals_single_process(tmp_path, kind):
+    ranks = launch(f"trainer_{kind}", tmp_path / "ddp", DDP_TEST_BATCH=str(PER_DEVICE))
+    expected, epsilon, sizes = _single_process(tmp_path, kind)
+    for name in expected:
+        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
+        torch.testing.assert_close(ranks[0]["params"][name], expected[name], rtol=0, atol=1e-6)
+    assert ranks[0]["epsilon"] == ranks[1]["epsilon"] == epsilon  # cluster-wide rate on every rank
+    assert ranks[0]["writes"] == [str(tmp_path / "ddp" / "run" / "checkpoint-5")] and ranks[1]["writes"] == []
+    assert sorted(p.name for p in (tmp_path / "ddp" / "run").iterdir() if p.name.startswith("checkpoint")) == [
+        "checkpoint-5"
+    ]
+    if kind == "sgd":
+        assert any(0 in step for step in sizes), sizes  # some rank had an empty local batch and still stepped
+
+
+def test_ddp_refuses_what_it_cannot_synchronize(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigurationError, match="adaptive"):
+        DPTrainer(tiny_model("llama"), _args(tmp_path, clipping_mode="adaptive"), train_dataset=DATA)
+    with pytest.raises(ConfigurationError, match="auto_find_microbatch_size"):
+        DPTrainer(tiny_model("llama"), _args(tmp_path, auto_find_microbatch_size=True), train_dataset=DATA)
+    with pytest.raises(ConfigurationError, match="not supported under DDP"):
+        build_plan(_args(tmp_path, sampling_mode="sequential", privacy_noise_multiplier=0.0), len(DATA))
+    plan = build_plan(_args(tmp_path, per_device_train_batch_size=PER_DEVICE), len(DATA))
+    assert isinstance(plan.sampler, distributed.RankPoisson) and plan.sample_rate == 2 * PER_DEVICE / len(DATA)
+
+
+def test_resumed_sampler_state_keeps_this_ranks_configuration():
+    rank0, rank1 = _rank_samplers("mf", 0.1)
+    saved = SamplerState(3, rank0.init().config).to_json()
+    assert distributed.local_sampler_state(saved, rank1.init()) == SamplerState(3, rank1.init().config)
+    other = sampling.cyclic_poisson(dataset_size=40, sample_rate=0.1, bands=4, world_size=2, rank=1)
+    with pytest.raises(StateError):
+        distributed.local_sampler_state(saved, other.init())
+
+
+def test_ddp_resume_is_identical_and_another_world_size_is_refused(tmp_path):
+    ranks = launch("resume", tmp_path, timeout=170, DDP_TEST_BATCH=str(PER_DEVICE))
+    for rank in ranks:
+        for name, value in rank["full"].items():
+            assert torch.equal(value, rank["resumed"][name]), name
+        assert rank["epsilons"][0] == rank["epsilons"][1]
+    single = DPTrainer(tiny_model("llama"), _args(tmp_path), train_dataset=DATA)
+    with pytest.raises(CheckpointError, match="world size 2"):
+        single.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-3"))
