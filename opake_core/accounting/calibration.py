@@ -9,8 +9,10 @@ search costs a handful of PLD queries.
 from __future__ import annotations
 
 import builtins
+import contextlib
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from opake_core.accounting import _checks
@@ -122,15 +124,16 @@ def calibrate_noise_multiplier(
         )
     if names == {"pld"}:
         try:
-            guide = calibrate_noise_multiplier(
-                make_process,
-                target_epsilon=target,
-                delta=delta,
-                min=lo,
-                max=hi,
-                tolerance=1e-2,
-                accountant="rdp",
-            ).value
+            with _quiet_rdp():
+                guide = calibrate_noise_multiplier(
+                    make_process,
+                    target_epsilon=target,
+                    delta=delta,
+                    min=lo,
+                    max=hi,
+                    tolerance=1e-2,
+                    accountant="rdp",
+                ).value
         except (ConfigurationError, ValueError):
             guide = None
         if guide is not None and guide < hi and (e := eps(guide)) <= target:
@@ -214,14 +217,30 @@ def _run(step_process: Process, prefix: Process | None, n: int) -> Process:
     return repeat(step_process, n) if prefix is None else compose(prefix, repeat(step_process, n))
 
 
+@contextlib.contextmanager
+def _quiet_rdp() -> Iterator[None]:
+    """Silence dp-accounting's warnings about RDP orders it drops while RDP only guides a PLD search.
+
+    Those orders are excluded from the (looser) RDP answer used as a starting point; the reported epsilon is PLD.
+    """
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_logger.setLevel(level)
+
+
 def _guide(step_process: Process, prefix: Process | None, target: float, delta: float, max_steps: int) -> int:
     """A starting guess for a PLD step search: the RDP answer (cheap, usually a bit smaller)."""
     try:
-        found = _first_reaching(
-            lambda n: _epsilon(_run(step_process, prefix, n), delta=delta, accountant="rdp").value,
-            target,
-            max_steps,
-        )[0]
+        with _quiet_rdp():
+            found = _first_reaching(
+                lambda n: _epsilon(_run(step_process, prefix, n), delta=delta, accountant="rdp").value,
+                target,
+                max_steps,
+            )[0]
     except ConfigurationError:
         return 1
     return found or 1
