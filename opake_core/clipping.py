@@ -256,6 +256,7 @@ def clipped_grad(
     return_diagnostics: bool = False,
     key: random.Key | None = None,
     clip_backend: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[Callable[..., Any], FixedClipState | AdaptiveClipState]:
     """Build a function that returns the clipped, summed and normalized per-example gradients of ``loss_fn``.
 
@@ -280,6 +281,9 @@ def clipped_grad(
             ``opake_torch.patches.kernels.clip_and_sum``): ``backend(leaves, *, group_index, bounds, accumulators)
             -> (norms [m], group_norms [G, m])`` must add exactly what the generic engine adds to the float32
             accumulators (same margin, zero for non-finite examples). ``None`` uses the generic torch engine.
+        reduce_count: for adaptive clipping under data parallelism, sums the float64 tensor ``[clipped count, batch
+            size]`` across ranks before the noisy count is formed (every rank then draws the same count noise and
+            moves to the same bound). ``None``: the counts of this call only.
 
     Returns:
         ``(grad_fn, state)``. ``grad_fn(*args, state=state) -> (out, state)`` where ``out`` is a
@@ -356,7 +360,10 @@ def clipped_grad(
             if return_diagnostics:
                 outputs.append(engine.diagnostics(losses, batch_size))
             if is_adaptive:
-                state = _next_adaptive_state(bound, state, engine.num_clipped(), batch_size, normalize_by)
+                counts = torch.stack([engine.num_clipped().double().cpu(), torch.tensor(float(batch_size))])
+                if reduce_count is not None:
+                    counts = reduce_count(counts)
+                state = _next_adaptive_state(bound, state, counts, normalize_by)
         return (outputs[0] if len(outputs) == 1 else tuple(outputs)), state
 
     return grad_fn, initial
@@ -369,14 +376,15 @@ def _sensitivity(bound: float | PerGroup | AutoSRule, normalize_by: float) -> fl
 
 
 def _next_adaptive_state(
-    rule: AdaptiveRule, state: AdaptiveClipState, num_clipped: torch.Tensor, batch_size: int, normalize_by: float
+    rule: AdaptiveRule, state: AdaptiveClipState, counts: torch.Tensor, normalize_by: float
 ) -> AdaptiveClipState:
     """Andrew et al. 2021, Algorithm 1: a noisy centred count of unclipped examples moves the bound geometrically.
 
     The centred count ``sum_i (1[||g_i|| <= C] - 1/2)`` has sensitivity 1/2 under adding or removing an example; it
     is released with Gaussian noise of std ``count_noise_fraction * n`` (n the expected batch size).
     """
-    unclipped = batch_size - int(num_clipped.item())
+    num_clipped, batch_size = (float(c) for c in counts.tolist())  # ``[clipped, batch size]``, maybe rank-summed
+    unclipped = batch_size - num_clipped
     noise = random.numpy_generator(random.fold_in(state.key, ADAPTIVE_STREAM, state.step)).normal()
     centred = unclipped - batch_size / 2 + noise * rule.count_noise_fraction * normalize_by
     fraction = centred / normalize_by + 0.5

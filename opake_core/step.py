@@ -66,6 +66,7 @@ def _clipped_sum(
     expected_batch_size: float,
     microbatch_size: int | None,
     clip_backend: Callable[..., Any] | None = None,
+    reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[Callable[..., Any], Any]:
     """The clipped, expected-batch-normalized gradient sum of a batch tuple, with diagnostics.
 
@@ -80,6 +81,7 @@ def _clipped_sum(
         return_diagnostics=True,
         key=random.key(0) if isinstance(clipping_norm, AdaptiveRule) else None,
         clip_backend=clip_backend,
+        reduce_count=reduce_count,
     )
 
 
@@ -130,6 +132,7 @@ def dp_sgd(
     compute_dtype: torch.dtype | str = torch.float32,
     clip_backend: Callable[..., Any] | None = None,
     reduce: Callable[[Clipped], Clipped] | None = None,
+    reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[Callable[..., tuple[Any, Any, DPSGDState, StepMetrics]], DPSGDState]:
     """A composed DP-SGD step as ``(step_fn, dp_state)``.
 
@@ -148,6 +151,8 @@ def dp_sgd(
         reduce: applied to the clipped, normalized sum before the noise (default: identity). Data-parallel adapters
             pass a cross-rank SUM here (``opake_torch.distributed.sum_gradients``), so that the noise is added once,
             after the sum; it must return a :class:`~opake_core.tree.Clipped` with the same sensitivity.
+        reduce_count: adaptive clipping under data parallelism: sums its ``[clipped, batch size]`` counts across
+            ranks (see :func:`~opake_core.clipping.clipped_grad`).
 
     Returns:
         ``step_fn(params, opt_state, dp_state, batch, key) -> (params, opt_state, dp_state, metrics)`` where
@@ -155,7 +160,9 @@ def dp_sgd(
         loss) and ``key`` is the run's noise key: the noise of step ``t`` depends only on ``(key, t)``.
     """
     dtype = compute_dtype_of(compute_dtype)
-    grad_fn, clip_state = _clipped_sum(loss_fn, clipping_norm, expected_batch_size, microbatch_size, clip_backend)
+    grad_fn, clip_state = _clipped_sum(
+        loss_fn, clipping_norm, expected_batch_size, microbatch_size, clip_backend, reduce_count
+    )
 
     def step_fn(
         params: Any, opt_state: Any, dp_state: DPSGDState, batch: tuple[torch.Tensor, ...], key: random.Key

@@ -131,6 +131,14 @@ def sum_gradients(clipped: Clipped) -> Clipped:
     return Clipped(optree.tree_map(reduce, clipped.value), clipped.sensitivity)
 
 
+def sum_counts(counts: torch.Tensor) -> torch.Tensor:
+    """All-reduce (SUM) adaptive clipping's ``[clipped, batch size]`` counts across ranks (a copy)."""
+    out = counts.detach().clone()
+    if is_distributed():
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
 def reduce_mean(value: torch.Tensor) -> torch.Tensor:
     """The mean of a tensor over ranks (a copy; the value itself when not distributed)."""
     if not is_distributed():

@@ -191,11 +191,6 @@ class DPTrainer:
                     "accounting see the cluster."
                 )
             return False
-        if args.clipping_mode == "adaptive":
-            raise ConfigurationError(
-                "clipping_mode='adaptive' is not supported under DDP yet: its clip-count statistic would have to be "
-                "summed across ranks before its noise. Use clipping_mode='fixed' (or 'auto') with torchrun."
-            )
         if args.auto_find_microbatch_size:
             raise ConfigurationError(
                 "auto_find_microbatch_size is not supported under DDP: an out-of-memory retry on one rank would "
@@ -296,7 +291,8 @@ class DPTrainer:
         def make_step(microbatch_size: int | None) -> tuple[Any, Any]:
             options = {**common, "microbatch_size": microbatch_size}
             if plan.strategy is None:
-                return dp_sgd(self._loss_fn(), **options)
+                counts = distributed.sum_counts if self._distributed else None
+                return dp_sgd(self._loss_fn(), reduce_count=counts, **options)
             return dp_ftrl(
                 self._loss_fn(), params=self._params, strategy=plan.strategy, n_steps=plan.total_steps, **options
             )

@@ -103,3 +103,17 @@ def test_rules_are_validated():
             noise_multiplier=1.0,
             expected_batch_size=2.0,
         )
+
+
+def test_adaptive_counts_can_be_summed_across_shards():
+    """Two identical shards whose counts are summed move the bound exactly like one process on both shards."""
+    g = _grads(n=6)
+    rule, key = adaptive(1.0, learning_rate=0.3), random.key(2)
+    shard_fn, shard_state = clipped_grad(
+        _loss, clipping_norm=rule, normalize_by=12.0, key=key, reduce_count=lambda c: 2 * c
+    )
+    whole_fn, whole_state = clipped_grad(_loss, clipping_norm=rule, normalize_by=12.0, key=key)
+    for _ in range(3):
+        _, shard_state = shard_fn({"w": torch.ones(7)}, g, state=shard_state)
+        _, whole_state = whole_fn({"w": torch.ones(7)}, torch.cat([g, g]), state=whole_state)
+        assert shard_state.clipping_norm == whole_state.clipping_norm

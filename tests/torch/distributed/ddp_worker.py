@@ -86,7 +86,7 @@ def run_mismatch() -> dict:
 def _trainer_args(out: Path, kind: str, save_steps: int):
     from opake_torch.transformers import TrainingArguments
 
-    extra = {}
+    extra = {"clipping_mode": "adaptive"} if kind == "adaptive" else {}
     if kind == "mf":
         extra = {
             "privacy_noise_mechanism": "mf_band",
