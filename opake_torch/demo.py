@@ -38,7 +38,7 @@ ITEMS = ["lamp", "desk", "sofa", "mug", "rug", "fan", "pen", "bag", "cup", "hat"
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Everything the demo needs; the defaults take two to three minutes on two CPU cores."""
+    """Everything the demo needs; the defaults take about a minute on two idle CPU cores."""
 
     records: int = 800
     canaries: int = 4
