@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,15 +235,3 @@ def per_group(
             "Fix the patterns or pass allow_unused_patterns=True."
         )
     return PerGroup.build(groups, {g: v for g, v in values.items() if g in used})
-
-
-def check_same_structure(a: Any, b: Any, what: str) -> None:
-    """Raise :class:`InputTypeError` when two trees differ in structure."""
-    spec_a, spec_b = optree.tree_structure(a), optree.tree_structure(b)
-    if spec_a != spec_b:
-        raise InputTypeError(f"{what}: tree structures differ ({spec_a} vs {spec_b}).")
-
-
-def iter_tensors(tree: Any) -> Iterable[torch.Tensor]:
-    """The tensor leaves of a tree, in flattening order."""
-    return optree.tree_leaves(tree, none_is_leaf=False)

@@ -7,7 +7,7 @@ example's loss and gradient do not depend on how long the other examples in its 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +83,3 @@ def language_modeling_labels(batch: dict[str, torch.Tensor]) -> dict[str, torch.
         return batch
     mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
     return {**batch, "labels": torch.where(mask.bool(), batch["input_ids"], torch.full_like(batch["input_ids"], -100))}
-
-
-Collator = Callable[[list[Mapping[str, Any]]], Mapping[str, Any]]

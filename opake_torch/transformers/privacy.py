@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opake_core import accounting, mf, sampling
@@ -70,6 +70,7 @@ class PrivacyPlan:
     accounted: bool
     horizon: bool
     strategy: Any = None
+    _epsilons: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def steps_per_epoch(self) -> float:
@@ -85,7 +86,10 @@ class PrivacyPlan:
             return math.inf
         if steps == 0 and not self.horizon:
             return 0.0
-        return accounting.mf_epsilon(self.process(steps), delta=self.delta).value
+        steps = self.total_steps if self.horizon else steps  # a horizon run reports one full-horizon value
+        if steps not in self._epsilons:  # a PLD or Monte Carlo query: computed once per step count
+            self._epsilons[steps] = accounting.mf_epsilon(self.process(steps), delta=self.delta).value
+        return self._epsilons[steps]
 
 
 def total_steps(args: Any, dataset_size: int) -> int:

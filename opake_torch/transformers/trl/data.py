@@ -236,3 +236,9 @@ def pad_collator(
         return batch
 
     return collate
+
+
+def default_collator(tokenizer: Any, pad_to_multiple_of: int | None) -> Callable[[list[Mapping[str, Any]]], dict]:
+    """:func:`pad_collator` with the tokenizer's pad token (0 when it has none)."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return pad_collator(pad if pad is not None else 0, pad_to_multiple_of=pad_to_multiple_of)

@@ -33,7 +33,7 @@ from opake_torch.functional import functional_model
 from opake_torch.transformers.arguments import TrainingArguments
 from opake_torch.transformers.trainer import DPTrainer
 from opake_torch.transformers.trl.config import DPOConfig
-from opake_torch.transformers.trl.data import pad_collator, preference_example
+from opake_torch.transformers.trl.data import default_collator, preference_example
 from opake_torch.transformers.trl.sft import prepare_model, prepare_tokenizer, upcast_args
 
 __all__ = ["DPOTrainer", "adapters_disabled", "dpo_loss", "sequence_logps"]
@@ -154,8 +154,7 @@ class DPOTrainer(DPTrainer):
         tokenizer = prepare_tokenizer(processing_class, args.chat_template)
         train_dataset, eval_dataset = (self._format(d, tokenizer, args) for d in (train_dataset, eval_dataset))
         if data_collator is None:
-            pad = getattr(tokenizer, "pad_token_id", None)
-            data_collator = pad_collator(pad if pad is not None else 0, pad_to_multiple_of=args.pad_to_multiple_of)
+            data_collator = default_collator(tokenizer, args.pad_to_multiple_of)
         super().__init__(
             model,
             args,

@@ -22,7 +22,7 @@ from opake_torch.transformers.arguments import TrainingArguments
 from opake_torch.transformers.trainer import DPTrainer
 from opake_torch.transformers.trl.chunked_nll import chunked_nll
 from opake_torch.transformers.trl.config import SFTConfig
-from opake_torch.transformers.trl.data import IGNORE_INDEX, pad_collator, sft_example
+from opake_torch.transformers.trl.data import IGNORE_INDEX, default_collator, sft_example
 
 __all__ = ["SFTTrainer", "dft_loss"]
 
@@ -153,8 +153,7 @@ class SFTTrainer(DPTrainer):
         train_dataset = self._format(train_dataset, tokenizer, args)
         eval_dataset = self._format(eval_dataset, tokenizer, args)
         if data_collator is None:
-            pad = getattr(tokenizer, "pad_token_id", None)
-            data_collator = pad_collator(pad if pad is not None else 0, pad_to_multiple_of=args.pad_to_multiple_of)
+            data_collator = default_collator(tokenizer, args.pad_to_multiple_of)
         super().__init__(
             model,
             args,
