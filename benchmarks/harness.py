@@ -304,7 +304,8 @@ def _opake_trainer(workload: Workload, batch: dict[str, torch.Tensor], settings:
         )
         trainer = DPTrainer(build_model(workload, device), args, train_dataset=rows, callbacks=[StepTimer()])
         trainer.train()
-    return {"times": times, "peak_gib": _peak_gib(device)}
+    engine = "layerwise" if trainer._layerwise is not None else "vmap"
+    return {"times": times, "peak_gib": _peak_gib(device), "per_example_gradients": engine}
 
 
 BUILDERS: dict[str, Callable[..., Any]] = {
@@ -370,6 +371,8 @@ def run_mode(
             tokens_per_s=workload.batch * workload.seq / median,
             peak_mem_gib=out["peak_gib"],
         )
+        if "per_example_gradients" in out:
+            record["per_example_gradients"] = out["per_example_gradients"]
         if "phases" in out:
             phases = {"workload": workload.name, **out["phases"], "step_ms_unprofiled": 1e3 * median}
             record["phase_breakdown"] = phases
@@ -654,6 +657,8 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for r in report["records"]:
         status = "ok" if r["ok"] else ("skipped: " if r.get("skipped") else "failed: ") + r.get("error", "")[:80]
+        if r["ok"] and "per_example_gradients" in r:
+            status += f" ({r['per_example_gradients']})"
         cells = [
             r["workload"],
             r["mode"] + (f" (microbatch {r['microbatch']})" if r.get("microbatch") else ""),

@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import optree
 import optree.dataclasses
@@ -58,6 +58,8 @@ __all__ = [
     "AutoSRule",
     "ClipDiagnostics",
     "FixedClipState",
+    "MaterializedGradients",
+    "PerExampleGradients",
     "adaptive",
     "auto_s",
     "clipped_grad",
@@ -257,6 +259,7 @@ def clipped_grad(
     key: random.Key | None = None,
     clip_backend: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    per_example_grads: Callable[..., tuple[PerExampleGradients, torch.Tensor]] | None = None,
 ) -> tuple[Callable[..., Any], FixedClipState | AdaptiveClipState]:
     """Build a function that returns the clipped, summed and normalized per-example gradients of ``loss_fn``.
 
@@ -284,6 +287,11 @@ def clipped_grad(
         reduce_count: for adaptive clipping under data parallelism, sums the float64 tensor ``[clipped count, batch
             size]`` across ranks before the noisy count is formed (every rank then draws the same count noise and
             moves to the same bound). ``None``: the counts of this call only.
+        per_example_grads: replaces ``vmap(grad(loss_fn))`` on each chunk: ``per_example_grads(*chunk_args) ->
+            (PerExampleGradients, losses [m])`` with the same arguments as ``loss_fn`` (batched ones sliced to the
+            chunk), for example ``opake_torch.layerwise.LayerwiseGradients``, which computes them from layer inputs
+            and output gradients. It must describe the gradients of the same per-example losses; ``loss_fn`` is
+            then not called. ``clip_backend`` applies to materialized gradients only; ``has_aux`` is refused.
 
     Returns:
         ``(grad_fn, state)``. ``grad_fn(*args, state=state) -> (out, state)`` where ``out`` is a
@@ -317,6 +325,8 @@ def clipped_grad(
         )
     if is_adaptive and not isinstance(key, random.Key):
         raise InputTypeError(f"key must be an opake_core.random.Key, got {type(key).__name__}.")
+    if per_example_grads is not None and has_aux:
+        raise ConfigurationError("has_aux is not available with per_example_grads; drop one of them.")
     state_type = AdaptiveClipState if is_adaptive else FixedClipState
     initial = AdaptiveClipState(bound.initial_clipping_norm, 0, key) if is_adaptive else FixedClipState()
     grad_argnums = diff_args[0] if isinstance(argnums, int) else diff_args
@@ -343,12 +353,17 @@ def clipped_grad(
             for start in range(0, batch_size, chunk):
                 stop = min(start + chunk, batch_size)
                 sliced = [_slice(a, start, stop) if i in batch_args else a for i, a in enumerate(args)]
-                try:
-                    grads, values = vmapped(*sliced)
-                except RuntimeError as exc:
-                    if _runs_without_vmap(per_example, args, batch_args):
-                        raise _vmap_error(exc) from exc
-                    raise
+                if per_example_grads is not None:
+                    with torch.enable_grad():
+                        grads, values = per_example_grads(*sliced)
+                else:
+                    try:
+                        tree, values = vmapped(*sliced)
+                    except RuntimeError as exc:
+                        if _runs_without_vmap(per_example, args, batch_args):
+                            raise _vmap_error(exc) from exc
+                        raise
+                    grads = MaterializedGradients(optree.tree_leaves(tree))
                 engine.add(grads)
                 loss, aux = values if has_aux else (values, None)
                 losses.append(loss)
@@ -419,8 +434,44 @@ def _concat(chunks: list[Any]) -> Any:
     return optree.tree_map(lambda *xs: torch.cat(xs, dim=0), *chunks)
 
 
+class PerExampleGradients(Protocol):
+    """The per-example gradients of one chunk of ``m`` examples, in whatever form an engine keeps them.
+
+    The generic engine holds them materialized (``vmap(grad)``); ``opake_torch.layerwise`` holds layer inputs and
+    output gradients instead. Leaves are in the parameter tree's flattening order.
+    """
+
+    def squared_norms(self) -> list[torch.Tensor]:
+        """Per leaf, the float64 squared L2 norms ``[m]`` of every example's gradient of that leaf."""
+        ...
+
+    def add_scaled(self, scales: list[torch.Tensor], sums: list[torch.Tensor]) -> None:
+        """Add ``sum_i scales[k][i] * g_i[k]`` to ``sums[k]`` for every leaf ``k``.
+
+        ``scales[k]`` is ``[m]`` in the dtype of ``sums[k]``; an example whose scale is 0 must add exactly nothing,
+        even where its gradient is not finite.
+        """
+        ...
+
+
+class MaterializedGradients:
+    """Per-example gradients held as tensors ``[m, *leaf.shape]`` (what ``vmap(grad)`` returns)."""
+
+    def __init__(self, leaves: list[torch.Tensor]) -> None:
+        self.leaves = [g.detach() for g in leaves]
+
+    def squared_norms(self) -> list[torch.Tensor]:
+        return [g.to(torch.float64).square().reshape(g.shape[0], -1).sum(dim=1) for g in self.leaves]
+
+    def add_scaled(self, scales: list[torch.Tensor], sums: list[torch.Tensor]) -> None:
+        for g, scale, total in zip(self.leaves, scales, sums, strict=True):
+            leaf_scale = scale.reshape(g.shape[0], *([1] * (g.dim() - 1)))
+            contribution = torch.nan_to_num(g.to(total.dtype) * leaf_scale, nan=0.0, posinf=0.0, neginf=0.0)
+            total.add_(contribution.sum(dim=0))
+
+
 class _ClipSum:
-    """Running clipped sum over chunks (the generic torch backend)."""
+    """Running clipped sum over chunks: norms, scales and sums on top of any :class:`PerExampleGradients`."""
 
     def __init__(
         self, params: Any, bound: float | PerGroup | AutoSRule, backend: Callable[..., Any] | None = None
@@ -453,23 +504,19 @@ class _ClipSum:
         self._norms: list[torch.Tensor] = []
         self._clipped: list[torch.Tensor] = []
 
-    def add(self, grads: Any) -> None:
-        leaves = optree.tree_leaves(grads)
-        if self._backend is not None:
+    def add(self, grads: PerExampleGradients) -> None:
+        if self._backend is not None and isinstance(grads, MaterializedGradients):
             norms, group_norms = self._backend(
-                [g.detach() for g in leaves],
-                group_index=self._group_index,
-                bounds=self._bounds,
-                accumulators=self._sums,
+                grads.leaves, group_index=self._group_index, bounds=self._bounds, accumulators=self._sums
             )
             self._norms.append(norms.float())
             self._clipped.append((group_norms > self._bound_tensor).any(dim=0))
             return
-        m = leaves[0].shape[0]
-        device = leaves[0].device
-        group_sq = torch.zeros(len(self._bounds), m, dtype=torch.float64, device=device)
-        for index, g in zip(self._group_index, leaves, strict=True):
-            group_sq[index] += g.detach().to(torch.float64).square().reshape(m, -1).sum(dim=1)
+        leaf_sq = grads.squared_norms()
+        m = leaf_sq[0].shape[0]
+        group_sq = torch.zeros(len(self._bounds), m, dtype=torch.float64, device=leaf_sq[0].device)
+        for index, sq in zip(self._group_index, leaf_sq, strict=True):
+            group_sq[index] += sq
         group_norms = group_sq.sqrt()
         norms = group_sq.sum(dim=0).sqrt()
         bounds = self._bound_tensor
@@ -480,12 +527,9 @@ class _ClipSum:
                 scale = torch.clamp(bounds * (1 - 4 * u) / group_norms, max=1.0)
             else:  # AUTO-S: bound * ||g|| / (||g|| + gamma) < bound, no clamp
                 scale = bounds * (1 - 4 * u) / (group_norms + self._gamma)
-            scales[dtype] = torch.where(torch.isfinite(norms), scale, torch.zeros_like(scale))
-        for index, (g, total) in enumerate(zip(leaves, self._sums, strict=True)):
-            scale = scales[total.dtype]
-            leaf_scale = scale[self._group_index[index]].to(total.dtype).reshape(m, *([1] * (g.dim() - 1)))
-            contribution = torch.nan_to_num(g.detach().to(total.dtype) * leaf_scale, nan=0.0, posinf=0.0, neginf=0.0)
-            total.add_(contribution.sum(dim=0))
+            scales[dtype] = torch.where(torch.isfinite(norms), scale, torch.zeros_like(scale)).to(dtype)
+        leaf_scales = [scales[total.dtype][group] for group, total in zip(self._group_index, self._sums, strict=True)]
+        grads.add_scaled(leaf_scales, self._sums)
         self._norms.append(norms.float())
         self._clipped.append((group_norms > bounds).any(dim=0))
 

@@ -67,6 +67,7 @@ def _clipped_sum(
     microbatch_size: int | None,
     clip_backend: Callable[..., Any] | None = None,
     reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    per_example_grads: Callable[..., Any] | None = None,
 ) -> tuple[Callable[..., Any], Any]:
     """The clipped, expected-batch-normalized gradient sum of a batch tuple, with diagnostics.
 
@@ -82,6 +83,7 @@ def _clipped_sum(
         key=random.key(0) if isinstance(clipping_norm, AdaptiveRule) else None,
         clip_backend=clip_backend,
         reduce_count=reduce_count,
+        per_example_grads=None if per_example_grads is None else lambda p, batch: per_example_grads(p, *batch),
     )
 
 
@@ -133,6 +135,7 @@ def dp_sgd(
     clip_backend: Callable[..., Any] | None = None,
     reduce: Callable[[Clipped], Clipped] | None = None,
     reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    per_example_grads: Callable[..., Any] | None = None,
 ) -> tuple[Callable[..., tuple[Any, Any, DPSGDState, StepMetrics]], DPSGDState]:
     """A composed DP-SGD step as ``(step_fn, dp_state)``.
 
@@ -153,6 +156,9 @@ def dp_sgd(
             after the sum; it must return a :class:`~opake_core.tree.Clipped` with the same sensitivity.
         reduce_count: adaptive clipping under data parallelism: sums its ``[clipped, batch size]`` counts across
             ranks (see :func:`~opake_core.clipping.clipped_grad`).
+        per_example_grads: replaces ``vmap(grad(loss_fn))``: ``per_example_grads(params, *batch) ->
+            (PerExampleGradients, losses)`` for the same per-example losses (see
+            :func:`~opake_core.clipping.clipped_grad`; ``opake_torch.layerwise.LayerwiseGradients`` is one).
 
     Returns:
         ``step_fn(params, opt_state, dp_state, batch, key) -> (params, opt_state, dp_state, metrics)`` where
@@ -161,7 +167,7 @@ def dp_sgd(
     """
     dtype = compute_dtype_of(compute_dtype)
     grad_fn, clip_state = _clipped_sum(
-        loss_fn, clipping_norm, expected_batch_size, microbatch_size, clip_backend, reduce_count
+        loss_fn, clipping_norm, expected_batch_size, microbatch_size, clip_backend, reduce_count, per_example_grads
     )
 
     def step_fn(
@@ -207,6 +213,7 @@ def dp_ftrl(
     participation: Participation = SINGLE,
     clip_backend: Callable[..., Any] | None = None,
     reduce: Callable[[Clipped], Clipped] | None = None,
+    per_example_grads: Callable[..., Any] | None = None,
 ) -> tuple[Callable[..., tuple[Any, Any, DPFTRLState, StepMetrics]], DPFTRLState]:
     """A composed DP-FTRL step as ``(step_fn, dp_state)``, used exactly like :func:`dp_sgd`.
 
@@ -232,6 +239,9 @@ def dp_ftrl(
         reduce: applied to the clipped, normalized sum before the noise (default: identity). Data-parallel adapters
             pass a cross-rank SUM here (``opake_torch.distributed.sum_gradients``), so that the noise is added once,
             after the sum; it must return a :class:`~opake_core.tree.Clipped` with the same sensitivity.
+        per_example_grads: replaces ``vmap(grad(loss_fn))``: ``per_example_grads(params, *batch) ->
+            (PerExampleGradients, losses)`` for the same per-example losses (see
+            :func:`~opake_core.clipping.clipped_grad`; ``opake_torch.layerwise.LayerwiseGradients`` is one).
 
     Returns:
         ``step_fn(params, opt_state, dp_state, batch, key) -> (params, opt_state, dp_state, metrics)``; the noise of
@@ -245,7 +255,9 @@ def dp_ftrl(
         )
     dtype = compute_dtype_of(compute_dtype)
     concrete = _optimize_strategy(strategy, n_steps, participation=participation)
-    grad_fn, clip_state = _clipped_sum(loss_fn, clipping_norm, expected_batch_size, microbatch_size, clip_backend)
+    grad_fn, clip_state = _clipped_sum(
+        loss_fn, clipping_norm, expected_batch_size, microbatch_size, clip_backend, per_example_grads=per_example_grads
+    )
     noise_fn, noise_state = mf_gaussian_noise(
         params,
         concrete,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torchopt
+import optree
+import torch
 from torch.profiler import record_function
 
 from opake_core.errors import InputTypeError
@@ -12,7 +13,7 @@ from opake_core.tree import Clipped
 
 
 def apply_updates(params: Any, updates: Any) -> Any:
-    """``params + updates`` leaf by leaf: a new tree; ``params`` and ``updates`` are not modified.
+    """``params + updates`` leaf by leaf (one multi-tensor add): a new tree; neither input is modified.
 
     ``updates`` is what an optimizer's ``update`` returned (a plain tree shaped like ``params``), never
     gradients.
@@ -23,4 +24,8 @@ def apply_updates(params: Any, updates: Any) -> Any:
                 f"apply_updates received a {type(updates).__name__} tree of gradients; pass it through an "
                 "optimizer's update first and apply the updates it returns."
             )
-        return torchopt.apply_updates(params, updates, inplace=False)
+        leaves, treedef = optree.tree_flatten(params)
+        steps, update_treedef = optree.tree_flatten(updates)
+        if update_treedef != treedef:
+            raise InputTypeError(f"updates {update_treedef} do not match the parameters' structure {treedef}.")
+        return optree.tree_unflatten(treedef, torch._foreach_add(leaves, steps))

@@ -45,7 +45,8 @@ def scale_by_neg_lr(lr: LearningRate) -> GradientTransformation:
             raise ConfigurationError(
                 f"the learning-rate schedule returned {rate!r} at step {int(state.count)}; it must be finite and >= 0."
             )
-        updates = optree.tree_map(lambda g: g.mul(-rate), updates)
+        leaves, treedef = optree.tree_flatten(updates)
+        updates = optree.tree_unflatten(treedef, torch._foreach_mul(leaves, -rate))
         return updates, LearningRateState(count=state.count + 1)
 
     return GradientTransformation(init_fn, update_fn)

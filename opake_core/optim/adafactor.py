@@ -24,10 +24,10 @@ import optree
 import torch
 from torchopt import chain
 from torchopt.base import EmptyState, GradientTransformation
-from torchopt.transform import add_decayed_weights
 
 from opake_core.errors import ConfigurationError
 from opake_core.optim import _validate
+from opake_core.optim._foreach import add_decayed_weights
 from opake_core.optim._guard import Optimizer
 from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
 

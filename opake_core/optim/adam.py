@@ -1,7 +1,8 @@
 """Adam (Kingma & Ba 2015) and AdamW (Loshchilov & Hutter 2019), optionally with DP noise bias correction.
 
-Without correction both are torchopt's ``scale_by_adam`` chained with (AdamW only) decoupled weight decay and
-the learning rate: ``update = -lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``, equal to
+Without correction both are torchopt's ``scale_by_adam`` (here as multi-tensor operations with the same
+arithmetic, :mod:`opake_core.optim._foreach`) chained with (AdamW only) decoupled weight decay and the learning
+rate: ``update = -lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``, equal to
 ``torch.optim.Adam`` / ``torch.optim.AdamW``. With ``noise_bias_correction=True`` the rescaling is
 :func:`~opake_core.optim.bias_correction.scale_by_bias_corrected_adam`, which removes the noise variance of
 the :class:`~opake_core.tree.Noised` input (its ``noise_std``, per leaf when per group) from ``v_hat``
@@ -11,10 +12,10 @@ the :class:`~opake_core.tree.Noised` input (its ``noise_std``, per leaf when per
 from __future__ import annotations
 
 from torchopt import chain
-from torchopt.transform import add_decayed_weights, scale_by_adam
 
 from opake_core.errors import ConfigurationError
 from opake_core.optim import _validate
+from opake_core.optim._foreach import add_decayed_weights, scale_by_adam
 from opake_core.optim._guard import Optimizer
 from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
 from opake_core.optim.bias_correction import noise_aware_chain, scale_by_bias_corrected_adam

@@ -94,6 +94,7 @@ class TrainingArguments:
     per_device_eval_batch_size: int | None = None
     microbatch_size: int | None = None
     auto_find_microbatch_size: bool = False
+    per_example_gradients: str = "auto"
     # optimizer and schedule
     learning_rate: float = 5e-5
     weight_decay: float = 0.0
@@ -425,6 +426,15 @@ class TrainingArguments:
             )
         if self.torch_compile and self.gradient_checkpointing:
             raise ConfigurationError("gradient_checkpointing is incompatible with torch_compile; disable one of them.")
+        self.per_example_gradients = p.as_choice(
+            self.per_example_gradients, "per_example_gradients", ("auto", "layerwise", "vmap")
+        )
+        if self.per_example_gradients == "layerwise" and self.gradient_checkpointing:
+            raise ConfigurationError(
+                "per_example_gradients='layerwise' is incompatible with gradient_checkpointing (the recomputed "
+                "layers would be recorded twice); it needs no checkpointing to fit: its memory is that of "
+                "non-private training. Drop gradient_checkpointing, or use per_example_gradients='vmap'."
+            )
         self.performance_kernels_config = (
             None
             if self.performance_kernels_config is None

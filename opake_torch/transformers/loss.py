@@ -4,7 +4,8 @@ The privacy unit is one example, so the loss of one example may depend on that e
 is the mean over *its own* target tokens (padding and ignored labels get weight zero), never a normalization by
 the number of tokens in the whole batch (Hugging Face's ``num_items_in_batch``), which would couple examples.
 
-Every function here takes one example without a batch dimension.
+Every function here takes one example without a batch dimension, except :func:`batch_losses`, which returns every
+example's own loss from one batched forward (for ``opake_torch.layerwise``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from opake_core.errors import ConfigurationError
 
 __all__ = [
     "IGNORE_INDEX",
+    "batch_losses",
     "causal_lm_loss",
     "infer_task",
     "loss_from_logits",
@@ -136,3 +138,31 @@ def per_example_loss(
         compute_loss_func=compute_loss_func,
         label_smoothing=label_smoothing,
     )
+
+
+def batch_losses(
+    apply: Callable[..., Any],
+    params: dict[str, torch.Tensor],
+    frozen: dict[str, torch.Tensor],
+    batch: dict[str, torch.Tensor],
+    *,
+    task: str,
+    label_names: tuple[str, ...] = ("labels",),
+    compute_loss_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """Every example's loss ``[m]`` from one batched forward: the same losses as :func:`per_example_loss` row by row.
+
+    ``batch`` holds the model inputs and labels with their batch dimension. Each row's loss reads only that row's
+    logits and labels, so the examples stay separate as long as the model keeps them separate (attention masks,
+    no batch normalization).
+    """
+    inputs = {k: v for k, v in batch.items() if k not in label_names}
+    logits = apply(params, frozen, **inputs).logits
+
+    def one(row_logits: torch.Tensor, row_labels: torch.Tensor) -> torch.Tensor:
+        return loss_from_logits(
+            row_logits, row_labels, task=task, compute_loss_func=compute_loss_func, label_smoothing=label_smoothing
+        )
+
+    return torch.vmap(one)(logits, batch[label_names[0]])

@@ -11,6 +11,7 @@ data and are **outside** the privacy guarantee; keep them private.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from opake_core.step import DPFTRLState, DPSGDState, dp_ftrl, dp_sgd
 from opake_core.tree import per_group
 from opake_torch import distributed
 from opake_torch.functional import functional_model
+from opake_torch.layerwise import LayerwiseGradients, unsupported_parameters
 from opake_torch.patches import apply_compat_patches, check_attention_implementation
 from opake_torch.patches.checkpointing import check_memory_knobs, enable_vmap_checkpointing
 from opake_torch.patches.families import apply_family_patches
@@ -46,7 +48,7 @@ from opake_torch.patches.performance import apply_performance_kernels
 from opake_torch.transformers import checkpoint as ckpt
 from opake_torch.transformers.arguments import TrainingArguments
 from opake_torch.transformers.data import collate, fetch, language_modeling_labels, model_input_names
-from opake_torch.transformers.loss import infer_task, loss_from_logits, per_example_loss
+from opake_torch.transformers.loss import batch_losses, infer_task, loss_from_logits, per_example_loss
 from opake_torch.transformers.microbatch import retry_eval_batch, run_with_oom_retry
 from opake_torch.transformers.optimizer import build_optimizer, build_schedule
 from opake_torch.transformers.privacy import PrivacyPlan, build_plan, clipping_rule
@@ -57,6 +59,9 @@ __all__ = ["DPTrainer", "DPTrainerState"]
 DP_STATE_VERSION = 1
 NOISE_STREAM = "opake.trainer.noise"
 SAMPLER_STREAM = "opake.trainer.sampler"
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -170,6 +175,7 @@ class DPTrainer:
         self._sampler_key = random.fold_in(root, SAMPLER_STREAM)
         self._plan: PrivacyPlan | None = None
         self._microbatch: int | None = args.microbatch_size
+        self._layerwise = self._layerwise_engine()
         default = [DefaultFlowCallback, PrinterCallback if args.disable_tqdm else ProgressCallback, RunLogCallback]
         self.callback_handler = CallbackHandler(
             default + list(callbacks or []), self.model, processing_class, None, None
@@ -251,6 +257,59 @@ class DPTrainer:
         """Run the model with trainable parameters ``params`` (the frozen ones and buffers are filled in)."""
         return self._apply(params, self._frozen, *args, **kwargs)
 
+    def _layerwise_engine(self) -> LayerwiseGradients | None:
+        """The layerwise engine when ``per_example_gradients`` allows it and the model is served by it, else None."""
+        mode = self.args.per_example_gradients
+        if mode == "vmap":
+            return None
+        reasons = unsupported_parameters(self.model, self._params)
+        if type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss:
+            reasons.append(f"{type(self).__name__} overrides compute_per_example_loss")
+        if self.args.gradient_checkpointing:
+            reasons.append("gradient_checkpointing is on")
+        if reasons:
+            if mode == "layerwise":
+                raise ConfigurationError(
+                    f"per_example_gradients='layerwise' cannot serve this run: {'; '.join(reasons[:5])}. Use "
+                    "per_example_gradients='vmap' (or 'auto', which picks it)."
+                )
+            logger.info("per-example gradients by vmap(grad): %s", "; ".join(reasons[:5]))
+            return None
+        args = self.args
+
+        def loss(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                return batch_losses(
+                    self._apply,
+                    params,
+                    self._frozen,
+                    batch,
+                    task=self.task,
+                    label_names=self.label_names,
+                    compute_loss_func=self.compute_loss_func,
+                    label_smoothing=args.label_smoothing_factor,
+                )
+
+        return LayerwiseGradients(self.model, loss)
+
+    def _check_layerwise(self) -> None:
+        """Compare the layerwise engine with grad of the per-example loss on the first two training examples, once.
+
+        On a mismatch, ``'auto'`` falls back to vmap(grad) with a warning and ``'layerwise'`` raises.
+        """
+        if self._layerwise is None or not len(self.train_dataset):
+            return
+        batch = self._batch(self.train_dataset, np.arange(min(2, len(self.train_dataset))))
+        low = (torch.bfloat16, torch.float16)
+        low_precision = self.args.bf16 or any(p.dtype in low for p in self.model.parameters())
+        try:
+            self._layerwise.check(self._params, self._loss_fn(), batch, rtol=5e-2 if low_precision else 1e-2)
+        except ConfigurationError as exc:
+            if self.args.per_example_gradients == "layerwise":
+                raise
+            logger.warning("per-example gradients fall back to vmap(grad): %s", exc)
+            self._layerwise = None
+
     def _loss_fn(self) -> Any:
         args = self.args
 
@@ -275,6 +334,7 @@ class DPTrainer:
             raise ConfigurationError("train() needs a train_dataset.")
         plan = build_plan(args, len(self.train_dataset))
         optimizer = build_optimizer(args, plan.total_steps)
+        self._check_layerwise()
         common = {
             "optimizer": optimizer,
             "clipping_norm": self._clipping_norm(),
@@ -284,6 +344,8 @@ class DPTrainer:
             "compute_dtype": args.privacy_noise_mechanism_kwargs.get("compute_dtype", torch.float32),
             # fused Triton clip-and-sum on CUDA (it falls back to the identical torch path where it cannot run)
             "clip_backend": clip_and_sum if args.device.type == "cuda" else None,
+            # per-example gradients from one batched pass where the model allows it (see opake_torch.layerwise)
+            "per_example_grads": self._layerwise,
             # DDP: clipped sums are normalized by the cluster expected batch, summed across ranks, then noised once
             "reduce": distributed.sum_gradients if self._distributed else None,
         }

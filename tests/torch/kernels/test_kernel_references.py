@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad, vmap
 
-from opake_core.clipping import _ClipSum
+from opake_core.clipping import MaterializedGradients, _ClipSum
 from opake_core.errors import ConfigurationError, InputTypeError
 from opake_torch.patches import kernels as K
 from opake_torch.patches import performance
@@ -242,7 +242,7 @@ def test_clip_and_sum_reference_is_the_core_engine(per_group):
         bounds = engine._bounds
     else:
         engine = _ClipSum(params, bound)
-    engine.add(dict(zip("abc", grads, strict=True)))
+    engine.add(MaterializedGradients(grads))
     sums = [torch.zeros(g.shape[1:], dtype=torch.float64 if g.dtype == torch.float64 else torch.float32) for g in grads]
     norms, _ = clip_sum.clip_and_sum(grads, group_index=group_index, bounds=bounds, accumulators=sums)
     for ours, theirs in zip(sums, engine._sums, strict=True):

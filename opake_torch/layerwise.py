@@ -1,0 +1,393 @@
+"""Per-example gradients from layer inputs and output gradients: one batched forward and backward, no vmap.
+
+For a layer ``y = W a (+ b)`` applied to the ``T`` positions of example ``i``, the example's weight gradient is
+``G_i = sum_t g_it a_it^T`` where ``g_it = dL_i / dy_it``. Both factors come out of one ordinary batched pass: the
+inputs ``a`` from a forward hook, the output gradients ``g`` from a backward tap. From them, per layer:
+
+* **instantiate**: ``G_i`` itself (``[m, out, in]``), cheap when ``out * in`` is small (LoRA adapters, biases,
+  norm weights);
+* **ghost norm** (Li et al. 2022, arXiv 2110.05679, section 4.2): ``||G_i||^2 = sum_{t,s} (a_it . a_is)(g_it . g_is)``,
+  taken in float64 from two ``T x T`` Gram matrices when ``T (in + out) < in * out``; the clipped sum is then
+  ``sum_i c_i G_i = (c * g)^T a``, one matmul, the same as a non-private weight gradient ("book-keeping",
+  Bu et al. 2023, arXiv 2210.00038).
+
+Clipping itself stays in :func:`opake_core.clipping.clipped_grad`, which takes the squared norms, forms the
+scales with the same rule and margin as for materialized gradients and asks for the scaled sum: the two engines
+release the same clipped sum up to float rounding.
+
+Supported layers: ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm`` and Hugging Face's ``Conv1D`` with their stock
+``forward``. A parameter used by several layers or calls (tied embeddings) is instantiated per call and summed
+before its norm is taken. The batched pass assumes that examples do not interact: modules that mix examples
+(batch normalization) are refused, and :meth:`LayerwiseGradients.check` compares the per-example gradients with
+``grad`` of the per-example loss, one example at a time, on a few examples: that catches a parameter used outside a
+supported layer and any other coupling. Hooks exist only for the duration of one call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opake_core.clipping import MaterializedGradients
+from opake_core.errors import ConfigurationError, InputTypeError
+
+__all__ = ["LayerwiseGradients", "unsupported_parameters"]
+
+
+def _conv1d_type() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    return Conv1D
+
+
+def _kind(module: nn.Module) -> str | None:
+    """The layer kind this engine knows, for a module whose ``forward`` is the stock one; otherwise None."""
+    conv1d = _conv1d_type()
+    for kind, base in (("linear", nn.Linear), ("embedding", nn.Embedding), ("layer_norm", nn.LayerNorm)):
+        if isinstance(module, base) and type(module).forward is base.forward:
+            if kind == "embedding" and (module.max_norm is not None or module.sparse):
+                return None
+            return kind
+    if conv1d is not None and isinstance(module, conv1d) and type(module).forward is conv1d.forward:
+        return "conv1d"
+    return None
+
+
+def _owners(model: nn.Module, names: set[str]) -> tuple[dict[str, list[tuple[nn.Module, str, str]]], list[str]]:
+    """For every trainable name, the ``(module, attribute, kind)`` places it is used; and the names without one."""
+    canonical = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in names:
+            canonical[id(param)] = name
+    places: dict[str, list[tuple[nn.Module, str, str]]] = {name: [] for name in names}
+    orphans = set()
+    for module in model.modules():
+        kind = _kind(module)
+        for attr, param in module.named_parameters(recurse=False):
+            name = canonical.get(id(param))
+            if name is None:
+                continue
+            if kind is None:
+                orphans.add(name)
+            else:
+                places[name].append((module, attr, kind))
+    missing = sorted(orphans | {name for name, where in places.items() if not where})
+    return places, missing
+
+
+def unsupported_parameters(model: nn.Module, params: dict[str, torch.Tensor]) -> list[str]:
+    """Trainable names the layerwise engine cannot serve (empty when :class:`LayerwiseGradients` applies).
+
+    Each entry says which parameter and why: it lives outside a supported layer, or the model mixes examples.
+    """
+    if not isinstance(params, dict):
+        raise InputTypeError(f"params must be a dict of name -> tensor, got {type(params).__name__}.")
+    reasons = [f"{type(m).__name__} mixes examples in training mode" for m in model.modules() if _mixes(m)]
+    _, missing = _owners(model, set(params))
+    owner = dict(model.named_modules())
+    for name in missing:
+        parent = owner.get(name.rpartition(".")[0])
+        reasons.append(f"{name} (in {type(parent).__name__ if parent is not None else 'the model'})")
+    return reasons
+
+
+def _mixes(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm | nn.SyncBatchNorm) and module.training
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on a layer's output whose backward hands the output gradient to ``record``.
+
+    It also links the output to ``anchor`` (a scalar leaf), so that a backward to the anchor reaches every tapped
+    layer and nothing else: no parameter gradient is ever formed.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, anchor: torch.Tensor, record: Callable[[torch.Tensor], None]) -> Any:
+        ctx.record = record
+        ctx.anchor = (anchor.dtype, anchor.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        ctx.record(grad)
+        dtype, device = ctx.anchor
+        return grad, torch.zeros((), dtype=dtype, device=device), None
+
+
+@dataclass
+class _Call:
+    """One call of a supported layer: its input, and the gradient of its output once the backward reached it."""
+
+    kind: str
+    module: nn.Module
+    names: dict[str, str]  # attribute -> trainable name
+    inputs: torch.Tensor
+    grad: torch.Tensor | None = None
+
+
+def _rows(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``[m, ..., d]`` as ``[m, T, d]`` (``T = 1`` for a layer applied once per example)."""
+    return x.reshape(m, -1, x.shape[-1])
+
+
+def _live_ids(call: _Call, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An embedding call's ids ``[m, T]`` and which of them get a gradient (not ``padding_idx``)."""
+    ids = call.inputs.reshape(m, -1)
+    pad = call.module.padding_idx
+    return ids, (ids != pad) if pad is not None else torch.ones_like(ids, dtype=torch.bool)
+
+
+def _gram(x: torch.Tensor) -> torch.Tensor:
+    x = x.to(torch.float64)
+    return x @ x.transpose(1, 2)
+
+
+@dataclass
+class _Gradients:
+    """The chunk's per-example gradients: per trainable name, instantiated ``[m, *shape]`` or ghost calls."""
+
+    names: list[str]
+    shapes: dict[str, torch.Size]
+    dtypes: dict[str, torch.dtype]  # accumulation dtype: float64 for float64 parameters, else float32
+    m: int
+    device: torch.device
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [m, *shape]
+    ghost: dict[str, tuple[_Call, torch.Tensor]] = field(default_factory=dict)  # name -> (call, squared norms)
+
+    def squared_norms(self) -> list[torch.Tensor]:
+        out = []
+        for name in self.names:
+            if name in self.ghost:
+                out.append(self.ghost[name][1])
+            elif name in self.dense:
+                out.append(MaterializedGradients([self.dense[name]]).squared_norms()[0])
+            else:
+                out.append(torch.zeros(self.m, dtype=torch.float64, device=self.device))
+        return out
+
+    def add_scaled(self, scales: list[torch.Tensor], sums: list[torch.Tensor]) -> None:
+        for name, scale, total in zip(self.names, scales, sums, strict=True):
+            if name in self.dense:
+                MaterializedGradients([self.dense[name]]).add_scaled([scale], [total])
+            elif name in self.ghost:
+                _add_ghost(self.ghost[name][0], scale, total)
+
+
+def _add_ghost(call: _Call, scale: torch.Tensor, total: torch.Tensor) -> None:
+    """``total += sum_i scale_i G_i`` from the call's input and output gradient (examples with scale 0 add 0)."""
+    m = scale.shape[0]
+    keep = (scale != 0).reshape(m, 1, 1)
+    g = torch.where(keep, _rows(call.grad, m).to(total.dtype) * scale.reshape(m, 1, 1), 0.0)
+    if call.kind == "embedding":
+        ids, live = _live_ids(call, m)
+        g = torch.where(live[..., None], g, 0.0)
+        total.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1]))
+        return
+    a = torch.where(keep, _rows(call.inputs, m).to(total.dtype), 0.0)
+    if call.kind == "linear":
+        total.add_(torch.einsum("bto,bti->oi", g, a))
+    else:  # conv1d: weight [in, out]
+        total.add_(torch.einsum("bti,bto->io", a, g))
+
+
+def _ghost_norms(call: _Call, m: int) -> torch.Tensor:
+    """float64 ``[m]`` squared norms of the call's per-example weight gradients, from Gram matrices."""
+    g = _rows(call.grad, m)
+    if call.kind == "embedding":
+        ids, live = _live_ids(call, m)
+        same = (ids[:, :, None] == ids[:, None, :]) & live[:, :, None] & live[:, None, :]
+        return (same * _gram(g)).sum(dim=(1, 2))
+    return (_gram(_rows(call.inputs, m)) * _gram(g)).sum(dim=(1, 2))
+
+
+def _dense(call: _Call, attr: str, m: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """``[m, *shape]`` per-example gradient of ``call.module.<attr>`` in this call, in ``dtype``."""
+    g = call.grad.to(dtype)
+    if call.kind == "layer_norm":
+        dims = len(call.module.normalized_shape)
+        g = g.reshape(m, -1, *g.shape[-dims:])
+        if attr == "bias":
+            return g.sum(dim=1)
+        normed = F.layer_norm(call.inputs.to(dtype), call.module.normalized_shape, eps=call.module.eps)
+        return (g * normed.reshape(g.shape)).sum(dim=1)
+    g = _rows(g, m)
+    if attr == "bias":
+        return g.sum(dim=1)
+    if call.kind == "embedding":
+        ids, live = _live_ids(call, m)
+        g = torch.where(live[..., None], g, 0.0)
+        out = torch.zeros(m, *shape, dtype=dtype, device=g.device)
+        rows = torch.arange(m, device=g.device)[:, None].expand_as(ids)
+        return out.index_put_((rows, ids), g, accumulate=True)
+    a = _rows(call.inputs.to(dtype), m)
+    if call.kind == "linear":
+        return torch.einsum("bto,bti->boi", g, a)
+    return torch.einsum("bti,bto->bio", a, g)
+
+
+def _prefers_ghost(call: _Call, shape: torch.Size, m: int) -> bool:
+    """Ghost norm when its Gram matrices cost less than instantiating ``[m, *shape]`` (Li et al. 2022)."""
+    if call.kind == "embedding":
+        return True
+    positions = call.inputs.numel() // (m * call.inputs.shape[-1])
+    return positions * sum(shape) < math.prod(shape)
+
+
+class LayerwiseGradients:
+    """``per_example_grads`` for :func:`opake_core.clipping.clipped_grad` (and the steps) from one batched pass.
+
+    Args:
+        model: the module whose trainable parameters are differentiated; every one of them must live in a supported
+            layer (see :func:`unsupported_parameters`).
+        batch_loss: ``batch_loss(params, *batch) -> losses [m]``: runs ``model`` (through
+            ``torch.func.functional_call`` with ``params``) on a batch and returns each example's loss, the same
+            per-example losses as the ``loss_fn`` given to ``clipped_grad``.
+
+    Call it as ``per_example_grads(params, *batch) -> (gradients, losses [m])``.
+    """
+
+    def __init__(self, model: nn.Module, batch_loss: Callable[..., torch.Tensor]) -> None:
+        if not isinstance(model, nn.Module):
+            raise InputTypeError(f"model must be an nn.Module, got {type(model).__name__}.")
+        self.model = model
+        self.batch_loss = batch_loss
+        self._layout: tuple[tuple[str, ...], dict[nn.Module, tuple[str, dict[str, str]]]] | None = None
+
+    def _layers(self, params: dict[str, torch.Tensor]) -> dict[nn.Module, tuple[str, dict[str, str]]]:
+        """``{layer: (kind, {attribute: trainable name})}``, checked and computed once per set of names."""
+        names = tuple(sorted(params))
+        if self._layout is not None and self._layout[0] == names:
+            return self._layout[1]
+        reasons = unsupported_parameters(self.model, params)
+        if reasons:
+            raise ConfigurationError(
+                "layerwise per-example gradients serve nn.Linear, nn.Embedding, nn.LayerNorm and Conv1D layers of "
+                f"models whose examples do not interact; not: {'; '.join(reasons[:5])}. Use vmap(grad) (leave "
+                "per_example_grads unset)."
+            )
+        places, _ = _owners(self.model, set(params))
+        by_module: dict[nn.Module, tuple[str, dict[str, str]]] = {}
+        for name, where in places.items():
+            for module, attr, kind in where:
+                by_module.setdefault(module, (kind, {}))[1][attr] = name
+        self._layout = (names, by_module)
+        return by_module
+
+    def __call__(self, params: dict[str, torch.Tensor], *batch: Any) -> tuple[_Gradients, torch.Tensor]:
+        return self._run(params, batch, instantiate=False)
+
+    def check(
+        self, params: dict[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor], *batch: Any, rtol: float = 1e-2
+    ) -> float:
+        """Compare with ``grad(loss_fn)`` example by example on ``batch`` (a few examples); returns the largest relative
+        error.
+
+        ``loss_fn(params, *example)`` is the per-example loss. Raises ConfigurationError, naming the parameter with
+        the largest difference, when an example's whole gradient differs by more than ``rtol`` (relative L2 over
+        all parameters): a parameter used outside
+        the supported layers, or examples that interact in the batched pass. The default tolerance leaves room
+        for bf16 autocast, whose batched and per-example passes round differently.
+        """
+        training = self.model.training
+        self.model.eval()  # no dropout: both passes see the same function
+        try:
+            grads, _ = self._run(params, batch, instantiate=True)
+            detached = {k: v.detach() for k, v in params.items()}
+            with torch.enable_grad():  # one example at a time: no vmap, so any model the trainer runs can be checked
+                rows = [
+                    torch.func.grad(loss_fn)(detached, *optree.tree_map(lambda x, i=i: x[i], batch))
+                    for i in range(grads.m)
+                ]
+            expected = {k: torch.stack([row[k] for row in rows]) for k in grads.names}
+        finally:
+            self.model.train(training)
+        diff_sq = torch.zeros(grads.m, dtype=torch.float64, device=grads.device)
+        ref_sq = torch.zeros_like(diff_sq)
+        worst_diff, worst_name = -1.0, ""
+        for name in grads.names:
+            ref = expected[name].detach().to(torch.float64).reshape(grads.m, -1)
+            ours = grads.dense[name].to(torch.float64).reshape(grads.m, -1) if name in grads.dense else 0 * ref
+            diff = (ours - ref).square().sum(dim=1)
+            diff_sq += diff
+            ref_sq += ref.square().sum(dim=1)
+            if not diff.max().item() <= worst_diff:  # NaN counts as the worst
+                worst_diff, worst_name = diff.max().item(), name
+        worst = (diff_sq.sqrt() / ref_sq.sqrt().clamp(min=1e-30)).max().item()
+        if not worst <= rtol:
+            raise ConfigurationError(
+                f"layerwise per-example gradients differ from grad of the per-example loss by {worst:.3g} (relative, "
+                f"> {rtol}), most "
+                f"on {worst_name!r}: a parameter is used outside a supported layer, or examples interact in the "
+                "batched pass. Use vmap(grad) for this model."
+            )
+        return worst
+
+    def _run(self, params: dict[str, torch.Tensor], batch: tuple[Any, ...], *, instantiate: bool) -> tuple[Any, Any]:
+        if any(_mixes(module) for module in self.model.modules()):
+            self._layout = None  # a layer switched to training mode since: check again
+        by_module = self._layers(params)
+        names = [path[0] for path in optree.tree_paths(params)]
+        first = next(iter(params.values()))
+        anchor = torch.zeros((), device=first.device, requires_grad=True)
+        shapes = {k: v.shape for k, v in params.items()}
+        dtypes = {k: torch.float64 if v.dtype == torch.float64 else torch.float32 for k, v in params.items()}
+        sizes = {x.shape[0] for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.dim()}
+        if len(sizes) != 1:
+            raise ConfigurationError(f"batched tensors need one leading batch dimension, got sizes {sorted(sizes)}.")
+        out = _Gradients(names, shapes, dtypes, sizes.pop(), first.device)
+        uses: dict[str, int] = {}
+
+        def record(call: _Call, grad: torch.Tensor) -> None:
+            """Runs inside the backward: instantiated gradients are formed at once and the layer's tensors freed."""
+            call.grad = grad.detach()
+            keep = False
+            for attr, name in call.names.items():
+                shape = out.shapes[name]
+                ghost = not instantiate and attr == "weight" and uses[name] == 1 and call.kind != "layer_norm"
+                if ghost and _prefers_ghost(call, shape, out.m):
+                    out.ghost[name] = (call, _ghost_norms(call, out.m))
+                    keep = True  # its input and output gradient form the scaled sum later
+                    continue
+                g = _dense(call, attr, out.m, shape, out.dtypes[name])
+                out.dense[name] = out.dense[name] + g if name in out.dense else g
+            if not keep:
+                call.inputs = call.grad = None
+
+        def forward_hook(module: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+            kind, attrs = by_module[module]
+            x = inputs[0].detach()
+            if kind == "embedding" and x.shape[0] == 1 and out.m > 1:  # positions shared by the batch: one per example
+                x, output = x.expand(out.m, *x.shape[1:]), output.expand(out.m, *output.shape[1:])
+            if x.shape[0] != out.m:
+                raise ConfigurationError(
+                    f"a {type(module).__name__} layer runs on a tensor of leading size {x.shape[0]}, not the batch of "
+                    f"{out.m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
+                )
+            call = _Call(kind, module, attrs, x)
+            for name in attrs.values():
+                uses[name] = uses.get(name, 0) + 1
+            return _Tap.apply(output, anchor, lambda grad: record(call, grad))
+
+        handles = [module.register_forward_hook(forward_hook) for module in by_module]
+        try:
+            losses = self.batch_loss({k: v.detach() for k, v in params.items()}, *batch)
+        finally:
+            for handle in handles:
+                handle.remove()
+        if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
+            raise ConfigurationError(f"batch_loss must return per-example losses [m], got {losses!r:.80}.")
+        if losses.shape[0] != out.m:
+            raise ConfigurationError(f"batch_loss returned {losses.shape[0]} losses for a batch of {out.m} examples.")
+        if losses.requires_grad:
+            torch.autograd.backward(losses.sum(), inputs=[anchor])
+        return out, losses.detach()

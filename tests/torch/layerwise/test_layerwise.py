@@ -1,0 +1,210 @@
+"""Layerwise per-example gradients against an independent float64 loop over examples, and its refusals."""
+
+from __future__ import annotations
+
+import math
+
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_hf import tiny_model, token_data
+from torch import nn
+
+from opake_core.clipping import adaptive, auto_s, clipped_grad
+from opake_core.errors import ConfigurationError
+from opake_core.random import key
+from opake_core.tree import per_group
+from opake_torch.functional import functional_model
+from opake_torch.layerwise import LayerwiseGradients, unsupported_parameters
+from opake_torch.patches import apply_compat_patches
+from opake_torch.transformers.data import collate, language_modeling_labels
+from opake_torch.transformers.loss import batch_losses, per_example_loss
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class Mixer(nn.Module):
+    """Embedding (with padding), LayerNorm, a wide Linear (ghost norm at T=5) and a narrow one (instantiated)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 48, padding_idx=0)
+        self.norm = nn.LayerNorm(48)
+        self.wide = nn.Linear(48, 64)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.wide(self.norm(self.embed(ids))))).mean(dim=-2)
+
+
+def _mixer_case() -> tuple:
+    torch.manual_seed(0)
+    model = Mixer().double()
+    apply, params, frozen = functional_model(model)
+    ids = torch.randint(0, 40, (6, 5))
+    ids[0, :3] = 0  # padding rows get no gradient
+    ids[1] = 7  # one token repeated: the ghost norm's cross terms
+    labels = torch.randint(0, 3, (6,))
+
+    def loss(p, x, y):
+        return F.cross_entropy(apply(p, frozen, x[None]), y[None])
+
+    def batch_loss(p, x, y):
+        return F.cross_entropy(apply(p, frozen, x), y, reduction="none")
+
+    return model, params, loss, batch_loss, (ids, labels)
+
+
+def _hf_case(family: str, lora: bool) -> tuple:
+    apply_compat_patches()
+    model = tiny_model(family).double()
+    if lora:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=LORA_TARGETS))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # nonzero B, so that A gets a gradient
+                nn.init.normal_(p)
+    model.eval()
+    apply, params, frozen = functional_model(model)
+    task = "sequence_classification" if family == "bert" else "causal_lm"
+    batch = collate(token_data(6, classes=3 if family == "bert" else None), pad_token_id=0)
+    if task == "causal_lm":
+        batch = language_modeling_labels(batch)
+
+    def loss(p, example):
+        return per_example_loss(apply, p, frozen, example, task=task)
+
+    def batch_loss(p, b):
+        return batch_losses(apply, p, frozen, b, task=task)
+
+    return model, params, loss, batch_loss, (batch,)
+
+
+CASES = {
+    "mixer": _mixer_case,
+    "llama_lora": lambda: _hf_case("llama", True),
+    "qwen2_lora": lambda: _hf_case("qwen2", True),
+    "gpt2_full_tied": lambda: _hf_case("gpt2", False),
+    "bert_full": lambda: _hf_case("bert", False),
+}
+
+
+def _loop_reference(loss, params, batch, bound):
+    """sum_i g_i min(1, C/||g_i||) and the norms, one example at a time in float64."""
+    size = next(iter(b for b in batch if isinstance(b, torch.Tensor)), None)
+    size = size.shape[0] if size is not None else next(iter(batch[0].values())).shape[0]
+    total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in params.items()}
+    norms = []
+    for i in range(size):
+        example = [{k: v[i] for k, v in b.items()} if isinstance(b, dict) else b[i] for b in batch]
+        g = torch.func.grad(loss)(params, *example)
+        norm = math.sqrt(sum(float(v.double().square().sum()) for v in g.values()))
+        norms.append(norm)
+        for k in total:
+            total[k] += g[k].double() * min(1.0, bound / norm)
+    return total, torch.tensor(norms)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("bound", [math.inf, 0.05])
+def test_clipped_sum_equals_a_float64_loop(case, bound):
+    model, params, loss, batch_loss, batch = CASES[case]()
+    argnums = tuple(range(1, 1 + len(batch)))
+    grad_fn, state = clipped_grad(
+        loss,
+        clipping_norm=bound,
+        batch_argnums=argnums,
+        return_diagnostics=True,
+        per_example_grads=LayerwiseGradients(model, batch_loss),
+    )
+    (clipped, diagnostics), _ = grad_fn(params, *batch, state=state)
+    expected, norms = _loop_reference(loss, params, batch, bound)
+    torch.testing.assert_close(diagnostics.norms.double(), norms.float().double(), rtol=1e-6, atol=0)
+    flat = torch.cat([clipped.value[k].reshape(-1) for k in sorted(params)])
+    ref = torch.cat([expected[k].reshape(-1) for k in sorted(params)])
+    assert ((flat - ref).norm() / ref.norm()).item() < 1e-9
+
+
+def test_chunks_do_not_change_the_result_and_the_rules_carry_over():
+    model, params, loss, batch_loss, batch = _mixer_case()
+    engine = LayerwiseGradients(model, batch_loss)
+    rules = {
+        "fixed": {"clipping_norm": 0.05},
+        "auto_s": {"clipping_norm": auto_s(0.05)},
+        "per_group": {"clipping_norm": per_group(params, {"wide": 0.02}, fallback=0.05)},
+        "adaptive": {"clipping_norm": adaptive(0.05), "key": key(3)},
+    }
+    for name, kwargs in rules.items():
+        outs = []
+        for per_example_grads, chunk in ((None, None), (engine, None), (engine, 2)):
+            grad_fn, state = clipped_grad(
+                loss,
+                batch_argnums=(1, 2),
+                microbatch_size=chunk,
+                per_example_grads=per_example_grads,
+                **kwargs,
+            )
+            clipped, state = grad_fn(params, *batch, state=state)
+            outs.append((clipped, state))
+        (ref, ref_state), *rest = outs
+        for clipped, state in rest:
+            assert clipped.sensitivity == ref.sensitivity, name
+            for k in params:
+                torch.testing.assert_close(clipped.value[k], ref.value[k], rtol=1e-10, atol=1e-12, msg=name)
+            assert getattr(state, "clipping_norm", None) == getattr(ref_state, "clipping_norm", None), name
+
+
+def test_a_non_finite_example_adds_nothing():
+    model, params, loss, batch_loss, (ids, labels) = _mixer_case()
+
+    def poisoned(p, x, y):
+        return batch_loss(p, x, y) * torch.tensor([math.nan, 1, 1, 1, 1, 1], dtype=torch.float64)
+
+    grad_fn, state = clipped_grad(
+        loss,
+        clipping_norm=0.05,
+        batch_argnums=(1, 2),
+        per_example_grads=LayerwiseGradients(model, poisoned),
+    )
+    clipped, _ = grad_fn(params, ids, labels, state=state)
+    expected, _ = _loop_reference(loss, params, (ids[1:], labels[1:]), 0.05)
+    for k in params:
+        assert torch.isfinite(clipped.value[k]).all()
+        torch.testing.assert_close(clipped.value[k], expected[k], rtol=1e-9, atol=1e-12)
+
+
+def test_models_it_cannot_serve_are_named():
+    apply_compat_patches()
+    llama = tiny_model("llama")  # full fine-tune: RMSNorm weights
+    _, params, _ = functional_model(llama)
+    assert any("RMSNorm" in reason for reason in unsupported_parameters(llama, params))
+    bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).train()
+    _, params, frozen = functional_model(bn)
+    reasons = unsupported_parameters(bn, params)
+    assert any("mixes examples" in r for r in reasons)
+    engine = LayerwiseGradients(bn, lambda p, x: functional_model(bn)[0](p, frozen, x)[:, 0])
+    with pytest.raises(ConfigurationError, match="mixes examples"):
+        engine(params, torch.randn(4, 3))
+
+
+class SideUse(nn.Module):
+    """A Linear whose weight is also read directly (not through the layer): the hooks cannot see that use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) + x @ self.lin.weight).sum(-1)
+
+
+def test_the_check_catches_a_parameter_used_outside_its_layer():
+    torch.manual_seed(0)
+    model = SideUse().double()
+    apply, params, frozen = functional_model(model)
+    engine = LayerwiseGradients(model, lambda p, x: apply(p, frozen, x) ** 2)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(ConfigurationError, match=r"lin\.weight"):
+        engine.check(params, lambda p, xi: apply(p, frozen, xi[None])[0] ** 2, x)
+    model, params, loss, batch_loss, batch = _mixer_case()
+    assert LayerwiseGradients(model, batch_loss).check(params, loss, *batch) < 1e-12

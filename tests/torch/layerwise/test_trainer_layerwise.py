@@ -1,0 +1,97 @@
+"""DPTrainer's choice of per-example gradient engine, and that the choice does not change the trained model."""
+
+from __future__ import annotations
+
+import logging
+
+import peft
+import pytest
+import torch
+from tiny_hf import tiny_model, token_data
+
+from opake_core.errors import ConfigurationError
+from opake_torch.transformers import DPTrainer, TrainingArguments
+
+DATA = token_data(24)
+CLASSES = token_data(24, classes=3)
+
+
+def _args(tmp_path, **kw):
+    base = {
+        "per_device_train_batch_size": 6,
+        "max_steps": 3,
+        "privacy_noise_multiplier": 1.0,
+        "clipping_norm": 0.1,
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "learning_rate": 0.05,
+        "lr_scheduler": "constant",
+        "logging_steps": 3,
+        "save_strategy": "no",
+        "report_to": "none",
+    }
+    return TrainingArguments(str(tmp_path / "out"), **{**base, **kw})
+
+
+def _lora_llama():
+    model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("build", "data", "mechanism"),
+    [
+        (_lora_llama, DATA, "gaussian"),
+        (lambda: tiny_model("bert"), CLASSES, "gaussian"),
+        (_lora_llama, DATA, "mf_band"),
+    ],
+    ids=["llama_lora_dpsgd", "bert_full_dpsgd", "llama_lora_bandmf"],
+)
+def test_layerwise_and_vmap_train_the_same_model(tmp_path, build, data, mechanism):
+    """Same keys, same batches: the two engines release the same noisy updates (up to float32 rounding)."""
+    trained = {}
+    for engine in ("layerwise", "vmap"):
+        options = {"privacy_noise_mechanism_kwargs": {"bands": 2}} if mechanism == "mf_band" else {}
+        args = _args(tmp_path / engine, per_example_gradients=engine, privacy_noise_mechanism=mechanism, **options)
+        trainer = DPTrainer(build(), args, train_dataset=data)
+        trainer.train()
+        assert (trainer._layerwise is not None) == (engine == "layerwise")
+        trained[engine] = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
+    for name, value in trained["vmap"].items():
+        torch.testing.assert_close(trained["layerwise"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_auto_picks_layerwise_where_it_serves_and_vmap_elsewhere(tmp_path, caplog):
+    assert DPTrainer(_lora_llama(), _args(tmp_path), train_dataset=DATA)._layerwise is not None
+    with caplog.at_level(logging.INFO, logger="opake_torch.transformers.trainer"):
+        trainer = DPTrainer(tiny_model("llama"), _args(tmp_path), train_dataset=DATA)
+    assert trainer._layerwise is None
+    assert "RMSNorm" in caplog.text
+
+
+def test_layerwise_refuses_what_it_cannot_serve(tmp_path):
+    with pytest.raises(ConfigurationError, match="RMSNorm"):
+        DPTrainer(tiny_model("llama"), _args(tmp_path, per_example_gradients="layerwise"), train_dataset=DATA)
+    with pytest.raises(ConfigurationError, match="gradient_checkpointing"):
+        _args(tmp_path, per_example_gradients="layerwise", gradient_checkpointing=True)
+    with pytest.raises(ConfigurationError, match="per_example_gradients"):
+        _args(tmp_path, per_example_gradients="ghost")
+
+
+def test_a_failed_check_falls_back_to_vmap_in_auto_and_raises_when_asked(tmp_path, monkeypatch):
+    from opake_torch import layerwise
+
+    def failing_check(self, *args, **kwargs):
+        raise ConfigurationError("layerwise per-example gradients differ from vmap(grad) (injected)")
+
+    monkeypatch.setattr(layerwise.LayerwiseGradients, "check", failing_check)
+    trainer = DPTrainer(_lora_llama(), _args(tmp_path), train_dataset=DATA)
+    trainer.train()
+    assert trainer._layerwise is None
+    strict = DPTrainer(_lora_llama(), _args(tmp_path, per_example_gradients="layerwise"), train_dataset=DATA)
+    with pytest.raises(ConfigurationError, match="injected"):
+        strict.train()
