@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import copy
 import datetime
-import gc
 import importlib.metadata
 import importlib.util
 import json
@@ -47,6 +46,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import free, is_oom, peak_gib, sync, timed_steps
 from workloads import SUITES, Workload, build_model, make_batch, model_inputs, per_example_losses
 
 MODES = ("nonprivate", "opacus_hooks", "opacus_ghost", "opake_core", "opake_trainer")
@@ -81,45 +81,6 @@ def opacus_available() -> bool:
 
 
 # -- timing and memory --------------------------------------------------------------------------------------------
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak_gib(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-
-
-def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
-def _timed_steps(step: Callable[[], None], settings: Settings, warmup: int, steps: int) -> list[float]:
-    """Run ``warmup`` untimed then ``steps`` timed calls; peak memory is reset after the warm-ups."""
-    device = settings.device
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        begin = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - begin)
-    return times
 
 
 @contextlib.contextmanager
@@ -271,13 +232,13 @@ def _opake_trainer(workload: Workload, batch: dict[str, torch.Tensor], settings:
         begin = 0.0
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            _sync(device)
+            sync(device)
             if state.global_step == settings.warmup and device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             self.begin = time.perf_counter()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            _sync(device)
+            sync(device)
             if state.global_step > settings.warmup:
                 times.append(time.perf_counter() - self.begin)
 
@@ -305,7 +266,7 @@ def _opake_trainer(workload: Workload, batch: dict[str, torch.Tensor], settings:
         trainer = DPTrainer(build_model(workload, device), args, train_dataset=rows, callbacks=[StepTimer()])
         trainer.train()
     engine = "layerwise" if trainer._layerwise is not None else "vmap"
-    return {"times": times, "peak_gib": _peak_gib(device), "per_example_gradients": engine}
+    return {"times": times, "peak_gib": peak_gib(device), "per_example_gradients": engine}
 
 
 BUILDERS: dict[str, Callable[..., Any]] = {
@@ -328,8 +289,8 @@ def _measure(
         short = Settings(**{**settings.__dict__, "warmup": warmup, "steps": steps})
         return _opake_trainer(workload, batch, short)
     step = BUILDERS[mode](workload, batch, settings)
-    times = _timed_steps(step, settings, warmup, steps)
-    out = {"times": times, "peak_gib": _peak_gib(settings.device)}
+    times = timed_steps(step, settings.device, warmup, steps)
+    out = {"times": times, "peak_gib": peak_gib(settings.device)}
     if profile and mode == "opake_core":
         out["phases"] = profile_core(step, batch, settings)
     return out
@@ -350,15 +311,15 @@ def run_mode(
     }
     if mode in OPACUS_MODES and not opacus_available():
         return {**record, "skipped": True, "error": "opacus not installed"}
-    _free(settings.device)
+    free(settings.device)
     begin = time.perf_counter()
     try:
         with _tf32(settings.tf32):
             out = _measure(mode, workload, workload.batch, settings, settings.warmup, settings.steps, profile=profile)
     except Exception as exc:  # a failing mode is a result, not the end of the run
-        record["error"] = "OOM" if _is_oom(exc) else f"{type(exc).__name__}: {str(exc)[:400]}"
+        record["error"] = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {str(exc)[:400]}"
         out = None
-    _free(settings.device)
+    free(settings.device)
     if out is not None:
         times = sorted(out["times"])
         median = statistics.median(times)
@@ -396,10 +357,10 @@ def _max_batch(mode: str, workload: Workload, settings: Settings) -> dict[str, A
             with _tf32(settings.tf32):
                 _measure(mode, workload, size, settings, warmup=1, steps=1)
         except Exception as exc:
-            note = f"OOM at {size}" if _is_oom(exc) else f"{type(exc).__name__} at {size}: {str(exc)[:200]}"
+            note = f"OOM at {size}" if is_oom(exc) else f"{type(exc).__name__} at {size}: {str(exc)[:200]}"
             break
         finally:
-            _free(settings.device)
+            free(settings.device)
         fits, size = size, size * 2
     return {"max_batch": fits, "max_batch_note": note}
 
@@ -501,7 +462,7 @@ def check_clipped_sum(workload: Workload, settings: Settings, *, reference: str)
     result: dict[str, Any] = {"workload": workload.name, "reference": reference, "ok": False}
     if reference == "opacus_hooks" and not opacus_available():
         return {**result, "skipped": True, "error": "opacus not installed"}
-    _free(settings.device)
+    free(settings.device)
     try:
         with _tf32(False):
             batch = make_batch(workload, workload.batch, settings.device)
@@ -516,8 +477,8 @@ def check_clipped_sum(workload: Workload, settings: Settings, *, reference: str)
         passed = stats["l2_rel_diff"] <= tolerance and not stats["leaves_unmatched"]
         result.update(stats, tolerance_l2_rel=tolerance, ok=passed)
     except Exception as exc:
-        result["error"] = "OOM" if _is_oom(exc) else f"{type(exc).__name__}: {str(exc)[:400]}"
-    _free(settings.device)
+        result["error"] = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {str(exc)[:400]}"
+    free(settings.device)
     return result
 
 
@@ -552,7 +513,7 @@ def profile_core(step: _CoreStep, batch: dict[str, torch.Tensor], settings: Sett
         with profile(activities=activities) as prof:
             for _ in range(settings.profile_steps):
                 step()
-            _sync(settings.device)
+            sync(settings.device)
         result["phases"] = _phase_times(prof, settings.profile_steps)
         del prof
 
@@ -570,12 +531,12 @@ def profile_core(step: _CoreStep, batch: dict[str, torch.Tensor], settings: Sett
                     sums = chunk_sum if sums is None else {k: sums[k] + chunk_sum[k] for k in sums}
 
         result["per_example_grads_ms"] = 1e3 * statistics.median(
-            _timed_steps(grads_only, settings, 1, settings.profile_steps)
+            timed_steps(grads_only, settings.device, 1, settings.profile_steps)
         )
         result["noised_numel"] = sum(p.numel() for p in step.params.values())
         result["ok"] = True
     except Exception as exc:
-        result["error"] = "OOM" if _is_oom(exc) else f"{type(exc).__name__}: {str(exc)[:400]}"
+        result["error"] = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {str(exc)[:400]}"
     return result
 
 

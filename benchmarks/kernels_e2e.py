@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import platform
 import statistics
@@ -49,6 +48,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import free, timed_steps
 from workloads import LLAMA_1B, LORA_TARGETS, Workload, make_batch
 
 CONFIGS = {  # name: (use_performance_kernels, fused clip, layerwise); None: the non-private reference
@@ -116,35 +116,6 @@ def build(args: argparse.Namespace, device: torch.device | str) -> torch.nn.Modu
     lora = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
     # PEFT's default upcasts adapters of a half-precision base to float32; without it they keep the base dtype
     return peft.get_peft_model(base, lora, autocast_adapter_dtype=not args.base_dtype_adapters).train()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _timed(step: Callable[[], Any], device: torch.device, warmup: int, steps: int) -> list[float]:
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        begin = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - begin)
-    return times
 
 
 @contextlib.contextmanager
@@ -236,7 +207,7 @@ def _measure(args: argparse.Namespace, name: str, seq: int, batch_size: int) -> 
         step, out["kernels_applied"] = _dp_step(
             model, batch, kernels, fused, min(args.microbatch or batch_size, batch_size), layerwise
         )
-    times = _timed(step, device, args.warmup, args.steps)
+    times = timed_steps(step, device, args.warmup, args.steps)
     median = statistics.median(times)
     cuda = device.type == "cuda"
     return {
@@ -265,9 +236,9 @@ def _clip_phase(args: argparse.Namespace, m: int) -> dict[str, Any]:
         "fused_backend": "triton" if fused_supported(grads, sums) else "torch (fallback: no CUDA/Triton)",
     }
     for label, fn in (("torch", reference.clip_and_sum), ("fused", clip_and_sum)):
-        _free(device)
+        free(device)
         base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        times = _timed(lambda fn=fn: fn(grads, **kwargs), device, 2, args.clip_repeats)
+        times = timed_steps(lambda fn=fn: fn(grads, **kwargs), device, 2, args.clip_repeats)
         result[f"{label}_ms"] = 1e3 * statistics.median(times)
         if device.type == "cuda":
             result[f"{label}_peak_mib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
@@ -285,14 +256,14 @@ def _run(status_row: dict[str, Any], began: float, args: argparse.Namespace, fn:
     """``fn()`` merged into the row, or the row with its skip/failure status; memory freed either way."""
     if time.perf_counter() - began > args.budget_s:
         return {**status_row, "status": "skipped: time budget"}
-    _free(args.device)
+    free(args.device)
     begin = time.perf_counter()
     try:
         with _rope_restored():
             row = {**status_row, **fn(), "status": "ok"}
     except Exception as exc:  # a failing row is a result, not the end of the benchmark
         row = {**status_row, "status": _error(exc)}
-    _free(args.device)
+    free(args.device)
     return {**row, "wall_s": round(time.perf_counter() - begin, 2)}
 
 

@@ -470,6 +470,20 @@ class MaterializedGradients:
             total.add_(contribution.sum(dim=0))
 
 
+def _zeros_like_leaves(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Zero accumulators shaped like ``leaves`` in their accumulation dtype: views of one buffer per dtype and device
+    (one allocation and one fill instead of one per leaf)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for index, leaf in enumerate(leaves):
+        groups.setdefault((_accumulation_dtype(leaf), leaf.device), []).append(index)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(leaves)
+    for (dtype, device), indices in groups.items():
+        flat = torch.zeros(sum(leaves[i].numel() for i in indices), dtype=dtype, device=device)
+        for i, view in zip(indices, flat.split([leaves[i].numel() for i in indices]), strict=True):
+            out[i] = view.view(leaves[i].shape)
+    return out
+
+
 class _ClipSum:
     """Running clipped sum over chunks: norms, scales and sums on top of any :class:`PerExampleGradients`."""
 
@@ -483,7 +497,7 @@ class _ClipSum:
         for path, leaf in zip(leaf_paths(params), leaves, strict=True):
             if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
                 raise InputTypeError(f"parameter {path!r} must be a floating-point tensor, got {leaf!r:.80}.")
-        self._sums = [torch.zeros(leaf.shape, dtype=_accumulation_dtype(leaf), device=leaf.device) for leaf in leaves]
+        self._sums = _zeros_like_leaves(leaves)
         if isinstance(bound, PerGroup):
             group_of = bound.group_of
             paths = leaf_paths(params)
@@ -540,7 +554,7 @@ class _ClipSum:
         return torch.cat(self._clipped).sum()
 
     def result(self, normalize_by: float) -> Any:
-        return optree.tree_unflatten(self._treedef, [total / normalize_by for total in self._sums])
+        return optree.tree_unflatten(self._treedef, torch._foreach_div(self._sums, normalize_by))
 
     def diagnostics(self, losses: list[torch.Tensor], batch_size: int) -> ClipDiagnostics:
         device = self._sums[0].device

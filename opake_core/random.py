@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,10 +147,23 @@ def normal(
     The result depends only on (key, shape, dtype, device type) and is bit-identical on replay.
     """
     _check_key(k, "normal")
-    device = torch.device(device)
-    generator = torch.Generator(device=device)
-    generator.manual_seed(_seed64(k))
-    return torch.randn(tuple(shape), generator=generator, dtype=dtype, device=device)
+    generator = _generator(torch.device(device))
+    generator.manual_seed(_seed64(k))  # the whole state comes from the key: reusing the object changes nothing
+    return torch.randn(tuple(shape), generator=generator, dtype=dtype, device=generator.device)
+
+
+_GENERATORS = threading.local()
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """One generator per device and thread, reseeded at every draw (creating one per draw costs more than the draw
+    of a small tensor)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cache = _GENERATORS.__dict__.setdefault("by_device", {})
+    if device not in cache:
+        cache[device] = torch.Generator(device=device)
+    return cache[device]
 
 
 def numpy_generator(k: Key) -> np.random.Generator:

@@ -195,9 +195,9 @@ def _add_ghost(call: _Call, scale: torch.Tensor, total: torch.Tensor) -> None:
         return
     a = torch.where(keep, _rows(call.inputs, m).to(total.dtype), 0.0)
     if call.kind == "linear":
-        total.add_(torch.einsum("bto,bti->oi", g, a))
+        total.addmm_(g.reshape(-1, g.shape[-1]).T, a.reshape(-1, a.shape[-1]))  # sum_bt g^T a
     else:  # conv1d: weight [in, out]
-        total.add_(torch.einsum("bti,bto->io", a, g))
+        total.addmm_(a.reshape(-1, a.shape[-1]).T, g.reshape(-1, g.shape[-1]))
 
 
 def _ghost_norms(call: _Call, m: int) -> torch.Tensor:
@@ -231,8 +231,8 @@ def _dense(call: _Call, attr: str, m: int, shape: torch.Size, dtype: torch.dtype
         return out.index_put_((rows, ids), g, accumulate=True)
     a = _rows(call.inputs.to(dtype), m)
     if call.kind == "linear":
-        return torch.einsum("bto,bti->boi", g, a)
-    return torch.einsum("bti,bto->bio", a, g)
+        return torch.bmm(g.transpose(1, 2), a)  # [m, out, in]
+    return torch.bmm(a.transpose(1, 2), g)  # conv1d: [m, in, out]
 
 
 def _prefers_ghost(call: _Call, shape: torch.Size, m: int) -> bool:

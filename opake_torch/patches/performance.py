@@ -8,9 +8,9 @@ patches are idempotent; a patched forward falls back to the original for anythin
 active adapters, DoRA, active dropout, mixed dtypes).
 
 Without CUDA or without Triton nothing is patched and the reason is logged: a CPU run is never changed.
-``cross_entropy`` and ``fused_linear_cross_entropy`` are switches for the loss (the trainer's per-example loss calls
-:func:`~opake_torch.patches.kernels.opake_fused_linear_cross_entropy`); the model's own forward is not patched for
-them.
+``cross_entropy`` and ``fused_linear_cross_entropy`` are accepted and reported as switches, but no patch and no
+trainer loss calls the loss kernels yet; use :func:`~opake_torch.patches.kernels.opake_cross_entropy_loss` and
+:func:`~opake_torch.patches.kernels.opake_fused_linear_cross_entropy` directly in a loss of your own.
 """
 
 from __future__ import annotations

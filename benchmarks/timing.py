@@ -1,0 +1,52 @@
+"""Timing and memory helpers shared by the GPU benchmarks (they also run on CPU, where memory is not measured)."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA only)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> None:
+    """Collect garbage, empty the CUDA cache and reset the peak-memory statistics."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    """``torch.cuda.max_memory_allocated`` in GiB; None off CUDA."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether an exception is an out-of-memory error."""
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def timed_steps(step: Callable[[], object], device: torch.device, warmup: int, steps: int) -> list[float]:
+    """Run ``warmup`` untimed then ``steps`` timed calls (seconds each, synchronized); the peak-memory statistics
+    are reset after the warm-ups."""
+    for _ in range(warmup):
+        step()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        sync(device)
+        begin = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - begin)
+    return times
