@@ -15,10 +15,11 @@ Clipping itself stays in :func:`opake_core.clipping.clipped_grad`, which takes t
 scales with the same rule and margin as for materialized gradients and asks for the scaled sum: the two engines
 release the same clipped sum up to float rounding.
 
-Supported layers: ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm`` and Hugging Face's ``Conv1D`` with their stock
-``forward``. A parameter used by several layers or calls (tied embeddings) is instantiated per call and summed
-before its norm is taken. The batched pass assumes that examples do not interact: modules that mix examples
-(batch normalization) are refused, and :meth:`LayerwiseGradients.check` compares the per-example gradients with
+Supported layers: ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, Hugging Face's ``Conv1D`` and
+Llama-style ``*RMSNorm`` layers, with their stock ``forward``; every layer must see the batch in dimension 0 (Hugging
+Face models are batch-first). A parameter used by several layers or calls (tied embeddings) is instantiated per
+call and summed before its norm is taken. The batched pass assumes that examples do not interact: modules that mix
+examples (batch normalization) are refused, and :meth:`LayerwiseGradients.check` compares the per-example gradients with
 ``grad`` of the per-example loss, one example at a time, on a few examples: that catches a parameter used outside a
 supported layer and any other coupling. Hooks exist only for the duration of one call.
 """
@@ -49,16 +50,46 @@ def _conv1d_type() -> type | None:
     return Conv1D
 
 
+def _llama_rms_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
+def _same_code(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
+    """Whether two functions compile to the same code (same source up to their names and modules)."""
+    ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    return (
+        ca is not None
+        and cb is not None
+        and (ca.co_code, ca.co_consts, ca.co_names)
+        == (
+            cb.co_code,
+            cb.co_consts,
+            cb.co_names,
+        )
+    )
+
+
 def _kind(module: nn.Module) -> str | None:
-    """The layer kind this engine knows, for a module whose ``forward`` is the stock one; otherwise None."""
+    """The layer kind this engine knows, for a module whose ``forward`` is the stock one; otherwise None.
+
+    RMSNorm: ``nn.RMSNorm``, and Hugging Face's Llama-style ``*RMSNorm`` (Llama, Mistral, Qwen2, Qwen3, ...), whose
+    ``forward`` must compile to exactly :func:`_llama_rms_norm` (Gemma's ``1 + weight`` variant does not).
+    """
     conv1d = _conv1d_type()
-    for kind, base in (("linear", nn.Linear), ("embedding", nn.Embedding), ("layer_norm", nn.LayerNorm)):
+    bases = (("linear", nn.Linear), ("embedding", nn.Embedding), ("layer_norm", nn.LayerNorm), ("rms_norm", nn.RMSNorm))
+    for kind, base in bases:
         if isinstance(module, base) and type(module).forward is base.forward:
-            if kind == "embedding" and (module.max_norm is not None or module.sparse):
-                return None
+            if kind == "embedding" and (module.max_norm is not None or module.sparse or module.scale_grad_by_freq):
+                return None  # renormalized rows, sparse gradients, or a batch-frequency scale that couples examples
             return kind
     if conv1d is not None and isinstance(module, conv1d) and type(module).forward is conv1d.forward:
         return "conv1d"
+    if hasattr(module, "variance_epsilon") and _same_code(type(module).forward, _llama_rms_norm):
+        return "llama_rms_norm"
     return None
 
 
@@ -213,13 +244,12 @@ def _ghost_norms(call: _Call, m: int) -> torch.Tensor:
 def _dense(call: _Call, attr: str, m: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """``[m, *shape]`` per-example gradient of ``call.module.<attr>`` in this call, in ``dtype``."""
     g = call.grad.to(dtype)
-    if call.kind == "layer_norm":
-        dims = len(call.module.normalized_shape)
+    if call.kind in _NORMS:
+        dims = len(call.module.normalized_shape) if call.kind != "llama_rms_norm" else 1
         g = g.reshape(m, -1, *g.shape[-dims:])
         if attr == "bias":
             return g.sum(dim=1)
-        normed = F.layer_norm(call.inputs.to(dtype), call.module.normalized_shape, eps=call.module.eps)
-        return (g * normed.reshape(g.shape)).sum(dim=1)
+        return (g * _normalized(call).to(dtype).reshape(g.shape)).sum(dim=1)
     g = _rows(g, m)
     if attr == "bias":
         return g.sum(dim=1)
@@ -233,6 +263,21 @@ def _dense(call: _Call, attr: str, m: int, shape: torch.Size, dtype: torch.dtype
     if call.kind == "linear":
         return torch.bmm(g.transpose(1, 2), a)  # [m, out, in]
     return torch.bmm(a.transpose(1, 2), g)  # conv1d: [m, in, out]
+
+
+_NORMS = ("layer_norm", "rms_norm", "llama_rms_norm")
+
+
+def _normalized(call: _Call) -> torch.Tensor:
+    """What a norm layer multiplies its weight by: its input normalized, as its forward computes it."""
+    x, module = call.inputs, call.module
+    if call.kind == "layer_norm":
+        return F.layer_norm(x, module.normalized_shape, eps=module.eps)
+    if call.kind == "rms_norm":
+        return F.rms_norm(x, module.normalized_shape, eps=module.eps)
+    hidden = x.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+    return hidden.to(x.dtype)
 
 
 def _prefers_ghost(call: _Call, shape: torch.Size, m: int) -> bool:
@@ -271,7 +316,7 @@ class LayerwiseGradients:
         reasons = unsupported_parameters(self.model, params)
         if reasons:
             raise ConfigurationError(
-                "layerwise per-example gradients serve nn.Linear, nn.Embedding, nn.LayerNorm and Conv1D layers of "
+                "layerwise per-example gradients serve Linear, Embedding, LayerNorm, RMSNorm and Conv1D layers of "
                 f"models whose examples do not interact; not: {'; '.join(reasons[:5])}. Use vmap(grad) (leave "
                 "per_example_grads unset)."
             )
@@ -353,7 +398,7 @@ class LayerwiseGradients:
             keep = False
             for attr, name in call.names.items():
                 shape = out.shapes[name]
-                ghost = not instantiate and attr == "weight" and uses[name] == 1 and call.kind != "layer_norm"
+                ghost = not instantiate and attr == "weight" and uses[name] == 1 and call.kind not in _NORMS
                 if ghost and _prefers_ghost(call, shape, out.m):
                     out.ghost[name] = (call, _ghost_norms(call, out.m))
                     keep = True  # its input and output gradient form the scaled sum later

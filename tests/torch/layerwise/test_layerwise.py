@@ -85,6 +85,8 @@ CASES = {
     "llama_lora": lambda: _hf_case("llama", True),
     "qwen2_lora": lambda: _hf_case("qwen2", True),
     "gpt2_full_tied": lambda: _hf_case("gpt2", False),
+    "llama_full_rmsnorm": lambda: _hf_case("llama", False),
+    "qwen2_full_rmsnorm": lambda: _hf_case("qwen2", False),
     "bert_full": lambda: _hf_case("bert", False),
 }
 
@@ -173,11 +175,24 @@ def test_a_non_finite_example_adds_nothing():
         torch.testing.assert_close(clipped.value[k], expected[k], rtol=1e-9, atol=1e-12)
 
 
+class GemmaStyleNorm(nn.Module):
+    """An RMSNorm whose forward is not Llama's (it scales by ``1 + weight``): not served."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (1 + self.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
 def test_models_it_cannot_serve_are_named():
-    apply_compat_patches()
-    llama = tiny_model("llama")  # full fine-tune: RMSNorm weights
-    _, params, _ = functional_model(llama)
-    assert any("RMSNorm" in reason for reason in unsupported_parameters(llama, params))
+    norm = nn.Sequential(nn.Linear(3, 4), GemmaStyleNorm())
+    _, params, _ = functional_model(norm)
+    assert unsupported_parameters(norm, params) == ["1.weight (in GemmaStyleNorm)"]
+    freq = nn.Embedding(5, 2, scale_grad_by_freq=True)
+    assert unsupported_parameters(freq, functional_model(freq)[1]) == ["weight (in Embedding)"]
     bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).train()
     _, params, frozen = functional_model(bn)
     reasons = unsupported_parameters(bn, params)

@@ -67,15 +67,21 @@ def test_layerwise_and_vmap_train_the_same_model(tmp_path, build, data, mechanis
 
 def test_auto_picks_layerwise_where_it_serves_and_vmap_elsewhere(tmp_path, caplog):
     assert DPTrainer(_lora_llama(), _args(tmp_path), train_dataset=DATA)._layerwise is not None
+    assert DPTrainer(tiny_model("llama"), _args(tmp_path), train_dataset=DATA)._layerwise is not None
     with caplog.at_level(logging.INFO, logger="opake_torch.transformers.trainer"):
-        trainer = DPTrainer(tiny_model("llama"), _args(tmp_path), train_dataset=DATA)
+        trainer = DPTrainer(tiny_model("llama"), _args(tmp_path, gradient_checkpointing=True), train_dataset=DATA)
     assert trainer._layerwise is None
-    assert "RMSNorm" in caplog.text
+    assert "gradient_checkpointing" in caplog.text
+
+
+class _SFTLike(DPTrainer):
+    def compute_per_example_loss(self, params, example):
+        return super().compute_per_example_loss(params, example)
 
 
 def test_layerwise_refuses_what_it_cannot_serve(tmp_path):
-    with pytest.raises(ConfigurationError, match="RMSNorm"):
-        DPTrainer(tiny_model("llama"), _args(tmp_path, per_example_gradients="layerwise"), train_dataset=DATA)
+    with pytest.raises(ConfigurationError, match="overrides compute_per_example_loss"):
+        _SFTLike(tiny_model("llama"), _args(tmp_path, per_example_gradients="layerwise"), train_dataset=DATA)
     with pytest.raises(ConfigurationError, match="gradient_checkpointing"):
         _args(tmp_path, per_example_gradients="layerwise", gradient_checkpointing=True)
     with pytest.raises(ConfigurationError, match="per_example_gradients"):

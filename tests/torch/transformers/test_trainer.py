@@ -40,7 +40,8 @@ def _args(tmp_path, **kw):
 
 
 def test_one_step_equals_core_composition(tmp_path):
-    args = _args(tmp_path, max_steps=1, optim="sgd")
+    """Bitwise, with the same (vmap) engine; tests/torch/layerwise compares the layerwise engine with this one."""
+    args = _args(tmp_path, max_steps=1, optim="sgd", per_example_gradients="vmap")
     trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA)
     trainer.train()
 
