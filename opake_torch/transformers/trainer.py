@@ -295,7 +295,8 @@ class DPTrainer:
     def _check_layerwise(self) -> None:
         """Compare the layerwise engine with grad of the per-example loss on the first two training examples, once.
 
-        On a mismatch, ``'auto'`` falls back to vmap(grad) with a warning and ``'layerwise'`` raises.
+        On a mismatch, or any error of the layerwise pass, ``'auto'`` falls back to vmap(grad) with a warning and
+        ``'layerwise'`` raises.
         """
         if self._layerwise is None or not len(self.train_dataset):
             return
@@ -304,10 +305,10 @@ class DPTrainer:
         low_precision = self.args.bf16 or any(p.dtype in low for p in self.model.parameters())
         try:
             self._layerwise.check(self._params, self._loss_fn(), batch, rtol=5e-2 if low_precision else 1e-2)
-        except ConfigurationError as exc:
+        except Exception as exc:  # a mismatch, or a model the batched pass cannot run: auto falls back
             if self.args.per_example_gradients == "layerwise":
                 raise
-            logger.warning("per-example gradients fall back to vmap(grad): %s", exc)
+            logger.warning("per-example gradients fall back to vmap(grad): %s: %s", type(exc).__name__, exc)
             self._layerwise = None
 
     def _loss_fn(self) -> Any:

@@ -88,16 +88,17 @@ def test_layerwise_refuses_what_it_cannot_serve(tmp_path):
         _args(tmp_path, per_example_gradients="ghost")
 
 
-def test_a_failed_check_falls_back_to_vmap_in_auto_and_raises_when_asked(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [ConfigurationError, RuntimeError], ids=["mismatch", "layerwise pass fails"])
+def test_a_failed_check_falls_back_to_vmap_in_auto_and_raises_when_asked(tmp_path, monkeypatch, error):
     from opake_torch import layerwise
 
     def failing_check(self, *args, **kwargs):
-        raise ConfigurationError("layerwise per-example gradients differ from vmap(grad) (injected)")
+        raise error("layerwise per-example gradients cannot serve this model (injected)")
 
     monkeypatch.setattr(layerwise.LayerwiseGradients, "check", failing_check)
     trainer = DPTrainer(_lora_llama(), _args(tmp_path), train_dataset=DATA)
     trainer.train()
     assert trainer._layerwise is None
     strict = DPTrainer(_lora_llama(), _args(tmp_path, per_example_gradients="layerwise"), train_dataset=DATA)
-    with pytest.raises(ConfigurationError, match="injected"):
+    with pytest.raises(error, match="injected"):
         strict.train()
