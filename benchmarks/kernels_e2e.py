@@ -160,15 +160,24 @@ def _dp_step(
     from opake_torch.patches.families import apply_family_patches
     from opake_torch.patches.kernels import clip_and_sum
     from opake_torch.patches.performance import apply_performance_kernels
-    from opake_torch.transformers.loss import batch_losses, per_example_loss
+    from opake_torch.transformers.loss import batch_losses, fused_causal_lm_losses, fused_head, per_example_loss
 
     apply_compat_patches()
     apply_family_patches(model)
     applied = apply_performance_kernels(model, use_performance_kernels=kernels)
     apply, params, frozen = functional_model(model)
 
+    head = fused_head(model, set(params)) if "fused_linear_cross_entropy" in applied else None
+
     def loss_fn(p: dict[str, torch.Tensor], example: dict[str, torch.Tensor]) -> torch.Tensor:
+        if head is not None:  # as DPTrainer: the fused linear cross-entropy on the final hidden states
+            return fused_causal_lm_losses(apply, p, frozen, {k: v[None] for k, v in example.items()}, head)[0]
         return per_example_loss(apply, p, frozen, example, task="causal_lm")
+
+    def batch_loss(p: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
+        if head is not None:
+            return fused_causal_lm_losses(apply, p, frozen, b, head)
+        return batch_losses(apply, p, frozen, b, task="causal_lm")
 
     optimizer = adamw(LR, weight_decay=WEIGHT_DECAY)
     step_fn, dp_state = dp_sgd(
@@ -179,11 +188,7 @@ def _dp_step(
         expected_batch_size=float(batch["input_ids"].shape[0]),
         microbatch_size=microbatch,
         clip_backend=clip_and_sum if fused else None,
-        per_example_grads=(
-            LayerwiseGradients(model, lambda p, b: batch_losses(apply, p, frozen, b, task="causal_lm"))
-            if layerwise
-            else None
-        ),
+        per_example_grads=LayerwiseGradients(model, batch_loss) if layerwise else None,
     )
     state = [params, optimizer.init(params), dp_state]
     key = random.key(0)

@@ -38,6 +38,7 @@ Two other rules replace the fixed bound (pass them as ``clipping_norm``):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -470,6 +471,13 @@ class MaterializedGradients:
             total.add_(contribution.sum(dim=0))
 
 
+@functools.lru_cache(maxsize=64)
+def _bounds_on(bounds: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """The bounds as a float64 ``[G, 1]`` tensor on ``device``, made once per value: a copy from host memory to a
+    GPU waits for the device to finish its queued work, which would stall every step. Never modified."""
+    return torch.tensor(bounds, dtype=torch.float64).unsqueeze(1).to(device)
+
+
 def _zeros_like_leaves(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """Zero accumulators shaped like ``leaves`` in their accumulation dtype: views of one buffer per dtype and device
     (one allocation and one fill instead of one per leaf)."""
@@ -514,7 +522,7 @@ class _ClipSum:
             self._group_index = [0] * len(leaves)
             self._bounds = [bound]
         # built once, so that add() makes no host-to-device copy (CUDA graph capture forbids one)
-        self._bound_tensor = torch.tensor(self._bounds, dtype=torch.float64).unsqueeze(1).to(self._sums[0].device)
+        self._bound_tensor = _bounds_on(tuple(self._bounds), self._sums[0].device)
         self._norms: list[torch.Tensor] = []
         self._clipped: list[torch.Tensor] = []
 

@@ -8,9 +8,12 @@ patches are idempotent; a patched forward falls back to the original for anythin
 active adapters, DoRA, active dropout, mixed dtypes).
 
 Without CUDA or without Triton nothing is patched and the reason is logged: a CPU run is never changed.
-``cross_entropy`` and ``fused_linear_cross_entropy`` are accepted and reported as switches, but no patch and no
-trainer loss calls the loss kernels yet; use :func:`~opake_torch.patches.kernels.opake_cross_entropy_loss` and
-:func:`~opake_torch.patches.kernels.opake_fused_linear_cross_entropy` directly in a loss of your own.
+``fused_linear_cross_entropy`` is a loss-level patch: for the supported families it is reported as applied, and
+``DPTrainer``'s causal-LM loss then reads the final hidden states and calls
+:func:`~opake_torch.patches.kernels.opake_fused_linear_cross_entropy` with the (frozen) head's weight, so the logits
+are never materialized. ``cross_entropy`` is loss-level too, for any model: ``DPTrainer``'s token losses (causal LM,
+token classification; without label smoothing) then go through
+:func:`~opake_torch.patches.kernels.opake_cross_entropy_loss`.
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ def apply_performance_kernels(
     """Patch the supported modules of ``model`` with the Triton kernels (idempotent).
 
     Returns:
-        The names of the patches in effect (``"rms_norm"``, ``"activation"``, ``"rope:<module>"``, ``"lora"``),
+        The names of the patches in effect (``"rms_norm"``, ``"activation"``, ``"rope:<module>"``,
+        ``"fused_linear_cross_entropy"``, ``"cross_entropy"``, ``"lora"``),
         empty where nothing applies (CPU, no Triton, switched off, unsupported family); the reason is logged.
     """
     switches = resolve_performance_kernels(use_performance_kernels, performance_kernels_config)
@@ -128,6 +132,10 @@ def apply_performance_kernels(
                 _note(applied, "activation")
         if switches["rope"]:
             applied.append(f"rope:{_patch_rope(family)}")
+        if switches["fused_linear_cross_entropy"]:
+            applied.append("fused_linear_cross_entropy")  # a loss-level patch: DPTrainer's causal-LM loss takes it
+    if switches["cross_entropy"]:
+        applied.append("cross_entropy")  # loss-level, any model: DPTrainer's token losses take the kernel
     if switches["lora"]:
         for module in model.modules():
             if _is_lora_linear(module) and _patch(module, _lora_forward):

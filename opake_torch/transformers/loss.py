@@ -11,6 +11,7 @@ example's own loss from one batched forward (for ``opake_torch.layerwise``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,8 +22,11 @@ from opake_core.errors import ConfigurationError
 
 __all__ = [
     "IGNORE_INDEX",
+    "FusedHead",
     "batch_losses",
     "causal_lm_loss",
+    "fused_causal_lm_losses",
+    "fused_head",
     "infer_task",
     "loss_from_logits",
     "per_example_loss",
@@ -35,7 +39,12 @@ TASKS = ("causal_lm", "sequence_classification", "token_classification")
 
 
 def causal_lm_loss(
-    logits: torch.Tensor, labels: torch.Tensor, *, label_smoothing: float = 0.0, ignore_index: int = IGNORE_INDEX
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = IGNORE_INDEX,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy over one sequence's target tokens.
 
@@ -43,23 +52,35 @@ def causal_lm_loss(
         logits: ``[T, V]`` logits for one sequence.
         labels: ``[T]`` token ids; position ``t`` is predicted from positions ``< t``; ``ignore_index`` marks
             positions without a target (padding, prompt tokens).
+        kernel: use :func:`~opake_torch.patches.kernels.opake_cross_entropy_loss` (without label smoothing).
 
     Returns:
         A float32 scalar; 0 when the sequence has no target token.
     """
-    return _masked_mean_ce(logits[:-1], labels[1:], label_smoothing=label_smoothing, ignore_index=ignore_index)
+    return _masked_mean_ce(
+        logits[:-1], labels[1:], label_smoothing=label_smoothing, ignore_index=ignore_index, kernel=kernel
+    )
 
 
 def token_classification_loss(
-    logits: torch.Tensor, labels: torch.Tensor, *, label_smoothing: float = 0.0, ignore_index: int = IGNORE_INDEX
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    label_smoothing: float = 0.0,
+    ignore_index: int = IGNORE_INDEX,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """Mean cross-entropy over one sequence's labelled tokens (``logits [T, C]``, ``labels [T]``)."""
-    return _masked_mean_ce(logits, labels, label_smoothing=label_smoothing, ignore_index=ignore_index)
+    return _masked_mean_ce(logits, labels, label_smoothing=label_smoothing, ignore_index=ignore_index, kernel=kernel)
 
 
 def _masked_mean_ce(
-    logits: torch.Tensor, labels: torch.Tensor, *, label_smoothing: float, ignore_index: int
+    logits: torch.Tensor, labels: torch.Tensor, *, label_smoothing: float, ignore_index: int, kernel: bool
 ) -> torch.Tensor:
+    if kernel and not label_smoothing:  # the Triton cross-entropy (its torch reference off CUDA): same value
+        from opake_torch.patches.kernels import opake_cross_entropy_loss
+
+        return opake_cross_entropy_loss(logits, labels, ignore_index=ignore_index, reduction="mean")
     mask = labels != ignore_index
     safe = torch.where(mask, labels, torch.zeros_like(labels))
     nll = F.cross_entropy(logits.float(), safe, reduction="none", label_smoothing=label_smoothing)
@@ -100,14 +121,16 @@ def loss_from_logits(
     task: str,
     compute_loss_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     label_smoothing: float = 0.0,
+    kernel: bool = False,
 ) -> torch.Tensor:
-    """One example's loss from its logits and labels (both without batch dimension)."""
+    """One example's loss from its logits and labels (both without batch dimension); ``kernel``: the token losses
+    through the Triton cross-entropy."""
     if compute_loss_func is not None:
         return compute_loss_func(logits, labels)
     if task == "causal_lm":
-        return causal_lm_loss(logits, labels, label_smoothing=label_smoothing)
+        return causal_lm_loss(logits, labels, label_smoothing=label_smoothing, kernel=kernel)
     if task == "token_classification":
-        return token_classification_loss(logits, labels, label_smoothing=label_smoothing)
+        return token_classification_loss(logits, labels, label_smoothing=label_smoothing, kernel=kernel)
     if task == "sequence_classification":
         return sequence_classification_loss(logits, labels, label_smoothing=label_smoothing)
     raise ConfigurationError(f"task must be one of {TASKS}, got {task!r}.")
@@ -123,6 +146,7 @@ def per_example_loss(
     label_names: tuple[str, ...] = ("labels",),
     compute_loss_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     label_smoothing: float = 0.0,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """The loss of one example: run the model on it with a batch dimension of 1, then :func:`loss_from_logits`.
 
@@ -137,6 +161,7 @@ def per_example_loss(
         task=task,
         compute_loss_func=compute_loss_func,
         label_smoothing=label_smoothing,
+        kernel=kernel,
     )
 
 
@@ -150,6 +175,7 @@ def batch_losses(
     label_names: tuple[str, ...] = ("labels",),
     compute_loss_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     label_smoothing: float = 0.0,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """Every example's loss ``[m]`` from one batched forward: the same losses as :func:`per_example_loss` row by row.
 
@@ -162,7 +188,80 @@ def batch_losses(
 
     def one(row_logits: torch.Tensor, row_labels: torch.Tensor) -> torch.Tensor:
         return loss_from_logits(
-            row_logits, row_labels, task=task, compute_loss_func=compute_loss_func, label_smoothing=label_smoothing
+            row_logits,
+            row_labels,
+            task=task,
+            compute_loss_func=compute_loss_func,
+            label_smoothing=label_smoothing,
+            kernel=kernel,
         )
 
     return torch.vmap(one)(logits, batch[label_names[0]])
+
+
+@dataclass(frozen=True)
+class FusedHead:
+    """What the fused causal-LM loss needs: the final norm (its output is what the head reads) and the name of the
+    head's weight among the model's parameters."""
+
+    norm: nn.Module
+    weight_name: str
+
+
+def fused_head(model: nn.Module, trainable: set[str]) -> FusedHead | None:
+    """The head of a Llama-style causal LM (``<base>.model.norm`` then ``lm_head``), or None where the fused loss
+    does not apply: no such structure, or a trainable head (whose gradient the layerwise engine must see as a layer).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    norm = getattr(getattr(base, "model", None), "norm", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(norm, nn.Module) or not isinstance(weight, torch.Tensor):
+        return None
+    name = next((n for n, p in model.named_parameters() if p is weight), None)
+    if name is None or name in trainable:
+        return None
+    return FusedHead(norm, name)
+
+
+def _final_hidden(
+    apply: Callable[..., Any],
+    params: dict[str, torch.Tensor],
+    frozen: dict[str, torch.Tensor],
+    inputs: dict[str, torch.Tensor],
+    head: FusedHead,
+) -> torch.Tensor:
+    """The final norm's output ``[B, T, H]``; the model computes the logits of its last position only."""
+    captured: list[torch.Tensor] = []
+    handle = head.norm.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        apply(params, frozen, **inputs, logits_to_keep=1)
+    finally:
+        handle.remove()
+    return captured[-1]
+
+
+def fused_causal_lm_losses(
+    apply: Callable[..., Any],
+    params: dict[str, torch.Tensor],
+    frozen: dict[str, torch.Tensor],
+    batch: dict[str, torch.Tensor],
+    head: FusedHead,
+    *,
+    label_names: tuple[str, ...] = ("labels",),
+) -> torch.Tensor:
+    """Each example's mean next-token cross-entropy ``[B]``, the logits never materialized.
+
+    The same value as :func:`causal_lm_loss` row by row (without label smoothing): the final hidden states go
+    through :func:`~opake_torch.patches.kernels.opake_fused_linear_cross_entropy` with the head's weight. Works with a
+    batch dimension of 1 inside ``vmap`` (one example) and with a whole batch.
+    """
+    from opake_torch.patches.kernels import opake_fused_linear_cross_entropy
+
+    inputs = {k: v for k, v in batch.items() if k not in label_names}
+    hidden = _final_hidden(apply, params, frozen, inputs, head)
+    weight = {**frozen, **params}[head.weight_name]
+    labels = batch[label_names[0]][:, 1:]
+    nll = opake_fused_linear_cross_entropy(hidden[:, :-1], weight, labels, reduction="none")
+    mask = labels != IGNORE_INDEX
+    return (nll.float() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)

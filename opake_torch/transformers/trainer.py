@@ -48,7 +48,14 @@ from opake_torch.patches.performance import apply_performance_kernels
 from opake_torch.transformers import checkpoint as ckpt
 from opake_torch.transformers.arguments import TrainingArguments
 from opake_torch.transformers.data import collate, fetch, language_modeling_labels, model_input_names
-from opake_torch.transformers.loss import batch_losses, infer_task, loss_from_logits, per_example_loss
+from opake_torch.transformers.loss import (
+    batch_losses,
+    fused_causal_lm_losses,
+    fused_head,
+    infer_task,
+    loss_from_logits,
+    per_example_loss,
+)
 from opake_torch.transformers.microbatch import retry_eval_batch, run_with_oom_retry
 from opake_torch.transformers.optimizer import build_optimizer, build_schedule
 from opake_torch.transformers.privacy import PrivacyPlan, build_plan, clipping_rule
@@ -153,10 +160,12 @@ class DPTrainer:
         self.model = model.to(args.device)
         if self._distributed:  # every rank starts from rank 0's weights
             distributed.broadcast_params(dict(self.model.named_parameters()))
+        kernels_config = dict(args.performance_kernels_config or {})
+        if args.per_example_gradients != "vmap" and kernels_config.get("lora", True):
+            # the fused LoRA kernel bypasses the adapter layers, which the layerwise engine reads
+            kernels_config["lora"] = False
         self.performance_patches = apply_performance_kernels(
-            self.model,
-            use_performance_kernels=args.use_performance_kernels,
-            performance_kernels_config=args.performance_kernels_config,
+            self.model, use_performance_kernels=args.use_performance_kernels, performance_kernels_config=kernels_config
         )
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class = processing_class
@@ -170,6 +179,10 @@ class DPTrainer:
         self._apply, self._params, self._frozen = functional_model(self.model)
         if not self._params:
             raise ConfigurationError("the model has no trainable parameter (requires_grad=True).")
+        fused = "fused_linear_cross_entropy" in self.performance_patches and self.task == "causal_lm"
+        # the causal-LM loss from the final hidden states, logits never materialized (frozen heads only)
+        self._head = fused_head(self.model, set(self._params)) if fused and not args.label_smoothing_factor else None
+        self._ce_kernel = "cross_entropy" in self.performance_patches  # the token losses through the Triton kernel
         root = random.key(args.seed)
         self._noise_key = random.fold_in(root, NOISE_STREAM)
         self._sampler_key = random.fold_in(root, SAMPLER_STREAM)
@@ -225,7 +238,10 @@ class DPTrainer:
             )
         if self.task == "causal_lm":
             batch = language_modeling_labels(batch)
-        return {k: v.to(self.args.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        if self.args.device.type == "cuda":  # from pinned memory the copy does not wait for the queued GPU work
+            return {k: v.pin_memory().to(self.args.device, non_blocking=True) for k, v in tensors.items()}
+        return {k: v.to(self.args.device) for k, v in tensors.items()}
 
     def _batch(self, dataset: Any, indices: np.ndarray) -> dict[str, torch.Tensor]:
         if len(indices):
@@ -242,6 +258,11 @@ class DPTrainer:
         **inputs)`` to run the model. It runs under ``vmap(grad)``: no in-place operations, no branching on tensor
         values, and nothing computed from other examples.
         """
+        if self._head is not None:
+            one = {k: v[None] for k, v in example.items()}
+            return fused_causal_lm_losses(
+                self._apply, params, self._frozen, one, self._head, label_names=self.label_names
+            )[0]
         return per_example_loss(
             self._apply,
             params,
@@ -251,6 +272,7 @@ class DPTrainer:
             label_names=self.label_names,
             compute_loss_func=self.compute_loss_func,
             label_smoothing=self.args.label_smoothing_factor,
+            kernel=self._ce_kernel,
         )
 
     def apply_model(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -279,6 +301,10 @@ class DPTrainer:
 
         def loss(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
             with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                if self._head is not None:
+                    return fused_causal_lm_losses(
+                        self._apply, params, self._frozen, batch, self._head, label_names=self.label_names
+                    )
                 return batch_losses(
                     self._apply,
                     params,
@@ -288,6 +314,7 @@ class DPTrainer:
                     label_names=self.label_names,
                     compute_loss_func=self.compute_loss_func,
                     label_smoothing=args.label_smoothing_factor,
+                    kernel=self._ce_kernel,
                 )
 
         return LayerwiseGradients(self.model, loss)

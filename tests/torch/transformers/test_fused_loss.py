@@ -1,0 +1,158 @@
+"""The causal-LM loss from final hidden states (fused linear cross-entropy) against the loss from the logits."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+from tiny_hf import tiny_model, token_data
+
+from opake_torch.functional import functional_model
+from opake_torch.patches import apply_compat_patches
+from opake_torch.transformers import DPTrainer, TrainingArguments
+from opake_torch.transformers.data import collate, language_modeling_labels
+from opake_torch.transformers.loss import batch_losses, fused_causal_lm_losses, fused_head, per_example_loss
+
+DATA = token_data(24)
+
+
+def _lora(family="llama"):
+    model = peft.get_peft_model(tiny_model(family), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_losses_equal_the_logits_losses(family):
+    apply_compat_patches()
+    model = _lora(family).double()
+    apply, params, frozen = functional_model(model)
+    head = fused_head(model, set(params))
+    assert head is not None and head.weight_name.endswith("lm_head.weight")
+    batch = language_modeling_labels(collate(token_data(5), pad_token_id=0))  # padded rows: labels -100 there
+    expected = batch_losses(apply, params, frozen, batch, task="causal_lm")
+    torch.testing.assert_close(fused_causal_lm_losses(apply, params, frozen, batch, head), expected, rtol=1e-12, atol=0)
+
+    def fused_one(p, example):
+        return fused_causal_lm_losses(apply, p, frozen, {k: v[None] for k, v in example.items()}, head)[0]
+
+    def plain_one(p, example):
+        return per_example_loss(apply, p, frozen, example, task="causal_lm")
+
+    grads = [torch.func.vmap(torch.func.grad(f), in_dims=(None, 0))(params, batch) for f in (fused_one, plain_one)]
+    for name in params:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-10, atol=1e-12)
+
+
+def test_no_fused_head_where_it_does_not_apply():
+    model = tiny_model("llama")  # full fine-tune: the head is trainable
+    assert fused_head(model, set(functional_model(model)[1])) is None
+    gpt2 = tiny_model("gpt2")  # no `.model.norm`
+    assert fused_head(gpt2, set()) is None
+
+
+@pytest.mark.parametrize("engine", ["layerwise", "vmap"])
+def test_trainer_with_the_fused_loss_trains_the_same_model(tmp_path, monkeypatch, engine):
+    """On CPU the kernels are off, so the patch list is forced; the fused function then runs its torch reference."""
+    trained = []
+    for fused in (True, False):
+        if fused:
+            monkeypatch.setattr(
+                "opake_torch.transformers.trainer.apply_performance_kernels",
+                lambda model, **kwargs: ["fused_linear_cross_entropy"],
+            )
+        else:
+            monkeypatch.undo()
+        args = TrainingArguments(
+            str(tmp_path / f"{fused}"),
+            per_device_train_batch_size=6,
+            max_steps=3,
+            privacy_noise_multiplier=1.0,
+            clipping_norm=0.1,
+            use_cpu=True,
+            disable_tqdm=True,
+            learning_rate=0.05,
+            lr_scheduler="constant",
+            save_strategy="no",
+            report_to="none",
+            per_example_gradients=engine,
+        )
+        trainer = DPTrainer(_lora(), args, train_dataset=DATA)
+        assert (trainer._head is not None) == fused
+        trainer.train()
+        trained.append({k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad})
+    for name, value in trained[1].items():
+        torch.testing.assert_close(trained[0][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("engine", ["layerwise", "vmap"])
+def test_trainer_with_the_triton_kernels_trains_the_same_model_on_cuda(tmp_path, engine):
+    trained = []
+    for kernels in (True, False):
+        args = TrainingArguments(
+            str(tmp_path / f"{kernels}"),
+            per_device_train_batch_size=6,
+            max_steps=3,
+            privacy_noise_multiplier=1.0,
+            clipping_norm=0.1,
+            disable_tqdm=True,
+            learning_rate=0.05,
+            lr_scheduler="constant",
+            save_strategy="no",
+            report_to="none",
+            per_example_gradients=engine,
+            use_performance_kernels=kernels,
+        )
+        model = _lora()
+        model.config._attn_implementation = "sdpa"
+        trainer = DPTrainer(model, args, train_dataset=DATA)
+        assert (trainer._head is not None) == kernels
+        assert ("fused_linear_cross_entropy" in trainer.performance_patches) == kernels
+        trainer.train()
+        trained.append({k: v.detach().float().cpu() for k, v in trainer.model.named_parameters() if v.requires_grad})
+    for name, value in trained[1].items():
+        torch.testing.assert_close(trained[0][name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_cross_entropy_kernel_gives_the_same_token_losses():
+    from opake_torch.transformers.loss import causal_lm_loss, token_classification_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(7, 11, dtype=torch.float64)
+    labels = torch.tensor([3, -100, 5, 0, -100, 10, 2])
+    for loss in (causal_lm_loss, token_classification_loss):
+        torch.testing.assert_close(loss(logits, labels, kernel=True), loss(logits, labels), rtol=1e-12, atol=0)
+    none = torch.full((7,), -100)
+    assert causal_lm_loss(logits, none, kernel=True).item() == 0.0
+
+
+def test_trainer_with_the_cross_entropy_kernel_trains_the_same_model(tmp_path, monkeypatch):
+    trained = []
+    for kernel in (True, False):
+        if kernel:
+            monkeypatch.setattr(
+                "opake_torch.transformers.trainer.apply_performance_kernels", lambda model, **kwargs: ["cross_entropy"]
+            )
+        else:
+            monkeypatch.undo()
+        args = TrainingArguments(
+            str(tmp_path / f"{kernel}"),
+            per_device_train_batch_size=6,
+            max_steps=3,
+            privacy_noise_multiplier=1.0,
+            use_cpu=True,
+            disable_tqdm=True,
+            learning_rate=0.05,
+            save_strategy="no",
+            report_to="none",
+        )
+        trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA)
+        assert trainer._ce_kernel == kernel and trainer._head is None
+        trainer.train()
+        trained.append({k: v.detach().clone() for k, v in trainer.model.named_parameters()})
+    for name, value in trained[1].items():
+        torch.testing.assert_close(trained[0][name], value, rtol=1e-5, atol=1e-6, msg=name)
