@@ -61,16 +61,9 @@ def _llama_rms_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
 def _same_code(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
     """Whether two functions compile to the same code (same source up to their names and modules)."""
     ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    return (
-        ca is not None
-        and cb is not None
-        and (ca.co_code, ca.co_consts, ca.co_names)
-        == (
-            cb.co_code,
-            cb.co_consts,
-            cb.co_names,
-        )
-    )
+    if ca is None or cb is None:
+        return False
+    return (ca.co_code, ca.co_consts, ca.co_names) == (cb.co_code, cb.co_consts, cb.co_names)
 
 
 def _kind(module: nn.Module) -> str | None:
