@@ -180,8 +180,9 @@ class DPTrainer:
         if not self._params:
             raise ConfigurationError("the model has no trainable parameter (requires_grad=True).")
         fused = "fused_linear_cross_entropy" in self.performance_patches and self.task == "causal_lm"
+        fused = fused and not args.label_smoothing_factor
         # the causal-LM loss from the final hidden states, logits never materialized (frozen heads only)
-        self._head = fused_head(self.model, set(self._params)) if fused and not args.label_smoothing_factor else None
+        self._fused_head = fused_head(self.model, set(self._params)) if fused else None
         self._ce_kernel = "cross_entropy" in self.performance_patches  # the token losses through the Triton kernel
         root = random.key(args.seed)
         self._noise_key = random.fold_in(root, NOISE_STREAM)
@@ -258,16 +259,37 @@ class DPTrainer:
         **inputs)`` to run the model. It runs under ``vmap(grad)``: no in-place operations, no branching on tensor
         values, and nothing computed from other examples.
         """
-        if self._head is not None:
+        if self._fused_head is not None:
             one = {k: v[None] for k, v in example.items()}
             return fused_causal_lm_losses(
-                self._apply, params, self._frozen, one, self._head, label_names=self.label_names
+                self._apply, params, self._frozen, one, self._fused_head, label_names=self.label_names
             )[0]
         return per_example_loss(
             self._apply,
             params,
             self._frozen,
             example,
+            task=self.task,
+            label_names=self.label_names,
+            compute_loss_func=self.compute_loss_func,
+            label_smoothing=self.args.label_smoothing_factor,
+            kernel=self._ce_kernel,
+        )
+
+    def compute_batch_losses(self, params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Every example's loss ``[m]`` from one batched forward: the batched form of
+        :meth:`compute_per_example_loss`, which the layerwise engine runs (row ``i`` must equal the per-example loss
+        of example ``i``; the engine checks this on two examples before training). Override both together.
+        """
+        if self._fused_head is not None:
+            return fused_causal_lm_losses(
+                self._apply, params, self._frozen, batch, self._fused_head, label_names=self.label_names
+            )
+        return batch_losses(
+            self._apply,
+            params,
+            self._frozen,
+            batch,
             task=self.task,
             label_names=self.label_names,
             compute_loss_func=self.compute_loss_func,
@@ -285,8 +307,9 @@ class DPTrainer:
         if mode == "vmap":
             return None
         reasons = unsupported_parameters(self.model, self._params)
-        if type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss:
-            reasons.append(f"{type(self).__name__} overrides compute_per_example_loss")
+        overrides = type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss
+        if overrides and type(self).compute_batch_losses is DPTrainer.compute_batch_losses:
+            reasons.append(f"{type(self).__name__} overrides compute_per_example_loss but not compute_batch_losses")
         if self.args.gradient_checkpointing:
             reasons.append("gradient_checkpointing is on")
         if reasons:
@@ -301,21 +324,7 @@ class DPTrainer:
 
         def loss(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
             with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                if self._head is not None:
-                    return fused_causal_lm_losses(
-                        self._apply, params, self._frozen, batch, self._head, label_names=self.label_names
-                    )
-                return batch_losses(
-                    self._apply,
-                    params,
-                    self._frozen,
-                    batch,
-                    task=self.task,
-                    label_names=self.label_names,
-                    compute_loss_func=self.compute_loss_func,
-                    label_smoothing=args.label_smoothing_factor,
-                    kernel=self._ce_kernel,
-                )
+                return self.compute_batch_losses(params, batch)
 
         return LayerwiseGradients(self.model, loss)
 

@@ -187,6 +187,15 @@ class SFTTrainer(DPTrainer):
             for i in range(len(dataset))
         ]
 
+    def compute_batch_losses(self, params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Every example's loss from one batched forward, for the layerwise engine: ``loss_type="nll"`` only (the
+        other loss types raise, and ``per_example_gradients="auto"`` then uses vmap)."""
+        if self.args.loss_type != "nll":
+            raise ConfigurationError(
+                f"loss_type={self.args.loss_type!r} has no batched form; the layerwise engine serves loss_type='nll'."
+            )
+        return super().compute_batch_losses(params, batch)
+
     def compute_per_example_loss(
         self, params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]
     ) -> torch.Tensor:

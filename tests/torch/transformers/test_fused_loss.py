@@ -81,7 +81,7 @@ def test_trainer_with_the_fused_loss_trains_the_same_model(tmp_path, monkeypatch
             per_example_gradients=engine,
         )
         trainer = DPTrainer(_lora(), args, train_dataset=DATA)
-        assert (trainer._head is not None) == fused
+        assert (trainer._fused_head is not None) == fused
         trainer.train()
         trained.append({k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad})
     for name, value in trained[1].items():
@@ -110,7 +110,7 @@ def test_trainer_with_the_triton_kernels_trains_the_same_model_on_cuda(tmp_path,
         model = _lora()
         model.config._attn_implementation = "sdpa"
         trainer = DPTrainer(model, args, train_dataset=DATA)
-        assert (trainer._head is not None) == kernels
+        assert (trainer._fused_head is not None) == kernels
         assert ("fused_linear_cross_entropy" in trainer.performance_patches) == kernels
         trainer.train()
         trained.append({k: v.detach().float().cpu() for k, v in trainer.model.named_parameters() if v.requires_grad})
@@ -151,7 +151,7 @@ def test_trainer_with_the_cross_entropy_kernel_trains_the_same_model(tmp_path, m
             report_to="none",
         )
         trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA)
-        assert trainer._ce_kernel == kernel and trainer._head is None
+        assert trainer._ce_kernel == kernel and trainer._fused_head is None
         trainer.train()
         trained.append({k: v.detach().clone() for k, v in trainer.model.named_parameters()})
     for name, value in trained[1].items():

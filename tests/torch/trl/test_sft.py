@@ -133,3 +133,20 @@ def test_refusals(tmp_path):
         _trainer(tmp_path, chat_rows(2), assistant_only_loss=True, chat_template=plain)
     with pytest.raises(ConfigurationError, match="model object"):
         SFTTrainer("some/model", SFTConfig(**BASE), processing_class=tok)
+
+
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_layerwise_engine_serves_nll_and_trains_the_same_model(tmp_path, loss_type):
+    """With loss_type='nll' the layerwise engine runs and matches vmap; other loss types fall back to vmap."""
+    trained = {}
+    for engine in ("auto", "vmap"):
+        trainer = _trainer(
+            tmp_path / engine, prompt_completion_rows(8), privacy_noise_multiplier=1.0, clipping_norm=0.1,
+            max_steps=2, per_example_gradients=engine, loss_type=loss_type,
+        )  # fmt: skip
+        trainer.train()
+        if engine == "auto":
+            assert (trainer._layerwise is not None) == (loss_type == "nll")
+        trained[engine] = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    for name, value in trained["vmap"].items():
+        torch.testing.assert_close(trained["auto"][name], value, rtol=1e-5, atol=1e-6, msg=name)
