@@ -12,6 +12,8 @@ Modes, run one after the other in this process for each workload (memory freed i
 * ``opake_core``: ``opake_core.step.dp_sgd`` on the model's functional form; a fixed batch instead of a Poisson draw.
 * ``opake_trainer``: ``DPTrainer.train()`` with ``max_steps = warmup + steps``, timed by a callback. Its dataset is
   the batch itself (sampling rate 1), so every Poisson draw is that same full batch.
+* ``opake_trainer_kernels``: the same with ``use_performance_kernels=True`` (a logged no-op without CUDA and
+  Triton).
 
 Every private mode uses noise multiplier 1 and clipping norm 1, AdamW with lr 1e-4 and weight decay 0.01. Each
 mode times the median of ``--steps`` steps after ``--warmup`` warm-ups (synchronized wall clock around each step)
@@ -49,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import free, is_oom, peak_gib, sync, timed_steps
 from workloads import SUITES, Workload, build_model, make_batch, model_inputs, per_example_losses
 
-MODES = ("nonprivate", "opacus_hooks", "opacus_ghost", "opake_core", "opake_trainer")
+MODES = ("nonprivate", "opacus_hooks", "opacus_ghost", "opake_core", "opake_trainer", "opake_trainer_kernels")
 OPACUS_MODES = ("opacus_hooks", "opacus_ghost")
 LR, WEIGHT_DECAY = 1e-4, 0.01
 # l2 relative difference of the clipped sums accepted by the same-batch check, by the dtype of the base weights.
@@ -217,7 +219,9 @@ def _opake_core(workload: Workload, batch: dict[str, torch.Tensor], settings: Se
     return _CoreStep(workload, batch, settings)
 
 
-def _opake_trainer(workload: Workload, batch: dict[str, torch.Tensor], settings: Settings) -> dict[str, Any]:
+def _opake_trainer(
+    workload: Workload, batch: dict[str, torch.Tensor], settings: Settings, *, kernels: bool = False
+) -> dict[str, Any]:
     """Run ``DPTrainer.train()`` for warmup + steps steps; returns the step times and peak memory."""
     from transformers import TrainerCallback
 
@@ -262,6 +266,7 @@ def _opake_trainer(workload: Workload, batch: dict[str, torch.Tensor], settings:
             disable_tqdm=True,
             use_cpu=device.type == "cpu",
             seed=0,
+            use_performance_kernels=kernels,
         )
         trainer = DPTrainer(build_model(workload, device), args, train_dataset=rows, callbacks=[StepTimer()])
         trainer.train()
@@ -285,9 +290,9 @@ def _measure(
     With ``profile`` (opake_core only), the phase breakdown of the same warmed-up step follows the timed steps.
     """
     batch = make_batch(workload, size, settings.device)
-    if mode == "opake_trainer":
+    if mode.startswith("opake_trainer"):
         short = Settings(**{**settings.__dict__, "warmup": warmup, "steps": steps})
-        return _opake_trainer(workload, batch, short)
+        return _opake_trainer(workload, batch, short, kernels=mode == "opake_trainer_kernels")
     step = BUILDERS[mode](workload, batch, settings)
     times = timed_steps(step, settings.device, warmup, steps)
     out = {"times": times, "peak_gib": peak_gib(settings.device)}
@@ -345,7 +350,7 @@ def run_mode(
 
 def _max_batch(mode: str, workload: Workload, settings: Settings) -> dict[str, Any]:
     """Double the batch from the workload's until the first OOM, the cap or the time budget, whichever is first."""
-    if mode == "opake_trainer":
+    if mode.startswith("opake_trainer"):
         return {"max_batch": None, "max_batch_note": "not searched: same step as opake_core"}
     begin, fits, size = time.perf_counter(), workload.batch, workload.batch * 2
     note = f"cap {settings.max_batch_cap} reached"

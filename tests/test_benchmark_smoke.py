@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 HARNESS = Path(__file__).resolve().parents[1] / "benchmarks" / "harness.py"
-MODES = ("nonprivate", "opacus_hooks", "opacus_ghost", "opake_core", "opake_trainer")
+MODES = ("nonprivate", "opacus_hooks", "opacus_ghost", "opake_core", "opake_trainer", "opake_trainer_kernels")
 WORKLOADS = ("tiny_bert_s16_b4", "tiny_llama_lora4_s16_b4", "tiny_gpt2_s16_b4")
 
 
