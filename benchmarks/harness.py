@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import free, is_oom, peak_gib, sync, timed_steps
+from timing import fmt, free, is_oom, peak_gib, sync, table_row, timed_steps
 from workloads import SUITES, Workload, build_model, make_batch, model_inputs, per_example_losses
 
 MODES = ("nonprivate", "opacus_hooks", "opacus_ghost", "opake_core", "opake_trainer", "opake_trainer_kernels")
@@ -603,10 +603,6 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
         r["mem_vs_nonprivate"] = peak / base_peak if ok and peak and base_peak else None
 
 
-def _fmt(value: Any, spec: str) -> str:
-    return "" if value is None else format(value, spec)
-
-
 def markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v)
@@ -629,16 +625,16 @@ def markdown(report: dict[str, Any]) -> str:
             r["workload"],
             r["mode"] + (f" (microbatch {r['microbatch']})" if r.get("microbatch") else ""),
             f"{r['batch']} x {r['seq']}",
-            _fmt(r.get("step_s_median"), ".4f"),
-            _fmt(r.get("examples_per_s"), ".1f"),
-            _fmt(r.get("tokens_per_s"), ".0f"),
-            _fmt(r.get("peak_mem_gib"), ".2f"),
-            _fmt(r.get("max_batch"), "d"),
-            _fmt(r.get("time_vs_nonprivate"), ".2f"),
-            _fmt(r.get("mem_vs_nonprivate"), ".2f"),
+            fmt(r.get("step_s_median"), ".4f"),
+            fmt(r.get("examples_per_s"), ".1f"),
+            fmt(r.get("tokens_per_s"), ".0f"),
+            fmt(r.get("peak_mem_gib"), ".2f"),
+            fmt(r.get("max_batch"), "d"),
+            fmt(r.get("time_vs_nonprivate"), ".2f"),
+            fmt(r.get("mem_vs_nonprivate"), ".2f"),
             status.replace("|", "/"),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     lines += [
         "",
         "## Same-batch clipped sum (noise off)",
@@ -651,13 +647,13 @@ def markdown(report: dict[str, Any]) -> str:
         cells = [
             c["workload"],
             c["reference"],
-            _fmt(c.get("l2_rel_diff"), ".2e"),
-            _fmt(c.get("max_rel_diff"), ".2e"),
-            _fmt(c.get("max_abs_diff"), ".2e"),
-            _fmt(c.get("tolerance_l2_rel"), ".0e"),
+            fmt(c.get("l2_rel_diff"), ".2e"),
+            fmt(c.get("max_rel_diff"), ".2e"),
+            fmt(c.get("max_abs_diff"), ".2e"),
+            fmt(c.get("tolerance_l2_rel"), ".0e"),
             result.replace("|", "/"),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     if report["phases"]:
         lines += [
             "",
@@ -672,7 +668,7 @@ def markdown(report: dict[str, Any]) -> str:
                 continue
             for name, row in sorted(p["phases"].items()):
                 cells = [p["workload"], name, f"{row['host_ms']:.2f}", f"{row['gpu_span_ms']:.2f}"]
-                lines.append("| " + " | ".join([*cells, f"{row['kernel_ms']:.2f}"]) + " |")
+                lines.append(table_row([*cells, f"{row['kernel_ms']:.2f}"]))
             extra = [
                 ("step, unprofiled (median)", p["step_ms_unprofiled"]),
                 ("per-example grads only (vmap grad, plain sum)", p["per_example_grads_ms"]),

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import free, timed_steps
+from timing import fmt, free, table_row, timed_steps
 from workloads import LLAMA_1B, LORA_TARGETS, Workload, make_batch
 
 CONFIGS = {  # name: (use_performance_kernels, fused clip, layerwise); None: the non-private reference
@@ -281,10 +281,6 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         r["mem_vs_nonprivate"] = r["peak_gib"] / b["peak_gib"] if ok and r["peak_gib"] and b["peak_gib"] else None
 
 
-def _fmt(value: Any, spec: str) -> str:
-    return "" if value is None else format(value, spec)
-
-
 def markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = [
@@ -302,14 +298,14 @@ def markdown(report: dict[str, Any]) -> str:
             str(r["seq"]),
             r["config"] + (f" (microbatch {r['microbatch']})" if r.get("microbatch") else ""),
             f"{r['batch']} x {r['seq']}",
-            _fmt(r.get("step_s"), ".4f"),
-            _fmt(r.get("tokens_per_s"), ".0f"),
-            _fmt(r.get("peak_gib"), ".2f"),
-            _fmt(r.get("time_vs_nonprivate"), ".2f"),
-            _fmt(r.get("mem_vs_nonprivate"), ".2f"),
+            fmt(r.get("step_s"), ".4f"),
+            fmt(r.get("tokens_per_s"), ".0f"),
+            fmt(r.get("peak_gib"), ".2f"),
+            fmt(r.get("time_vs_nonprivate"), ".2f"),
+            fmt(r.get("mem_vs_nonprivate"), ".2f"),
             r["status"][:120].replace("|", "/"),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     lines += [
         "",
         "## Clip phase alone (per-example gradients of the LoRA leaves, m examples)",
@@ -321,15 +317,15 @@ def markdown(report: dict[str, Any]) -> str:
         cells = [
             str(c["seq"]),
             str(c["m"]),
-            _fmt(c.get("leaves"), "d"),
-            _fmt(c.get("elements_per_example"), ".3g"),
-            _fmt(c.get("torch_ms"), ".3f"),
-            _fmt(c.get("fused_ms"), ".3f"),
-            _fmt(c.get("speedup"), ".2f"),
+            fmt(c.get("leaves"), "d"),
+            fmt(c.get("elements_per_example"), ".3g"),
+            fmt(c.get("torch_ms"), ".3f"),
+            fmt(c.get("fused_ms"), ".3f"),
+            fmt(c.get("speedup"), ".2f"),
             c.get("fused_backend", ""),
             c["status"][:120].replace("|", "/"),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     return "\n".join(lines) + "\n"
 
 

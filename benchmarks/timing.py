@@ -1,4 +1,5 @@
-"""Timing and memory helpers shared by the GPU benchmarks (they also run on CPU, where memory is not measured)."""
+"""Timing, memory and table helpers shared by the GPU benchmarks (they also run on CPU, where memory is not
+measured)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,13 @@ def timed_steps(step: Callable[[], object], device: torch.device, warmup: int, s
         sync(device)
         times.append(time.perf_counter() - begin)
     return times
+
+
+def fmt(value: object, spec: str) -> str:
+    """``format(value, spec)``, or an empty cell for a missing value."""
+    return "" if value is None else format(value, spec)
+
+
+def table_row(cells: list[str]) -> str:
+    """One markdown table row."""
+    return "| " + " | ".join(cells) + " |"

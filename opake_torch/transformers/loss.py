@@ -148,21 +148,23 @@ def per_example_loss(
     label_smoothing: float = 0.0,
     kernel: bool = False,
 ) -> torch.Tensor:
-    """The loss of one example: run the model on it with a batch dimension of 1, then :func:`loss_from_logits`.
+    """The loss of one example: :func:`batch_losses` on a batch of one.
 
     ``example`` holds the model inputs and its labels, each without a batch dimension. ``compute_loss_func``,
     when given, receives the example's logits (without batch dimension) and labels and returns a scalar.
     """
-    inputs = {k: v[None] for k, v in example.items() if k not in label_names}
-    logits = apply(params, frozen, **inputs).logits[0]
-    return loss_from_logits(
-        logits,
-        example[label_names[0]],
+    one = {k: v[None] for k, v in example.items()}
+    return batch_losses(
+        apply,
+        params,
+        frozen,
+        one,
         task=task,
+        label_names=label_names,
         compute_loss_func=compute_loss_func,
         label_smoothing=label_smoothing,
         kernel=kernel,
-    )
+    )[0]
 
 
 def batch_losses(

@@ -54,7 +54,6 @@ from opake_torch.transformers.loss import (
     fused_head,
     infer_task,
     loss_from_logits,
-    per_example_loss,
 )
 from opake_torch.transformers.microbatch import retry_eval_batch, run_with_oom_retry
 from opake_torch.transformers.optimizer import build_optimizer, build_schedule
@@ -259,27 +258,13 @@ class DPTrainer:
         **inputs)`` to run the model. It runs under ``vmap(grad)``: no in-place operations, no branching on tensor
         values, and nothing computed from other examples.
         """
-        if self._fused_head is not None:
-            one = {k: v[None] for k, v in example.items()}
-            return fused_causal_lm_losses(
-                self._apply, params, self._frozen, one, self._fused_head, label_names=self.label_names
-            )[0]
-        return per_example_loss(
-            self._apply,
-            params,
-            self._frozen,
-            example,
-            task=self.task,
-            label_names=self.label_names,
-            compute_loss_func=self.compute_loss_func,
-            label_smoothing=self.args.label_smoothing_factor,
-            kernel=self._ce_kernel,
-        )
+        return self.compute_batch_losses(params, {k: v[None] for k, v in example.items()})[0]
 
     def compute_batch_losses(self, params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Every example's loss ``[m]`` from one batched forward: the batched form of
-        :meth:`compute_per_example_loss`, which the layerwise engine runs (row ``i`` must equal the per-example loss
-        of example ``i``; the engine checks this on two examples before training). Override both together.
+        :meth:`compute_per_example_loss` (whose default is this on a batch of one), which the layerwise engine runs
+        (row ``i`` must equal the per-example loss of example ``i``; the engine checks this on two examples before
+        training). A subclass that overrides :meth:`compute_per_example_loss` overrides this too, or gets vmap.
         """
         if self._fused_head is not None:
             return fused_causal_lm_losses(

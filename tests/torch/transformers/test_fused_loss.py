@@ -54,68 +54,49 @@ def test_no_fused_head_where_it_does_not_apply():
     assert fused_head(gpt2, set()) is None
 
 
+def _train(folder, model, **kw):
+    """Three DP steps of DPTrainer; the trainer and its trained parameters (float32, on the CPU)."""
+    base = {"per_device_train_batch_size": 6, "max_steps": 3, "privacy_noise_multiplier": 1.0, "clipping_norm": 0.1,
+            "disable_tqdm": True, "learning_rate": 0.05, "save_strategy": "no", "report_to": "none"}  # fmt: skip
+    trainer = DPTrainer(model, TrainingArguments(str(folder), **{**base, **kw}), train_dataset=DATA)
+    trainer.train()
+    return trainer, {k: v.detach().float().cpu() for k, v in trainer.model.named_parameters() if v.requires_grad}
+
+
+def _assert_same(a, b, rtol=1e-5, atol=1e-6):
+    for name, value in b.items():
+        torch.testing.assert_close(a[name], value, rtol=rtol, atol=atol, msg=name)
+
+
+def _forced_patches(monkeypatch, patches):
+    """On CPU the kernels are off; this makes the trainer see ``patches`` applied (the loss kernels then run their
+    torch references)."""
+    monkeypatch.setattr("opake_torch.transformers.trainer.apply_performance_kernels", lambda model, **kwargs: patches)
+
+
 @pytest.mark.parametrize("engine", ["layerwise", "vmap"])
 def test_trainer_with_the_fused_loss_trains_the_same_model(tmp_path, monkeypatch, engine):
-    """On CPU the kernels are off, so the patch list is forced; the fused function then runs its torch reference."""
-    trained = []
-    for fused in (True, False):
-        if fused:
-            monkeypatch.setattr(
-                "opake_torch.transformers.trainer.apply_performance_kernels",
-                lambda model, **kwargs: ["fused_linear_cross_entropy"],
-            )
-        else:
-            monkeypatch.undo()
-        args = TrainingArguments(
-            str(tmp_path / f"{fused}"),
-            per_device_train_batch_size=6,
-            max_steps=3,
-            privacy_noise_multiplier=1.0,
-            clipping_norm=0.1,
-            use_cpu=True,
-            disable_tqdm=True,
-            learning_rate=0.05,
-            lr_scheduler="constant",
-            save_strategy="no",
-            report_to="none",
-            per_example_gradients=engine,
-        )
-        trainer = DPTrainer(_lora(), args, train_dataset=DATA)
-        assert (trainer._fused_head is not None) == fused
-        trainer.train()
-        trained.append({k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad})
-    for name, value in trained[1].items():
-        torch.testing.assert_close(trained[0][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    plain, expected = _train(tmp_path / "plain", _lora(), use_cpu=True, per_example_gradients=engine)
+    _forced_patches(monkeypatch, ["fused_linear_cross_entropy"])
+    fused, trained = _train(tmp_path / "fused", _lora(), use_cpu=True, per_example_gradients=engine)
+    assert plain._fused_head is None and fused._fused_head is not None
+    _assert_same(trained, expected)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("engine", ["layerwise", "vmap"])
 def test_trainer_with_the_triton_kernels_trains_the_same_model_on_cuda(tmp_path, engine):
-    trained = []
+    runs = []
     for kernels in (True, False):
-        args = TrainingArguments(
-            str(tmp_path / f"{kernels}"),
-            per_device_train_batch_size=6,
-            max_steps=3,
-            privacy_noise_multiplier=1.0,
-            clipping_norm=0.1,
-            disable_tqdm=True,
-            learning_rate=0.05,
-            lr_scheduler="constant",
-            save_strategy="no",
-            report_to="none",
-            per_example_gradients=engine,
-            use_performance_kernels=kernels,
-        )
         model = _lora()
         model.config._attn_implementation = "sdpa"
-        trainer = DPTrainer(model, args, train_dataset=DATA)
+        trainer, trained = _train(
+            tmp_path / f"{kernels}", model, per_example_gradients=engine, use_performance_kernels=kernels
+        )
         assert (trainer._fused_head is not None) == kernels
         assert ("fused_linear_cross_entropy" in trainer.performance_patches) == kernels
-        trainer.train()
-        trained.append({k: v.detach().float().cpu() for k, v in trainer.model.named_parameters() if v.requires_grad})
-    for name, value in trained[1].items():
-        torch.testing.assert_close(trained[0][name], value, rtol=1e-4, atol=1e-5, msg=name)
+        runs.append(trained)
+    _assert_same(runs[0], runs[1], rtol=1e-4, atol=1e-5)
 
 
 def test_the_cross_entropy_kernel_gives_the_same_token_losses():
@@ -131,28 +112,8 @@ def test_the_cross_entropy_kernel_gives_the_same_token_losses():
 
 
 def test_trainer_with_the_cross_entropy_kernel_trains_the_same_model(tmp_path, monkeypatch):
-    trained = []
-    for kernel in (True, False):
-        if kernel:
-            monkeypatch.setattr(
-                "opake_torch.transformers.trainer.apply_performance_kernels", lambda model, **kwargs: ["cross_entropy"]
-            )
-        else:
-            monkeypatch.undo()
-        args = TrainingArguments(
-            str(tmp_path / f"{kernel}"),
-            per_device_train_batch_size=6,
-            max_steps=3,
-            privacy_noise_multiplier=1.0,
-            use_cpu=True,
-            disable_tqdm=True,
-            learning_rate=0.05,
-            save_strategy="no",
-            report_to="none",
-        )
-        trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA)
-        assert trainer._ce_kernel == kernel and trainer._fused_head is None
-        trainer.train()
-        trained.append({k: v.detach().clone() for k, v in trainer.model.named_parameters()})
-    for name, value in trained[1].items():
-        torch.testing.assert_close(trained[0][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    _, expected = _train(tmp_path / "plain", tiny_model("llama"), use_cpu=True)
+    _forced_patches(monkeypatch, ["cross_entropy"])
+    trainer, trained = _train(tmp_path / "kernel", tiny_model("llama"), use_cpu=True)
+    assert trainer._ce_kernel and trainer._fused_head is None
+    _assert_same(trained, expected)
