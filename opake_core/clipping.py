@@ -63,6 +63,7 @@ __all__ = [
     "PerExampleGradients",
     "adaptive",
     "auto_s",
+    "clip_scales",
     "clipped_grad",
 ]
 
@@ -471,6 +472,33 @@ class MaterializedGradients:
             total.add_(contribution.sum(dim=0))
 
 
+def clip_scales(
+    group_norms: torch.Tensor,
+    norms: torch.Tensor,
+    bounds: Sequence[float],
+    dtypes: set[torch.dtype],
+    *,
+    gamma: float | None = None,
+) -> dict[torch.dtype, torch.Tensor]:
+    """The clipping rule's per-example scales ``[G, m]``, one tensor per accumulation dtype (in that dtype).
+
+    ``scale = min(1, C_k (1 - 4u) / ||g||_k)`` with ``u`` the unit roundoff of the dtype (AUTO-S with ``gamma``:
+    ``C_k (1 - 4u) / (||g||_k + gamma)``), and 0 for an example whose total norm ``norms`` is not finite.
+    ``group_norms`` ``[G, m]`` and ``norms`` ``[m]`` are float64; ``bounds`` are the ``G`` bounds ``C_k``. Clip-and-sum
+    backends (``clip_backend``) use this so that they add exactly what the generic engine adds.
+    """
+    bound = _bounds_on(tuple(bounds), group_norms.device)
+    scales = {}
+    for dtype in dtypes:
+        u = torch.finfo(dtype).eps / 2
+        if gamma is None:
+            scale = torch.clamp(bound * (1 - 4 * u) / group_norms, max=1.0)
+        else:  # AUTO-S: bound * ||g|| / (||g|| + gamma) < bound, no clamp
+            scale = bound * (1 - 4 * u) / (group_norms + gamma)
+        scales[dtype] = torch.where(torch.isfinite(norms), scale, torch.zeros_like(scale)).to(dtype)
+    return scales
+
+
 @functools.lru_cache(maxsize=64)
 def _bounds_on(bounds: tuple[float, ...], device: torch.device) -> torch.Tensor:
     """The bounds as a float64 ``[G, 1]`` tensor on ``device``, made once per value: a copy from host memory to a
@@ -542,14 +570,7 @@ class _ClipSum:
         group_norms = group_sq.sqrt()
         norms = group_sq.sum(dim=0).sqrt()
         bounds = self._bound_tensor
-        scales = {}
-        for dtype in {total.dtype for total in self._sums}:
-            u = torch.finfo(dtype).eps / 2
-            if self._gamma is None:
-                scale = torch.clamp(bounds * (1 - 4 * u) / group_norms, max=1.0)
-            else:  # AUTO-S: bound * ||g|| / (||g|| + gamma) < bound, no clamp
-                scale = bounds * (1 - 4 * u) / (group_norms + self._gamma)
-            scales[dtype] = torch.where(torch.isfinite(norms), scale, torch.zeros_like(scale)).to(dtype)
+        scales = clip_scales(group_norms, norms, self._bounds, {total.dtype for total in self._sums}, gamma=self._gamma)
         leaf_scales = [scales[total.dtype][group] for group, total in zip(self._group_index, self._sums, strict=True)]
         grads.add_scaled(leaf_scales, self._sums)
         self._norms.append(norms.float())

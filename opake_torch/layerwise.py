@@ -332,9 +332,9 @@ class LayerwiseGradients:
 
         ``loss_fn(params, *example)`` is the per-example loss. Raises ConfigurationError, naming the parameter with
         the largest difference, when an example's whole gradient differs by more than ``rtol`` (relative L2 over
-        all parameters): a parameter used outside
-        the supported layers, or examples that interact in the batched pass. The default tolerance leaves room
-        for bf16 autocast, whose batched and per-example passes round differently.
+        all parameters): a parameter used outside the supported layers, or examples that interact in the batched
+        pass. The default tolerance leaves room for bf16 autocast, whose batched and per-example passes round
+        differently.
         """
         training = self.model.training
         self.model.eval()  # no dropout: both passes see the same function
@@ -364,9 +364,8 @@ class LayerwiseGradients:
         if not worst <= rtol:
             raise ConfigurationError(
                 f"layerwise per-example gradients differ from grad of the per-example loss by {worst:.3g} (relative, "
-                f"> {rtol}), most "
-                f"on {worst_name!r}: a parameter is used outside a supported layer, or examples interact in the "
-                "batched pass. Use vmap(grad) for this model."
+                f"> {rtol}), most on {worst_name!r}: a parameter is used outside a supported layer, or examples "
+                "interact in the batched pass. Use vmap(grad) for this model."
             )
         return worst
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from opake_core.clipping import clip_scales
 from opake_torch.patches.kernels import reference
 from opake_torch.patches.kernels._triton import can_launch, jit, tl
 
@@ -206,6 +207,15 @@ def _device_plan(plan: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return cache[device]
 
 
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor on ``device``; on CUDA copied from pinned memory, so the copy does not wait for the queued GPU
+    work (a copy from pageable memory would stall the host at every call)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _fused(
     grads: list[torch.Tensor], group_index: list[int], bounds: list[float], accumulators: list[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +228,7 @@ def _fused(
     pointers = {}
     for dtype, entry in plan["dtypes"].items():
         members = entry["members"]
-        pointers[dtype] = torch.tensor([grads[i].data_ptr() for i in members], dtype=torch.int64).to(device)
+        pointers[dtype] = _on_device([grads[i].data_ptr() for i in members], device)
         table = on_device["dtypes"][dtype]["norm_table"]
         if table.shape[0]:
             _sq_norm_kernel[(table.shape[0],)](
@@ -231,14 +241,11 @@ def _fused(
     group_norms = group_sq.sqrt()
     norms = group_sq.sum(dim=0).sqrt()
     acc_dtypes = {a.dtype for a in accumulators}
-    scales = {
-        dtype: scale.to(dtype).contiguous()
-        for dtype, scale in reference.clip_scales(group_norms, norms, bounds, acc_dtypes).items()
-    }
+    scales = {dtype: scale.contiguous() for dtype, scale in clip_scales(group_norms, norms, bounds, acc_dtypes).items()}
     for dtype, entry in plan["dtypes"].items():
         members = entry["members"]
         acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        acc_pointers = torch.tensor([accumulators[i].data_ptr() for i in members], dtype=torch.int64).to(device)
+        acc_pointers = _on_device([accumulators[i].data_ptr() for i in members], device)
         table = on_device["dtypes"][dtype]["sum_table"]
         if table.shape[0]:
             _scale_sum_kernel[(table.shape[0],)](

@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from opake_core.clipping import clip_scales
+
 __all__ = [
     "LoRAProjection",
     "clip_and_sum",
@@ -168,22 +170,9 @@ def clip_and_sum(
         group_sq[index] += g.detach().to(torch.float64).square().reshape(m, -1).sum(dim=1)
     group_norms = group_sq.sqrt()
     norms = group_sq.sum(dim=0).sqrt()
-    scales = clip_scales(group_norms, norms, bounds, {total.dtype for total in accumulators})
+    scales = clip_scales(group_norms, norms, bounds, {total.dtype for total in accumulators})  # the core's rule
     for index, (g, total) in zip(group_index, zip(per_example_grads, accumulators, strict=True), strict=True):
         leaf_scale = scales[total.dtype][index].to(total.dtype).reshape(m, *([1] * (g.dim() - 1)))
         contribution = torch.nan_to_num(g.detach().to(total.dtype) * leaf_scale, nan=0.0, posinf=0.0, neginf=0.0)
         total.add_(contribution.sum(dim=0))
     return norms, group_norms
-
-
-def clip_scales(
-    group_norms: torch.Tensor, norms: torch.Tensor, bounds: list[float], dtypes: set[torch.dtype]
-) -> dict[torch.dtype, torch.Tensor]:
-    """Per-dtype scales ``[G, m]`` (float64) from the float64 norms: the margin ``1 - 4u`` of ``_ClipSum``."""
-    bound = torch.tensor(bounds, dtype=torch.float64, device=group_norms.device).unsqueeze(1)
-    scales = {}
-    for dtype in dtypes:
-        u = torch.finfo(dtype).eps / 2
-        scale = torch.clamp(bound * (1 - 4 * u) / group_norms, max=1.0)
-        scales[dtype] = torch.where(torch.isfinite(norms), scale, torch.zeros_like(scale))
-    return scales
