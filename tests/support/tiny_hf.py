@@ -83,3 +83,17 @@ def token_data(n: int, seed: int = 0, *, classes: int | None = None) -> list[dic
             row["labels"] = torch.randint(0, classes, (), generator=gen)
         rows.append(row)
     return rows
+
+
+def tiny_lora(family: str = "llama", targets: tuple[str, ...] = ("q_proj", "v_proj"), std: float = 0.1, model=None):
+    """``tiny_model(family)`` (or ``model``) with rank-4 LoRA adapters on ``targets``; B is drawn normal(0, std)
+    instead of peft's zeros, so that A gets a gradient too."""
+    import peft
+
+    lora = peft.get_peft_model(model if model is not None else tiny_model(family),
+                               peft.LoraConfig(r=4, target_modules=list(targets)))  # fmt: skip
+    torch.manual_seed(1)
+    for name, p in lora.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=std)
+    return lora

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import peft
 import pytest
 import torch
-from tiny_hf import tiny_model, token_data
+from tiny_hf import tiny_lora, tiny_model, token_data
 
 from opake_core.clipping import clipped_grad
 from opake_torch.functional import functional_model
@@ -27,10 +26,7 @@ def test_layerwise_equals_vmap_on_cuda(family, lora, dtype):
     model.config._attn_implementation = "sdpa"
     model = model.to("cuda", dtype)
     if lora:
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                torch.nn.init.normal_(p)
+        model = tiny_lora(targets=("q_proj", "v_proj", "down_proj"), std=1.0, model=model)
     model.eval()
     apply, params, frozen = functional_model(model)
     task = "sequence_classification" if family == "bert" else "causal_lm"

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import math
 
-import peft
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_hf import tiny_model, token_data
+from tiny_hf import tiny_lora, tiny_model, token_data
 from torch import nn
 
 from opake_core.clipping import adaptive, auto_s, clipped_grad
@@ -60,10 +59,7 @@ def _hf_case(family: str, lora: bool) -> tuple:
     apply_compat_patches()
     model = tiny_model(family).double()
     if lora:
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=LORA_TARGETS))
-        for name, p in model.named_parameters():
-            if "lora_B" in name:  # nonzero B, so that A gets a gradient
-                nn.init.normal_(p)
+        model = tiny_lora(targets=LORA_TARGETS, std=1.0, model=model)
     model.eval()
     apply, params, frozen = functional_model(model)
     task = "sequence_classification" if family == "bert" else "causal_lm"

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 
-import peft
 import pytest
 import torch
-from tiny_hf import tiny_model, token_data
+from tiny_hf import tiny_lora, tiny_model, token_data
 
 from opake_core.errors import ConfigurationError
 from opake_torch.transformers import DPTrainer, TrainingArguments
@@ -33,21 +32,12 @@ def _args(tmp_path, **kw):
     return TrainingArguments(str(tmp_path / "out"), **{**base, **kw})
 
 
-def _lora_llama():
-    model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    torch.manual_seed(1)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.1)
-    return model
-
-
 @pytest.mark.parametrize(
     ("build", "data", "mechanism"),
     [
-        (_lora_llama, DATA, "gaussian"),
+        (tiny_lora, DATA, "gaussian"),
         (lambda: tiny_model("bert"), CLASSES, "gaussian"),
-        (_lora_llama, DATA, "mf_band"),
+        (tiny_lora, DATA, "mf_band"),
     ],
     ids=["llama_lora_dpsgd", "bert_full_dpsgd", "llama_lora_bandmf"],
 )
@@ -66,7 +56,7 @@ def test_layerwise_and_vmap_train_the_same_model(tmp_path, build, data, mechanis
 
 
 def test_auto_picks_layerwise_where_it_serves_and_vmap_elsewhere(tmp_path, caplog):
-    assert DPTrainer(_lora_llama(), _args(tmp_path), train_dataset=DATA)._layerwise is not None
+    assert DPTrainer(tiny_lora(), _args(tmp_path), train_dataset=DATA)._layerwise is not None
     assert DPTrainer(tiny_model("llama"), _args(tmp_path), train_dataset=DATA)._layerwise is not None
     with caplog.at_level(logging.INFO, logger="opake_torch.transformers.trainer"):
         trainer = DPTrainer(tiny_model("llama"), _args(tmp_path, gradient_checkpointing=True), train_dataset=DATA)
@@ -96,9 +86,9 @@ def test_a_failed_check_falls_back_to_vmap_in_auto_and_raises_when_asked(tmp_pat
         raise error("layerwise per-example gradients cannot serve this model (injected)")
 
     monkeypatch.setattr(layerwise.LayerwiseGradients, "check", failing_check)
-    trainer = DPTrainer(_lora_llama(), _args(tmp_path), train_dataset=DATA)
+    trainer = DPTrainer(tiny_lora(), _args(tmp_path), train_dataset=DATA)
     trainer.train()
     assert trainer._layerwise is None
-    strict = DPTrainer(_lora_llama(), _args(tmp_path, per_example_gradients="layerwise"), train_dataset=DATA)
+    strict = DPTrainer(tiny_lora(), _args(tmp_path, per_example_gradients="layerwise"), train_dataset=DATA)
     with pytest.raises(error, match="injected"):
         strict.train()

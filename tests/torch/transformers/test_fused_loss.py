@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import peft
 import pytest
 import torch
-from tiny_hf import tiny_model, token_data
+from tiny_hf import tiny_lora, tiny_model, token_data
 
 from opake_torch.functional import functional_model
 from opake_torch.patches import apply_compat_patches
@@ -16,19 +15,10 @@ from opake_torch.transformers.loss import batch_losses, fused_causal_lm_losses, 
 DATA = token_data(24)
 
 
-def _lora(family="llama"):
-    model = peft.get_peft_model(tiny_model(family), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    torch.manual_seed(1)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.1)
-    return model
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_fused_losses_equal_the_logits_losses(family):
     apply_compat_patches()
-    model = _lora(family).double()
+    model = tiny_lora(family).double()
     apply, params, frozen = functional_model(model)
     head = fused_head(model, set(params))
     assert head is not None and head.weight_name.endswith("lm_head.weight")
@@ -76,9 +66,9 @@ def _forced_patches(monkeypatch, patches):
 
 @pytest.mark.parametrize("engine", ["layerwise", "vmap"])
 def test_trainer_with_the_fused_loss_trains_the_same_model(tmp_path, monkeypatch, engine):
-    plain, expected = _train(tmp_path / "plain", _lora(), use_cpu=True, per_example_gradients=engine)
+    plain, expected = _train(tmp_path / "plain", tiny_lora(), use_cpu=True, per_example_gradients=engine)
     _forced_patches(monkeypatch, ["fused_linear_cross_entropy"])
-    fused, trained = _train(tmp_path / "fused", _lora(), use_cpu=True, per_example_gradients=engine)
+    fused, trained = _train(tmp_path / "fused", tiny_lora(), use_cpu=True, per_example_gradients=engine)
     assert plain._fused_head is None and fused._fused_head is not None
     _assert_same(trained, expected)
 
@@ -88,7 +78,7 @@ def test_trainer_with_the_fused_loss_trains_the_same_model(tmp_path, monkeypatch
 def test_trainer_with_the_triton_kernels_trains_the_same_model_on_cuda(tmp_path, engine):
     runs = []
     for kernels in (True, False):
-        model = _lora()
+        model = tiny_lora()
         model.config._attn_implementation = "sdpa"
         trainer, trained = _train(
             tmp_path / f"{kernels}", model, per_example_gradients=engine, use_performance_kernels=kernels
