@@ -14,10 +14,13 @@ Modes, run one after the other in this process for each workload (memory freed i
   the batch itself (sampling rate 1), so every Poisson draw is that same full batch.
 * ``opake_trainer_kernels``: the same with ``use_performance_kernels=True`` (a logged no-op without CUDA and
   Triton).
+* ``opake_trainer_graphs``: the same with ``cuda_graphs=1``: each chunk (per-example gradients, clipping, sum) is
+  captured once and replayed (CUDA only; skipped elsewhere).
 
 Every private mode uses noise multiplier 1 and clipping norm 1, AdamW with lr 1e-4 and weight decay 0.01. Each
 mode times the median of ``--steps`` steps after ``--warmup`` warm-ups (synchronized wall clock around each step)
-and reads the peak of ``torch.cuda.max_memory_allocated`` over the timed steps. Same-batch correctness: our clipped
+and reads the peaks of ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` over the timed steps (a
+replayed graph allocates nothing, so compare CUDA graphs on the reserved peak). Same-batch correctness: our clipped
 sum (``clipped_grad``, normalize_by=1, noise off, eval mode) against Opacus's hooks with noise multiplier 0 and
 loss reduction "sum", or, without Opacus on the smoke suite, against a float64 per-example autograd loop.
 
@@ -48,10 +51,18 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import fmt, free, is_oom, peak_gib, sync, table_row, timed_steps
+from timing import fmt, free, is_oom, peak_gib, reserved_gib, sync, table_row, timed_steps
 from workloads import SUITES, Workload, build_model, make_batch, model_inputs, per_example_losses
 
-MODES = ("nonprivate", "opacus_hooks", "opacus_ghost", "opake_core", "opake_trainer", "opake_trainer_kernels")
+MODES = (
+    "nonprivate",
+    "opacus_hooks",
+    "opacus_ghost",
+    "opake_core",
+    "opake_trainer",
+    "opake_trainer_kernels",
+    "opake_trainer_graphs",
+)
 OPACUS_MODES = ("opacus_hooks", "opacus_ghost")
 LR, WEIGHT_DECAY = 1e-4, 0.01
 # l2 relative difference of the clipped sums accepted by the same-batch check, by the dtype of the base weights.
@@ -220,7 +231,12 @@ def _opake_core(workload: Workload, batch: dict[str, torch.Tensor], settings: Se
 
 
 def _opake_trainer(
-    workload: Workload, batch: dict[str, torch.Tensor], settings: Settings, *, kernels: bool = False
+    workload: Workload,
+    batch: dict[str, torch.Tensor],
+    settings: Settings,
+    *,
+    kernels: bool = False,
+    graphs: bool = False,
 ) -> dict[str, Any]:
     """Run ``DPTrainer.train()`` for warmup + steps steps; returns the step times and peak memory."""
     from transformers import TrainerCallback
@@ -267,11 +283,17 @@ def _opake_trainer(
             use_cpu=device.type == "cpu",
             seed=0,
             use_performance_kernels=kernels,
+            cuda_graphs=1 if graphs else 0,
         )
         trainer = DPTrainer(build_model(workload, device), args, train_dataset=rows, callbacks=[StepTimer()])
         trainer.train()
     engine = "layerwise" if trainer._layerwise is not None else "vmap"
-    return {"times": times, "peak_gib": peak_gib(device), "per_example_gradients": engine}
+    return {
+        "times": times,
+        "peak_gib": peak_gib(device),
+        "reserved_gib": reserved_gib(device),
+        "per_example_gradients": engine,
+    }
 
 
 BUILDERS: dict[str, Callable[..., Any]] = {
@@ -292,10 +314,11 @@ def _measure(
     batch = make_batch(workload, size, settings.device)
     if mode.startswith("opake_trainer"):
         short = Settings(**{**settings.__dict__, "warmup": warmup, "steps": steps})
-        return _opake_trainer(workload, batch, short, kernels=mode == "opake_trainer_kernels")
+        kernels, graphs = mode == "opake_trainer_kernels", mode == "opake_trainer_graphs"
+        return _opake_trainer(workload, batch, short, kernels=kernels, graphs=graphs)
     step = BUILDERS[mode](workload, batch, settings)
     times = timed_steps(step, settings.device, warmup, steps)
-    out = {"times": times, "peak_gib": peak_gib(settings.device)}
+    out = {"times": times, "peak_gib": peak_gib(settings.device), "reserved_gib": reserved_gib(settings.device)}
     if profile and mode == "opake_core":
         out["phases"] = profile_core(step, batch, settings)
     return out
@@ -316,6 +339,8 @@ def run_mode(
     }
     if mode in OPACUS_MODES and not opacus_available():
         return {**record, "skipped": True, "error": "opacus not installed"}
+    if mode == "opake_trainer_graphs" and settings.device.type != "cuda":
+        return {**record, "skipped": True, "error": "CUDA graphs need a CUDA device"}
     free(settings.device)
     begin = time.perf_counter()
     try:
@@ -336,6 +361,7 @@ def run_mode(
             examples_per_s=workload.batch / median,
             tokens_per_s=workload.batch * workload.seq / median,
             peak_mem_gib=out["peak_gib"],
+            peak_reserved_gib=out["reserved_gib"],
         )
         if "per_example_gradients" in out:
             record["per_example_gradients"] = out["per_example_gradients"]
@@ -613,9 +639,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Command: `{meta['command']}`",
         "",
-        "| workload | mode | batch x seq | step s (median) | examples/s | tokens/s | peak GiB | max batch "
-        "| time vs non-private | memory vs non-private | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | mode | batch x seq | step s (median) | examples/s | tokens/s | peak GiB | peak reserved GiB "
+        "| max batch | time vs non-private | memory vs non-private | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["records"]:
         status = "ok" if r["ok"] else ("skipped: " if r.get("skipped") else "failed: ") + r.get("error", "")[:80]
@@ -629,6 +655,7 @@ def markdown(report: dict[str, Any]) -> str:
             fmt(r.get("examples_per_s"), ".1f"),
             fmt(r.get("tokens_per_s"), ".0f"),
             fmt(r.get("peak_mem_gib"), ".2f"),
+            fmt(r.get("peak_reserved_gib"), ".2f"),
             fmt(r.get("max_batch"), "d"),
             fmt(r.get("time_vs_nonprivate"), ".2f"),
             fmt(r.get("mem_vs_nonprivate"), ".2f"),

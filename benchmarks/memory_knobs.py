@@ -42,12 +42,16 @@ def build(layers: int, bf16: bool) -> torch.nn.Module:
 
 
 def measure(knob: str, *, layers: int, seq: int, batch: int, microbatch: int, steps: int) -> dict:
+    """One knob: ``plain`` (vmap(grad)), ``checkpointing``, ``bf16``, ``compile`` and ``cuda_graphs`` (each chunk
+    wrapped through ``clipped_grad(chunk_transform=...)``, as ``DPTrainer`` does), ``layerwise`` (the layerwise
+    engine), joined with ``+``."""
     from opake_core.clipping import clipped_grad
     from opake_torch.functional import functional_model
+    from opake_torch.layerwise import LayerwiseGradients
     from opake_torch.patches import apply_compat_patches
     from opake_torch.patches.checkpointing import enable_vmap_checkpointing
     from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
-    from opake_torch.transformers.loss import per_example_loss
+    from opake_torch.transformers.loss import batch_losses, per_example_loss
 
     apply_compat_patches()
     bf16 = "bf16" in knob
@@ -60,20 +64,30 @@ def measure(knob: str, *, layers: int, seq: int, batch: int, microbatch: int, st
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             return per_example_loss(apply, p, frozen, example, task="causal_lm")
 
-    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, microbatch_size=microbatch)
+    wrapped: dict = {}
+
+    def transform(chunk):
+        if "compile" in knob:
+            wrapped["chunk"] = compile_chunk(chunk, backend="inductor")
+        elif "cuda_graphs" in knob:
+            wrapped["chunk"] = CudaGraphChunk(chunk, 1)
+        return wrapped.get("chunk", chunk)
+
+    layerwise = None
+    if "layerwise" in knob:
+        layerwise = LayerwiseGradients(model, lambda p, b: batch_losses(apply, p, frozen, b, task="causal_lm"))
+    grad_fn, state = clipped_grad(
+        loss, clipping_norm=1.0, microbatch_size=microbatch, chunk_transform=transform, per_example_grads=layerwise
+    )
 
     def step(p: dict, data: dict) -> dict:
         return grad_fn(p, data, state=state)[0].value
 
-    if "compile" in knob:
-        step = compile_chunk(step, backend="inductor")
-    if "cuda_graphs" in knob:
-        step = CudaGraphChunk(step, 1)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 32000, (batch, seq), generator=gen).cuda()
     data = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.reset_peak_memory_stats()  # before the first call: a capture's pool is part of the knob's cost
     base_memory = torch.cuda.memory_allocated()
     times = []
     for _ in range(steps + 1):
@@ -86,10 +100,11 @@ def measure(knob: str, *, layers: int, seq: int, batch: int, microbatch: int, st
         "knob": knob,
         "seq": seq,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "model_gib": base_memory / 2**30,
         "first_step_s": times[0],
         "step_s": statistics.median(times[1:]),
-        "eager_fallback": bool(getattr(step, "is_eager", lambda: False)()),
+        "eager_fallback": bool(getattr(wrapped.get("chunk"), "is_eager", lambda: False)()),
     }
     del model, params, step
     torch.cuda.empty_cache()
@@ -107,7 +122,16 @@ def main() -> None:
     parser.add_argument(
         "--knobs",
         nargs="+",
-        default=["plain", "checkpointing", "bf16", "bf16+checkpointing", "compile", "cuda_graphs"],
+        default=[
+            "plain",
+            "checkpointing",
+            "bf16",
+            "bf16+checkpointing",
+            "compile",
+            "cuda_graphs",
+            "layerwise",
+            "layerwise+cuda_graphs",
+        ],
     )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")

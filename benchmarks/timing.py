@@ -30,6 +30,13 @@ def peak_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
+def reserved_gib(device: torch.device) -> float | None:
+    """``torch.cuda.max_memory_reserved`` in GiB (what the caching allocator held, CUDA-graph pools included); None
+    off CUDA. A replayed CUDA graph allocates nothing, so its working memory shows here and not in
+    :func:`peak_gib`."""
+    return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+
+
 def is_oom(exc: BaseException) -> bool:
     """Whether an exception is an out-of-memory error."""
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()

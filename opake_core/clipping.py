@@ -262,6 +262,7 @@ def clipped_grad(
     clip_backend: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
     per_example_grads: Callable[..., tuple[PerExampleGradients, torch.Tensor]] | None = None,
+    chunk_transform: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
 ) -> tuple[Callable[..., Any], FixedClipState | AdaptiveClipState]:
     """Build a function that returns the clipped, summed and normalized per-example gradients of ``loss_fn``.
 
@@ -294,6 +295,13 @@ def clipped_grad(
             chunk), for example ``opake_torch.layerwise.LayerwiseGradients``, which computes them from layer inputs
             and output gradients. It must describe the gradients of the same per-example losses; ``loss_fn`` is
             then not called. ``clip_backend`` applies to materialized gradients only; ``has_aux`` is refused.
+        chunk_transform: wraps the per-chunk function once, when ``clipped_grad`` is built, for example with
+            ``torch.compile`` or a CUDA-graph capture (``opake_torch.transformers.compile``). The chunk function is
+            ``chunk(rule, bounds, live, *chunk_args) -> (sums, norms [m], clipped [m], values)``: tensors in, tensors
+            out, with ``rule`` hashable and the current bounds a float64 tensor ``[G, 1]`` (adaptive clipping moves
+            them without a new capture). With a transform, ``clip_backend`` is not used, and with a
+            ``microbatch_size`` every chunk is padded to exactly ``microbatch_size`` rows (copies of its last example,
+            marked dead by ``live`` so that they add exactly nothing), so that every chunk has one shape.
 
     Returns:
         ``(grad_fn, state)``. ``grad_fn(*args, state=state) -> (out, state)`` where ``out`` is a
@@ -334,6 +342,26 @@ def clipped_grad(
     grad_argnums = diff_args[0] if isinstance(argnums, int) else diff_args
     per_example = grad(_with_value(loss_fn, has_aux), argnums=grad_argnums, has_aux=True)
 
+    def chunk(rule: _ClipRule, bounds: torch.Tensor, live: torch.Tensor | None, *args: Any) -> tuple[Any, ...]:
+        """One chunk: per-example gradients, then the clipped sum (fresh accumulators), norms, clip flags, values."""
+        if per_example_grads is not None:
+            with torch.enable_grad():
+                grads, values = per_example_grads(*args)
+        else:
+            try:
+                in_dims = tuple(0 if i in batch_args else None for i in range(len(args)))
+                tree, values = vmap(per_example, in_dims=in_dims, randomness="different")(*args)
+            except RuntimeError as exc:
+                if _runs_without_vmap(per_example, args, batch_args):
+                    raise _vmap_error(exc) from exc
+                raise
+            grads = MaterializedGradients(optree.tree_leaves(tree))
+        params = args[diff_args[0]] if isinstance(argnums, int) else tuple(args[i] for i in diff_args)
+        sums, norms, clipped = rule(grads, optree.tree_leaves(params), bounds, live)
+        return sums, norms, clipped, values
+
+    run_chunk = chunk if chunk_transform is None else chunk_transform(chunk)
+
     def grad_fn(*args: Any, state: Any) -> tuple[Any, Any]:
         if not isinstance(state, state_type):
             raise InputTypeError(
@@ -346,38 +374,44 @@ def clipped_grad(
         with torch.profiler.record_function("opake::clipped_grad"), torch.no_grad():
             params = args[diff_args[0]] if isinstance(argnums, int) else tuple(args[i] for i in diff_args)
             current = state.clipping_norm if is_adaptive else bound
-            engine = _ClipSum(params, current, backend=clip_backend)
+            rule, floats = _ClipRule.of(params, current, backend=clip_backend if chunk_transform is None else None)
+            leaves, treedef = optree.tree_flatten(params)
+            device = leaves[0].device
+            bounds = _bounds_on(floats, device)
             batch_size = _batch_size([args[i] for i in batch_args])
-            chunk = microbatch_size or max(batch_size, 1)
-            in_dims = tuple(0 if i in batch_args else None for i in range(len(args)))
-            vmapped = vmap(per_example, in_dims=in_dims, randomness="different")
-            losses, auxes = [], []
-            for start in range(0, batch_size, chunk):
-                stop = min(start + chunk, batch_size)
+            chunk_size = microbatch_size or max(batch_size, 1)
+            pad = chunk_transform is not None and microbatch_size is not None
+            sums, norms, clipped, losses, auxes = None, [], [], [], []
+            for start in range(0, batch_size, chunk_size):
+                stop = min(start + chunk_size, batch_size)
                 sliced = [_slice(a, start, stop) if i in batch_args else a for i, a in enumerate(args)]
-                if per_example_grads is not None:
-                    with torch.enable_grad():
-                        grads, values = per_example_grads(*sliced)
+                live = torch.arange(chunk_size, device=device) < stop - start if pad else None
+                if pad and stop - start < chunk_size:  # repeat the last example; its copies are dead rows
+                    rows = torch.arange(chunk_size, device=device).clamp(max=stop - start - 1)
+                    sliced = [_take(a, rows) if i in batch_args else a for i, a in enumerate(sliced)]
+                part, chunk_norms, chunk_clipped, values = run_chunk(rule, bounds, live, *sliced)
+                if sums is None:
+                    sums = part
                 else:
-                    try:
-                        tree, values = vmapped(*sliced)
-                    except RuntimeError as exc:
-                        if _runs_without_vmap(per_example, args, batch_args):
-                            raise _vmap_error(exc) from exc
-                        raise
-                    grads = MaterializedGradients(optree.tree_leaves(tree))
-                engine.add(grads)
+                    torch._foreach_add_(sums, part)
+                real = stop - start
+                norms.append(chunk_norms[:real])
+                clipped.append(chunk_clipped[:real])
                 loss, aux = values if has_aux else (values, None)
-                losses.append(loss)
-                auxes.append(aux)
-            clipped = Clipped(engine.result(normalize_by), _sensitivity(current, normalize_by))
-            outputs: list[Any] = [clipped]
+                losses.append(loss[:real])
+                auxes.append(optree.tree_map(lambda x, real=real: x[:real], aux) if has_aux else None)
+            if sums is None:
+                sums = _zeros_like_leaves(leaves)
+            result = optree.tree_unflatten(treedef, torch._foreach_div(sums, normalize_by))
+            clipped_out = Clipped(result, _sensitivity(current, normalize_by))
+            outputs: list[Any] = [clipped_out]
             if has_aux:
                 outputs.append(_concat(auxes) if auxes else None)
             if return_diagnostics:
-                outputs.append(engine.diagnostics(losses, batch_size))
+                outputs.append(_diagnostics(norms, clipped, losses, batch_size, device))
             if is_adaptive:
-                counts = torch.stack([engine.num_clipped().double().cpu(), torch.tensor(float(batch_size))])
+                num_clipped = torch.cat(clipped).sum() if clipped else torch.zeros((), dtype=torch.long)
+                counts = torch.stack([num_clipped.double().cpu(), torch.tensor(float(batch_size))])
                 if reduce_count is not None:
                     counts = reduce_count(counts)
                 state = _next_adaptive_state(bound, state, counts, normalize_by)
@@ -432,6 +466,10 @@ def _slice(tree: Any, start: int, stop: int) -> Any:
     return optree.tree_map(lambda x: x[start:stop] if isinstance(x, torch.Tensor) else x, tree)
 
 
+def _take(tree: Any, rows: torch.Tensor) -> Any:
+    return optree.tree_map(lambda x: x[rows.to(x.device)] if isinstance(x, torch.Tensor) else x, tree)
+
+
 def _concat(chunks: list[Any]) -> Any:
     return optree.tree_map(lambda *xs: torch.cat(xs, dim=0), *chunks)
 
@@ -475,7 +513,7 @@ class MaterializedGradients:
 def clip_scales(
     group_norms: torch.Tensor,
     norms: torch.Tensor,
-    bounds: Sequence[float],
+    bounds: Sequence[float] | torch.Tensor,
     dtypes: set[torch.dtype],
     *,
     gamma: float | None = None,
@@ -484,10 +522,11 @@ def clip_scales(
 
     ``scale = min(1, C_k (1 - 4u) / ||g||_k)`` with ``u`` the unit roundoff of the dtype (AUTO-S with ``gamma``:
     ``C_k (1 - 4u) / (||g||_k + gamma)``), and 0 for an example whose total norm ``norms`` is not finite.
-    ``group_norms`` ``[G, m]`` and ``norms`` ``[m]`` are float64; ``bounds`` are the ``G`` bounds ``C_k``. Clip-and-sum
-    backends (``clip_backend``) use this so that they add exactly what the generic engine adds.
+    ``group_norms`` ``[G, m]`` and ``norms`` ``[m]`` are float64; ``bounds`` are the ``G`` bounds ``C_k`` (floats, or a
+    float64 tensor ``[G, 1]`` on the device). Clip-and-sum backends (``clip_backend``) use this so that they add
+    exactly what the generic engine adds.
     """
-    bound = _bounds_on(tuple(bounds), group_norms.device)
+    bound = bounds if isinstance(bounds, torch.Tensor) else _bounds_on(tuple(bounds), group_norms.device)
     scales = {}
     for dtype in dtypes:
         u = torch.finfo(dtype).eps / 2
@@ -520,75 +559,80 @@ def _zeros_like_leaves(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-class _ClipSum:
-    """Running clipped sum over chunks: norms, scales and sums on top of any :class:`PerExampleGradients`."""
+@dataclass(frozen=True)
+class _ClipRule:
+    """The static part of one call's clipping rule, as hashable data: each leaf's group and AUTO-S's ``gamma``.
 
-    def __init__(
-        self, params: Any, bound: float | PerGroup | AutoSRule, backend: Callable[..., Any] | None = None
-    ) -> None:
-        self._gamma = bound.gamma if isinstance(bound, AutoSRule) else None
-        self._backend = backend if self._gamma is None else None  # backends implement the clamp rule only
+    The bounds themselves reach a chunk as a float64 tensor ``[G, 1]``, so that a captured or compiled chunk follows
+    a moving (adaptive) bound. Only a ``backend`` (used without a chunk transform) gets them as floats.
+    """
+
+    group_index: tuple[int, ...]
+    groups: int
+    gamma: float | None = None
+    backend: Callable[..., Any] | None = None
+    backend_bounds: tuple[float, ...] | None = None
+
+    @staticmethod
+    def of(
+        params: Any, bound: float | PerGroup | AutoSRule, backend: Callable[..., Any] | None
+    ) -> tuple[_ClipRule, tuple[float, ...]]:
+        """The rule for ``params`` and the bound ``C_k`` of each group."""
+        gamma = bound.gamma if isinstance(bound, AutoSRule) else None
         bound = bound.bound if isinstance(bound, AutoSRule) else bound
-        leaves, self._treedef = optree.tree_flatten(params)
-        for path, leaf in zip(leaf_paths(params), leaves, strict=True):
+        backend = backend if gamma is None else None  # backends implement the clamp rule only
+        leaves = optree.tree_leaves(params)
+        paths = leaf_paths(params)
+        for path, leaf in zip(paths, leaves, strict=True):
             if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
                 raise InputTypeError(f"parameter {path!r} must be a floating-point tensor, got {leaf!r:.80}.")
-        self._sums = _zeros_like_leaves(leaves)
         if isinstance(bound, PerGroup):
-            group_of = bound.group_of
-            paths = leaf_paths(params)
-            unknown = [p for p in paths if p not in group_of]
+            unknown = [p for p in paths if p not in bound.group_of]
             if unknown:
                 raise ConfigurationError(
                     f"per-group clipping_norm has no group for parameters {unknown[:5]}; build it with "
                     "per_group(params, ...) on the same parameter tree."
                 )
             names = [name for name, _ in bound.values]
-            self._group_index = [names.index(group_of[p]) for p in paths]
-            self._bounds = [value for _, value in bound.values]
+            group_index = tuple(names.index(bound.group_of[p]) for p in paths)
+            bounds = tuple(value for _, value in bound.values)
         else:
-            self._group_index = [0] * len(leaves)
-            self._bounds = [bound]
-        # built once, so that add() makes no host-to-device copy (CUDA graph capture forbids one)
-        self._bound_tensor = _bounds_on(tuple(self._bounds), self._sums[0].device)
-        self._norms: list[torch.Tensor] = []
-        self._clipped: list[torch.Tensor] = []
+            group_index, bounds = (0,) * len(leaves), (bound,)
+        rule = _ClipRule(group_index, len(bounds), gamma, backend, bounds if backend is not None else None)
+        return rule, bounds
 
-    def add(self, grads: PerExampleGradients) -> None:
-        if self._backend is not None and isinstance(grads, MaterializedGradients):
-            norms, group_norms = self._backend(
-                grads.leaves, group_index=self._group_index, bounds=self._bounds, accumulators=self._sums
+    def __call__(
+        self, grads: PerExampleGradients, params: list[torch.Tensor], bounds: torch.Tensor, live: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """``(sums, norms [m] float32, clipped [m] bool)``: the clipped sum of the chunk in fresh accumulators
+        shaped like ``params``, each example's norm, and whether any of its groups exceeded its bound. Examples
+        with ``live`` False add nothing."""
+        sums = _zeros_like_leaves(params)
+        if self.backend is not None and live is None and isinstance(grads, MaterializedGradients):
+            norms, group_norms = self.backend(
+                grads.leaves, group_index=list(self.group_index), bounds=list(self.backend_bounds), accumulators=sums
             )
-            self._norms.append(norms.float())
-            self._clipped.append((group_norms > self._bound_tensor).any(dim=0))
-            return
+            return sums, norms.float(), (group_norms > bounds).any(dim=0)
         leaf_sq = grads.squared_norms()
         m = leaf_sq[0].shape[0]
-        group_sq = torch.zeros(len(self._bounds), m, dtype=torch.float64, device=leaf_sq[0].device)
-        for index, sq in zip(self._group_index, leaf_sq, strict=True):
+        group_sq = torch.zeros(self.groups, m, dtype=torch.float64, device=leaf_sq[0].device)
+        for index, sq in zip(self.group_index, leaf_sq, strict=True):
             group_sq[index] += sq
         group_norms = group_sq.sqrt()
         norms = group_sq.sum(dim=0).sqrt()
-        bounds = self._bound_tensor
-        scales = clip_scales(group_norms, norms, self._bounds, {total.dtype for total in self._sums}, gamma=self._gamma)
-        leaf_scales = [scales[total.dtype][group] for group, total in zip(self._group_index, self._sums, strict=True)]
-        grads.add_scaled(leaf_scales, self._sums)
-        self._norms.append(norms.float())
-        self._clipped.append((group_norms > bounds).any(dim=0))
+        if live is not None:  # a dead (padding) row counts as non-finite: scale 0
+            norms = torch.where(live, norms, torch.full_like(norms, math.nan))
+        scales = clip_scales(group_norms, norms, bounds, {total.dtype for total in sums}, gamma=self.gamma)
+        grads.add_scaled(
+            [scales[total.dtype][group] for group, total in zip(self.group_index, sums, strict=True)], sums
+        )
+        return sums, norms.float(), (group_norms > bounds).any(dim=0)
 
-    def num_clipped(self) -> torch.Tensor:
-        """The number of examples whose norm exceeded the bound so far (a tensor on the device)."""
-        if not self._clipped:
-            return torch.zeros((), dtype=torch.long)
-        return torch.cat(self._clipped).sum()
 
-    def result(self, normalize_by: float) -> Any:
-        return optree.tree_unflatten(self._treedef, torch._foreach_div(self._sums, normalize_by))
-
-    def diagnostics(self, losses: list[torch.Tensor], batch_size: int) -> ClipDiagnostics:
-        device = self._sums[0].device
-        if not self._norms:
-            empty = torch.zeros(0, dtype=torch.float32, device=device)
-            return ClipDiagnostics(empty, torch.zeros((), device=device), empty, 0)
-        clipped = torch.cat(self._clipped)
-        return ClipDiagnostics(torch.cat(self._norms), clipped.float().mean(), torch.cat(losses), batch_size)
+def _diagnostics(
+    norms: list[torch.Tensor], clipped: list[torch.Tensor], losses: list[torch.Tensor], batch_size: int, device: Any
+) -> ClipDiagnostics:
+    if not norms:
+        empty = torch.zeros(0, dtype=torch.float32, device=device)
+        return ClipDiagnostics(empty, torch.zeros((), device=device), empty, 0)
+    return ClipDiagnostics(torch.cat(norms), torch.cat(clipped).float().mean(), torch.cat(losses), batch_size)

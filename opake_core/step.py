@@ -68,6 +68,7 @@ def _clipped_sum(
     clip_backend: Callable[..., Any] | None = None,
     reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
     per_example_grads: Callable[..., Any] | None = None,
+    chunk_transform: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
 ) -> tuple[Callable[..., Any], Any]:
     """The clipped, expected-batch-normalized gradient sum of a batch tuple, with diagnostics.
 
@@ -84,6 +85,7 @@ def _clipped_sum(
         clip_backend=clip_backend,
         reduce_count=reduce_count,
         per_example_grads=None if per_example_grads is None else lambda p, batch: per_example_grads(p, *batch),
+        chunk_transform=chunk_transform,
     )
 
 
@@ -136,6 +138,7 @@ def dp_sgd(
     reduce: Callable[[Clipped], Clipped] | None = None,
     reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
     per_example_grads: Callable[..., Any] | None = None,
+    chunk_transform: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
 ) -> tuple[Callable[..., tuple[Any, Any, DPSGDState, StepMetrics]], DPSGDState]:
     """A composed DP-SGD step as ``(step_fn, dp_state)``.
 
@@ -159,6 +162,8 @@ def dp_sgd(
         per_example_grads: replaces ``vmap(grad(loss_fn))``: ``per_example_grads(params, *batch) ->
             (PerExampleGradients, losses)`` for the same per-example losses (see
             :func:`~opake_core.clipping.clipped_grad`; ``opake_torch.layerwise.LayerwiseGradients`` is one).
+        chunk_transform: wraps the per-chunk clip function once (``torch.compile``, a CUDA-graph capture); with a
+            ``microbatch_size`` every chunk is padded to that many rows (see :func:`~opake_core.clipping.clipped_grad`).
 
     Returns:
         ``step_fn(params, opt_state, dp_state, batch, key) -> (params, opt_state, dp_state, metrics)`` where
@@ -167,7 +172,14 @@ def dp_sgd(
     """
     dtype = compute_dtype_of(compute_dtype)
     grad_fn, clip_state = _clipped_sum(
-        loss_fn, clipping_norm, expected_batch_size, microbatch_size, clip_backend, reduce_count, per_example_grads
+        loss_fn,
+        clipping_norm,
+        expected_batch_size,
+        microbatch_size,
+        clip_backend,
+        reduce_count,
+        per_example_grads,
+        chunk_transform,
     )
 
     def step_fn(
@@ -214,6 +226,7 @@ def dp_ftrl(
     clip_backend: Callable[..., Any] | None = None,
     reduce: Callable[[Clipped], Clipped] | None = None,
     per_example_grads: Callable[..., Any] | None = None,
+    chunk_transform: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
 ) -> tuple[Callable[..., tuple[Any, Any, DPFTRLState, StepMetrics]], DPFTRLState]:
     """A composed DP-FTRL step as ``(step_fn, dp_state)``, used exactly like :func:`dp_sgd`.
 
@@ -242,6 +255,8 @@ def dp_ftrl(
         per_example_grads: replaces ``vmap(grad(loss_fn))``: ``per_example_grads(params, *batch) ->
             (PerExampleGradients, losses)`` for the same per-example losses (see
             :func:`~opake_core.clipping.clipped_grad`; ``opake_torch.layerwise.LayerwiseGradients`` is one).
+        chunk_transform: wraps the per-chunk clip function once (``torch.compile``, a CUDA-graph capture); with a
+            ``microbatch_size`` every chunk is padded to that many rows (see :func:`~opake_core.clipping.clipped_grad`).
 
     Returns:
         ``step_fn(params, opt_state, dp_state, batch, key) -> (params, opt_state, dp_state, metrics)``; the noise of
@@ -256,7 +271,13 @@ def dp_ftrl(
     dtype = compute_dtype_of(compute_dtype)
     concrete = _optimize_strategy(strategy, n_steps, participation=participation)
     grad_fn, clip_state = _clipped_sum(
-        loss_fn, clipping_norm, expected_batch_size, microbatch_size, clip_backend, per_example_grads=per_example_grads
+        loss_fn,
+        clipping_norm,
+        expected_batch_size,
+        microbatch_size,
+        clip_backend,
+        per_example_grads=per_example_grads,
+        chunk_transform=chunk_transform,
     )
     noise_fn, noise_state = mf_gaussian_noise(
         params,

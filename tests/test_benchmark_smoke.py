@@ -16,7 +16,15 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 HARNESS = Path(__file__).resolve().parents[1] / "benchmarks" / "harness.py"
-MODES = ("nonprivate", "opacus_hooks", "opacus_ghost", "opake_core", "opake_trainer", "opake_trainer_kernels")
+MODES = (
+    "nonprivate",
+    "opacus_hooks",
+    "opacus_ghost",
+    "opake_core",
+    "opake_trainer",
+    "opake_trainer_kernels",
+    "opake_trainer_graphs",
+)
 WORKLOADS = ("tiny_bert_s16_b4", "tiny_llama_lora4_s16_b4", "tiny_gpt2_s16_b4")
 
 
@@ -49,11 +57,14 @@ def test_one_record_per_workload_and_mode(report: tuple[dict, str]) -> None:
         if r["mode"] in ("opacus_hooks", "opacus_ghost") and r.get("skipped"):
             assert r["error"] == "opacus not installed"
             continue
+        if r["mode"] == "opake_trainer_graphs":  # CPU
+            assert r["skipped"] and r["error"] == "CUDA graphs need a CUDA device"
+            continue
         assert r["ok"], r
         assert r["step_s_median"] > 0 and r["steps_timed"] == 2
         assert r["tokens_per_s"] == pytest.approx(r["examples_per_s"] * r["seq"])
         assert r["time_vs_nonprivate"] > 0
-        assert r["peak_mem_gib"] is None  # CPU: no CUDA allocator statistics
+        assert r["peak_mem_gib"] is None and r["peak_reserved_gib"] is None  # CPU: no CUDA allocator statistics
 
 
 def test_clipped_sum_matches_reference(report: tuple[dict, str]) -> None:

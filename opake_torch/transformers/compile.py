@@ -97,9 +97,9 @@ class _Graph:
 
     def replay(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         leaves, _ = pytree.tree_flatten((args, kwargs))
-        for buffer, leaf in zip(self.static, leaves, strict=True):
-            if isinstance(buffer, torch.Tensor):
-                buffer.copy_(leaf)
+        pairs = [(b, x) for b, x in zip(self.static, leaves, strict=True) if isinstance(b, torch.Tensor)]
+        if pairs:
+            torch._foreach_copy_([b for b, _ in pairs], [x for _, x in pairs])  # one multi-tensor copy
         self.graph.replay()
         return pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, self.output)
 
@@ -112,6 +112,11 @@ class CudaGraphChunk:
             tensors, no RNG state reads: see :func:`~opake_torch.patches.checkpointing.check_memory_knobs`).
         max_graphs: the number of signatures to capture (``TrainingArguments.cuda_graphs``); later new signatures
             run eagerly.
+
+    A capture that fails (an operation that cannot be captured, such as a copy from pageable host memory inside
+    the model) emits one ``RuntimeWarning`` naming the error, and every call runs eagerly from then on; the failure
+    is kept in ``failure``. ``graphs`` holds the captures by signature; ``replays`` and ``eager_calls`` count the
+    calls served each way.
 
     Raises:
         ConfigurationError at construction without CUDA.
@@ -127,15 +132,31 @@ class CudaGraphChunk:
         self.fn, self.max_graphs = fn, max_graphs
         self.graphs: dict[Hashable, _Graph] = {}
         self.eager_calls = 0
+        self.replays = 0
+        self.failure: str | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = signature(args, kwargs)
         graph = self.graphs.get(key)
         if graph is None:
-            if len(self.graphs) >= self.max_graphs:
+            if self.failure is not None or len(self.graphs) >= self.max_graphs:
                 self.eager_calls += 1
                 return self.fn(*args, **kwargs)
             if any(isinstance(x, torch.Tensor) and x.device.type != "cuda" for x in pytree.tree_leaves((args, kwargs))):
                 raise ConfigurationError("cuda_graphs needs every tensor argument on a CUDA device; move the batch.")
-            graph = self.graphs[key] = _Graph(self.fn, args, kwargs)
+            try:
+                graph = _Graph(self.fn, args, kwargs)
+            except Exception as exc:
+                result = self.fn(*args, **kwargs)  # raises the function's own errors
+                self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                self.eager_calls += 1
+                warnings.warn(
+                    f"capturing {getattr(self.fn, '__name__', self.fn)!r} as a CUDA graph failed; running it eagerly "
+                    f"from now on ({self.failure}). Set cuda_graphs=0 to silence this.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return result
+            self.graphs[key] = graph
+        self.replays += 1
         return graph.replay(args, kwargs)

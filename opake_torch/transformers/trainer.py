@@ -47,6 +47,7 @@ from opake_torch.patches.kernels import clip_and_sum
 from opake_torch.patches.performance import apply_performance_kernels
 from opake_torch.transformers import checkpoint as ckpt
 from opake_torch.transformers.arguments import TrainingArguments
+from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
 from opake_torch.transformers.data import collate, fetch, language_modeling_labels, model_input_names
 from opake_torch.transformers.loss import (
     batch_losses,
@@ -143,11 +144,10 @@ class DPTrainer:
                 f"pass the bare model, not {type(model).__name__}: DPTrainer handles DDP itself; DataParallel is "
                 "not supported (use torchrun)."
             )
-        if args.torch_compile or args.cuda_graphs:
+        if args.cuda_graphs and args.device.type != "cuda":
             raise ConfigurationError(
-                "torch_compile and cuda_graphs are not wired into DPTrainer yet (compiling the vmap(grad) chunk of "
-                "Hugging Face models falls back to eager, and the step is not captured as a graph). Leave them off; "
-                "opake_torch.transformers.compile offers compile_chunk and CudaGraphChunk for loops of your own."
+                f"cuda_graphs={args.cuda_graphs} captures CUDA graphs and needs a CUDA device; this run is on "
+                f"{args.device}. Set cuda_graphs=0."
             )
         self.args = args
         self._distributed = self._init_distributed(args)
@@ -170,6 +170,7 @@ class DPTrainer:
         self.processing_class = processing_class
         self.data_collator = data_collator
         self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
+        self.chunk_graphs: CudaGraphChunk | None = None  # the CUDA-graph captures of the chunk (cuda_graphs > 0)
         self.task = None if compute_loss_func is not None else infer_task(model)
         self.label_names = tuple(args.label_names or ["labels"])
         self._columns = (
@@ -332,6 +333,32 @@ class DPTrainer:
             logger.warning("per-example gradients fall back to vmap(grad): %s: %s", type(exc).__name__, exc)
             self._layerwise = None
 
+    def _chunk_transform(self) -> Any:
+        """The wrapper of the per-chunk clip function that ``cuda_graphs`` or ``torch_compile`` ask for, else None.
+
+        With a ``microbatch_size`` every chunk is padded to it (dead rows add nothing), so that Poisson batches of any
+        size replay the same graphs; without one, each distinct batch size is its own signature. The captures are
+        kept in ``self.chunk_graphs`` (a :class:`~opake_torch.transformers.compile.CudaGraphChunk`).
+        """
+        args = self.args
+        if args.cuda_graphs:
+            if args.microbatch_size is None:
+                logger.warning(
+                    "cuda_graphs=%d without microbatch_size: every distinct batch size is captured separately (up to "
+                    "%d, then eager). Set microbatch_size so that every chunk is padded to one shape.",
+                    args.cuda_graphs,
+                    args.cuda_graphs,
+                )
+
+            def capture(chunk: Any) -> CudaGraphChunk:
+                self.chunk_graphs = CudaGraphChunk(chunk, args.cuda_graphs)
+                return self.chunk_graphs
+
+            return capture
+        if args.torch_compile:
+            return lambda chunk: compile_chunk(chunk, backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+        return None
+
     def _loss_fn(self) -> Any:
         args = self.args
 
@@ -370,6 +397,8 @@ class DPTrainer:
             "per_example_grads": self._layerwise,
             # DDP: clipped sums are normalized by the cluster expected batch, summed across ranks, then noised once
             "reduce": distributed.sum_gradients if self._distributed else None,
+            # cuda_graphs / torch_compile: how each chunk (per-example gradients, clip, sum) is launched
+            "chunk_transform": self._chunk_transform(),
         }
 
         def make_step(microbatch_size: int | None) -> tuple[Any, Any]:

@@ -1,6 +1,6 @@
 """Fused clip-and-sum of per-example gradients: :func:`clip_and_sum`, the Triton backend of the clipping engine.
 
-Same result as the torch engine (``opake_core.clipping._ClipSum.add``, mirrored by
+Same result as the torch engine (``opake_core.clipping._ClipRule``, mirrored by
 :func:`~opake_torch.patches.kernels.reference.clip_and_sum`): for examples ``i`` and groups ``k``,
 
     total_l += sum_i  scale_i,k(l) * g_i,l,      scale_i,k = min(1, C_k (1 - 4u) / ||g_i||_k),

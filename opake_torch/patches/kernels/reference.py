@@ -155,7 +155,7 @@ def clip_and_sum(
     bounds: list[float],
     accumulators: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch clip-and-sum (``opake_core.clipping._ClipSum.add``): adds ``sum_i g_i * scale_i`` to each accumulator.
+    """The torch clip-and-sum (``opake_core.clipping._ClipRule``): adds ``sum_i g_i * scale_i`` to each accumulator.
 
     ``scale_i = min(1, C_k (1 - 4u) / ||g_i||_k)`` per group ``k`` with ``u`` the unit roundoff of the accumulator's
     dtype, squared norms in float64, and ``scale_i = 0`` for an example whose norm is not finite.

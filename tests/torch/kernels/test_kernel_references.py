@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad, vmap
 
-from opake_core.clipping import MaterializedGradients, _ClipSum
+from opake_core.clipping import MaterializedGradients, _bounds_on, _ClipRule
 from opake_core.errors import ConfigurationError, InputTypeError
 from opake_torch.patches import kernels as K
 from opake_torch.patches import performance
@@ -237,17 +237,18 @@ def test_clip_and_sum_reference_is_the_core_engine(per_group):
     if per_group:
         from opake_core.tree import per_group as make_groups
 
-        engine = _ClipSum(params, make_groups(params, {"^a$": 1.5, "^b$": 0.25, "^c$": 1.5}))
-        group_index = engine._group_index
-        bounds = engine._bounds
+        rule, floats = _ClipRule.of(params, make_groups(params, {"^a$": 1.5, "^b$": 0.25, "^c$": 1.5}), backend=None)
+        group_index, bounds = list(rule.group_index), list(floats)
     else:
-        engine = _ClipSum(params, bound)
-    engine.add(MaterializedGradients(grads))
+        rule, floats = _ClipRule.of(params, bound, backend=None)
+    engine_sums, engine_norms, _ = rule(
+        MaterializedGradients(grads), list(params.values()), _bounds_on(floats, "cpu"), None
+    )
     sums = [torch.zeros(g.shape[1:], dtype=torch.float64 if g.dtype == torch.float64 else torch.float32) for g in grads]
     norms, _ = clip_sum.clip_and_sum(grads, group_index=group_index, bounds=bounds, accumulators=sums)
-    for ours, theirs in zip(sums, engine._sums, strict=True):
+    for ours, theirs in zip(sums, engine_sums, strict=True):
         assert torch.equal(ours, theirs)
-    torch.testing.assert_close(norms.float(), engine._norms[0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(norms.float(), engine_norms, rtol=0, atol=0, equal_nan=True)
 
 
 def test_clip_and_sum_never_exceeds_the_bound_and_drops_non_finite_examples():

@@ -105,3 +105,21 @@ def test_compile_eager_backend_matches() -> None:
     x = torch.randn(5)
     run = compile_chunk(chunk, backend="eager")
     assert torch.equal(run(x), chunk(x)) and not run.is_eager()
+
+
+def test_a_failed_capture_warns_once_and_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    class FailingGraph:
+        def __init__(self, fn, args, kwargs):
+            raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture\nmore")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(compile_mod, "_Graph", FailingGraph)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
+    chunk = CudaGraphChunk(lambda x: x.sum(), 2)
+    with pytest.warns(RuntimeWarning, match=r"failed; running it eagerly from now on \(RuntimeError: Cannot copy"):
+        assert chunk(torch.ones(2)) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert chunk(torch.ones(3)) == 3  # no second warning, no second attempt
+    assert chunk.eager_calls == 2 and chunk.replays == 0 and not chunk.graphs
+    assert chunk.failure.startswith("RuntimeError: Cannot copy") and "more" not in chunk.failure

@@ -129,11 +129,6 @@ class _no_fallback:
             pytest.xfail("torch.compile fell back to eager for vmap(grad) (warned); equality holds eagerly")
 
 
-@pytest.mark.xfail(
-    reason="known limitation: capturing the vmap(grad) chunk of a Hugging Face model in a CUDA graph still fails on "
-    "the H200 (a host-device copy inside the chunk); DPTrainer refuses cuda_graphs until capture works",
-    strict=False,
-)
 def test_cuda_graphs_match_plain_and_replay() -> None:
     m = model()
     run, params = chunk_fn(m)
@@ -150,11 +145,6 @@ def test_cuda_graphs_match_plain_and_replay() -> None:
     assert_close(other, run(params, data(length=32)), 1e-6)
 
 
-@pytest.mark.xfail(
-    reason="known limitation: capturing the vmap(grad) chunk of a Hugging Face model in a CUDA graph still fails on "
-    "the H200 (a host-device copy inside the chunk); DPTrainer refuses cuda_graphs until capture works",
-    strict=False,
-)
 def test_cuda_graphs_with_checkpointing_without_dropout() -> None:
     m = model()
     run, params = chunk_fn(m)
