@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import fmt, free, is_oom, peak_gib, reserved_gib, sync, table_row, timed_steps
+from timing import fmt, free, is_oom, peak_gib, reserved_gib, rope_restored, sync, table_row, timed_steps
 from workloads import SUITES, Workload, build_model, make_batch, model_inputs, per_example_losses
 
 MODES = (
@@ -285,8 +285,9 @@ def _opake_trainer(
             use_performance_kernels=kernels,
             cuda_graphs=1 if graphs else 0,
         )
-        trainer = DPTrainer(build_model(workload, device), args, train_dataset=rows, callbacks=[StepTimer()])
-        trainer.train()
+        with rope_restored():  # the kernels' RoPE patch is process-wide: later modes and workloads run without it
+            trainer = DPTrainer(build_model(workload, device), args, train_dataset=rows, callbacks=[StepTimer()])
+            trainer.train()
     engine = "layerwise" if trainer._layerwise is not None else "vmap"
     return {
         "times": times,

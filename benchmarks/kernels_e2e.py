@@ -34,7 +34,6 @@ recorded with its error. Prints one JSON document to stdout (progress to stderr)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import statistics
@@ -48,7 +47,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import fmt, free, table_row, timed_steps
+from timing import fmt, free, rope_restored, table_row, timed_steps
 from workloads import LLAMA_1B, LORA_TARGETS, Workload, make_batch
 
 CONFIGS = {  # name: (use_performance_kernels, fused clip, layerwise); None: the non-private reference
@@ -116,18 +115,6 @@ def build(args: argparse.Namespace, device: torch.device | str) -> torch.nn.Modu
     lora = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
     # PEFT's default upcasts adapters of a half-precision base to float32; without it they keep the base dtype
     return peft.get_peft_model(base, lora, autocast_adapter_dtype=not args.base_dtype_adapters).train()
-
-
-@contextlib.contextmanager
-def _rope_restored():
-    """``apply_performance_kernels`` patches Llama's module-level ``apply_rotary_pos_emb``: undo it after a row."""
-    from transformers.models.llama import modeling_llama
-
-    original = modeling_llama.apply_rotary_pos_emb
-    try:
-        yield
-    finally:
-        modeling_llama.apply_rotary_pos_emb = original
 
 
 def _nonprivate_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Callable[[], None]:
@@ -264,7 +251,7 @@ def _run(status_row: dict[str, Any], began: float, args: argparse.Namespace, fn:
     free(args.device)
     begin = time.perf_counter()
     try:
-        with _rope_restored():
+        with rope_restored():
             row = {**status_row, **fn(), "status": "ok"}
     except Exception as exc:  # a failing row is a result, not the end of the benchmark
         row = {**status_row, "status": _error(exc)}

@@ -3,9 +3,10 @@ measured)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -68,3 +69,16 @@ def fmt(value: object, spec: str) -> str:
 def table_row(cells: list[str]) -> str:
     """One markdown table row."""
     return "| " + " | ".join(cells) + " |"
+
+
+@contextlib.contextmanager
+def rope_restored() -> Iterator[None]:
+    """``apply_performance_kernels`` patches Llama's module-level ``apply_rotary_pos_emb`` for the whole process:
+    undo it when a measurement with the kernels ends, so that later measurements run the stock function."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.apply_rotary_pos_emb
+    try:
+        yield
+    finally:
+        modeling_llama.apply_rotary_pos_emb = original

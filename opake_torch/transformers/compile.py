@@ -81,7 +81,10 @@ def signature(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Ha
 
 
 class _Graph:
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """One capture of ``fn`` on static copies of its inputs; ``pool`` is a memory pool shared with earlier captures
+    (safe: graphs replay one after the other on one stream, and their outputs are cloned at once)."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], pool: Any = None) -> None:
         leaves, self.spec = pytree.tree_flatten((args, kwargs))
         self.static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         static_args, static_kwargs = pytree.tree_unflatten(self.static, self.spec)
@@ -92,7 +95,7 @@ class _Graph:
                 fn(*static_args, **static_kwargs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.output = fn(*static_args, **static_kwargs)
 
     def replay(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -116,7 +119,7 @@ class CudaGraphChunk:
     A capture that fails (an operation that cannot be captured, such as a copy from pageable host memory inside
     the model) emits one ``RuntimeWarning`` naming the error, and every call runs eagerly from then on; the failure
     is kept in ``failure``. ``graphs`` holds the captures by signature; ``replays`` and ``eager_calls`` count the
-    calls served each way.
+    calls served each way. All captures share one memory pool.
 
     Raises:
         ConfigurationError at construction without CUDA.
@@ -144,8 +147,9 @@ class CudaGraphChunk:
                 return self.fn(*args, **kwargs)
             if any(isinstance(x, torch.Tensor) and x.device.type != "cuda" for x in pytree.tree_leaves((args, kwargs))):
                 raise ConfigurationError("cuda_graphs needs every tensor argument on a CUDA device; move the batch.")
+            pool = next(iter(self.graphs.values())).graph.pool() if self.graphs else None
             try:
-                graph = _Graph(self.fn, args, kwargs)
+                graph = _Graph(self.fn, args, kwargs, pool)
             except Exception as exc:
                 result = self.fn(*args, **kwargs)  # raises the function's own errors
                 self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -42,9 +43,10 @@ def test_capture_cap_then_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     captured = []
 
     class FakeGraph:
-        def __init__(self, fn, args, kwargs):
-            captured.append(signature(args, kwargs))
+        def __init__(self, fn, args, kwargs, pool):
+            captured.append((signature(args, kwargs), pool))
             self.fn = fn
+            self.graph = SimpleNamespace(pool=lambda: f"pool of capture {len(captured)}")
 
         def replay(self, args, kwargs):
             return ("replay", self.fn(*args, **kwargs))
@@ -57,6 +59,7 @@ def test_capture_cap_then_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     assert chunk(torch.ones(2))[0] == "replay"
     assert chunk(torch.ones(3))[0] == "replay"
     assert len(captured) == 2
+    assert [pool for _, pool in captured] == [None, "pool of capture 1"]  # one pool for all captures
     assert chunk(torch.ones(4)) == 4  # third signature: eager, not captured
     assert chunk(torch.ones(2))[0] == "replay"
     assert len(captured) == 2 and chunk.eager_calls == 1
@@ -109,7 +112,7 @@ def test_compile_eager_backend_matches() -> None:
 
 def test_a_failed_capture_warns_once_and_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
     class FailingGraph:
-        def __init__(self, fn, args, kwargs):
+        def __init__(self, fn, args, kwargs, pool):
             raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture\nmore")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
