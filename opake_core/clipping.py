@@ -301,7 +301,8 @@ def clipped_grad(
             out, with ``rule`` hashable and the current bounds a float64 tensor ``[G, 1]`` (adaptive clipping moves
             them without a new capture). With a transform, ``clip_backend`` is not used, and with a
             ``microbatch_size`` every chunk is padded to exactly ``microbatch_size`` rows (copies of its last example,
-            marked dead by ``live`` so that they add exactly nothing), so that every chunk has one shape.
+            marked dead by ``live`` so that they add exactly nothing), so that every chunk has one shape. The
+            wrapped function must return tensors of its own: the sums are accumulated and divided in place.
 
     Returns:
         ``(grad_fn, state)``. ``grad_fn(*args, state=state) -> (out, state)`` where ``out`` is a
@@ -402,7 +403,8 @@ def clipped_grad(
                 auxes.append(optree.tree_map(lambda x, real=real: x[:real], aux) if has_aux else None)
             if sums is None:
                 sums = _zeros_like_leaves(leaves)
-            result = optree.tree_unflatten(treedef, torch._foreach_div(sums, normalize_by))
+            torch._foreach_div_(sums, normalize_by)  # the accumulators are this call's own
+            result = optree.tree_unflatten(treedef, sums)
             clipped_out = Clipped(result, _sensitivity(current, normalize_by))
             outputs: list[Any] = [clipped_out]
             if has_aux:
