@@ -343,6 +343,9 @@ def clipped_grad(
     grad_argnums = diff_args[0] if isinstance(argnums, int) else diff_args
     per_example = grad(_with_value(loss_fn, has_aux), argnums=grad_argnums, has_aux=True)
 
+    def params_of(args: tuple[Any, ...] | list[Any]) -> Any:
+        return args[diff_args[0]] if isinstance(argnums, int) else tuple(args[i] for i in diff_args)
+
     def chunk(rule: _ClipRule, bounds: torch.Tensor, live: torch.Tensor | None, *args: Any) -> tuple[Any, ...]:
         """One chunk: per-example gradients, then the clipped sum (fresh accumulators), norms, clip flags, values."""
         if per_example_grads is not None:
@@ -357,8 +360,7 @@ def clipped_grad(
                     raise _vmap_error(exc) from exc
                 raise
             grads = MaterializedGradients(optree.tree_leaves(tree))
-        params = args[diff_args[0]] if isinstance(argnums, int) else tuple(args[i] for i in diff_args)
-        sums, norms, clipped = rule(grads, optree.tree_leaves(params), bounds, live)
+        sums, norms, clipped = rule(grads, optree.tree_leaves(params_of(args)), bounds, live)
         return sums, norms, clipped, values
 
     run_chunk = chunk if chunk_transform is None else chunk_transform(chunk)
@@ -373,7 +375,7 @@ def clipped_grad(
                 f"grad_fn got {len(args)} arguments but argnums={diff_args} and batch_argnums={batch_args}."
             )
         with torch.profiler.record_function("opake::clipped_grad"), torch.no_grad():
-            params = args[diff_args[0]] if isinstance(argnums, int) else tuple(args[i] for i in diff_args)
+            params = params_of(args)
             current = state.clipping_norm if is_adaptive else bound
             rule, floats = _ClipRule.of(params, current, backend=clip_backend if chunk_transform is None else None)
             leaves, treedef = optree.tree_flatten(params)
@@ -382,13 +384,16 @@ def clipped_grad(
             batch_size = _batch_size([args[i] for i in batch_args])
             chunk_size = microbatch_size or max(batch_size, 1)
             pad = chunk_transform is not None and microbatch_size is not None
+            all_live = torch.ones(chunk_size, dtype=torch.bool, device=device) if pad else None
             sums, norms, clipped, losses, auxes = None, [], [], [], []
             for start in range(0, batch_size, chunk_size):
                 stop = min(start + chunk_size, batch_size)
                 sliced = [_slice(a, start, stop) if i in batch_args else a for i, a in enumerate(args)]
-                live = torch.arange(chunk_size, device=device) < stop - start if pad else None
+                live = all_live
                 if pad and stop - start < chunk_size:  # repeat the last example; its copies are dead rows
-                    rows = torch.arange(chunk_size, device=device).clamp(max=stop - start - 1)
+                    rows = torch.arange(chunk_size, device=device)
+                    live = rows < stop - start
+                    rows = rows.clamp(max=stop - start - 1)
                     sliced = [_take(a, rows) if i in batch_args else a for i, a in enumerate(sliced)]
                 part, chunk_norms, chunk_clipped, values = run_chunk(rule, bounds, live, *sliced)
                 if sums is None:
@@ -610,7 +615,7 @@ class _ClipRule:
         shaped like ``params``, each example's norm, and whether any of its groups exceeded its bound. Examples
         with ``live`` False add nothing."""
         sums = _zeros_like_leaves(params)
-        if self.backend is not None and live is None and isinstance(grads, MaterializedGradients):
+        if self.backend is not None and isinstance(grads, MaterializedGradients):
             norms, group_norms = self.backend(
                 grads.leaves, group_index=list(self.group_index), bounds=list(self.backend_bounds), accumulators=sums
             )

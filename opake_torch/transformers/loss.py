@@ -84,7 +84,12 @@ def _masked_mean_ce(
     mask = labels != ignore_index
     safe = torch.where(mask, labels, torch.zeros_like(labels))
     nll = F.cross_entropy(logits.float(), safe, reduction="none", label_smoothing=label_smoothing)
-    return (nll * mask).sum() / mask.sum().clamp(min=1)
+    return _masked_mean(nll, mask)
+
+
+def _masked_mean(nll: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``nll`` over the positions ``mask`` keeps, along the last dimension; 0 where it keeps none."""
+    return (nll.float() * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
 
 
 def sequence_classification_loss(
@@ -265,5 +270,4 @@ def fused_causal_lm_losses(
     weight = {**frozen, **params}[head.weight_name]
     labels = batch[label_names[0]][:, 1:]
     nll = opake_fused_linear_cross_entropy(hidden[:, :-1], weight, labels, reduction="none")
-    mask = labels != IGNORE_INDEX
-    return (nll.float() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    return _masked_mean(nll, labels != IGNORE_INDEX)
