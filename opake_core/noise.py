@@ -124,13 +124,10 @@ def add_gaussian_noise(
         raise ConfigurationError(f"the per-group sensitivity covers {len(stds)} leaves but the tree has {len(leaves)}.")
     step_key = random.fold_in(key, STREAM, step)
     with torch.profiler.record_function("opake::gaussian_noise"), torch.no_grad():
+        draws = random.normal_like([random.fold_in(step_key, i) for i in range(len(leaves))], leaves, dtype=dtype)
         noised = [
-            torch.add(
-                leaf.to(dtype),
-                random.normal(random.fold_in(step_key, i), leaf.shape, dtype=dtype, device=leaf.device),
-                alpha=leaf_std,
-            )
-            for i, (leaf, leaf_std) in enumerate(zip(leaves, stds, strict=True))
+            torch.add(leaf.to(dtype), draw, alpha=leaf_std)
+            for leaf, draw, leaf_std in zip(leaves, draws, stds, strict=True)
         ]
     return Noised(optree.tree_unflatten(treedef, noised), clipped.sensitivity, std)
 

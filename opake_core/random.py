@@ -1,25 +1,32 @@
 """Explicit, counter-based random keys.
 
-A key is 128 bits of state. ``split`` and ``fold_in`` derive child keys by hashing (BLAKE2b) the parent with a
-type-tagged counter or string, so a derived key depends only on its parent and the path that led to it, never on
-how many draws happened before. Draws are made from a key with :func:`normal` (on any device) and
-:func:`numpy_generator` (host-side sampling):
+A key is 128 bits of state plus the name of the generator that turns it into Gaussian noise (``impl``, in the style
+of JAX's typed keys). ``split`` and ``fold_in`` derive child keys by hashing (BLAKE2b) the parent with a type-tagged
+counter or string, so a derived key depends only on its parent and the path that led to it, never on how many draws
+happened before; children keep their parent's ``impl``. Draws are made from a key with :func:`normal` (on any
+device) and :func:`numpy_generator` (host-side sampling).
 
-* ``normal(key, shape, dtype=..., device=...)`` seeds a fresh ``torch.Generator`` on the target device, so the
-  values depend only on (key, shape, dtype, device type) and replay bit-exactly. The noise is generated on the
-  device it is used on, never on the host and copied over.
-* CPU and CUDA generators are different algorithms (Mersenne Twister and Philox): the same key gives different,
-  equally distributed values on the two device types.
+Generators of :func:`normal`, by ``key.impl``:
 
-Keys are reproducible pseudo-random state, not cryptographic secrets: anyone who knows a key can recompute the noise
-it generated. Keep keys private and strip them before publishing a checkpoint.
+* ``"philox"`` (the default): counter-based Philox keyed by all 128 bits of a hash of the key. On the CPU, NumPy's
+  Philox-4x64 bit generator (128-bit key) with its ziggurat sampler; on CUDA, torch's Philox-4x32 with a 64-bit seed
+  and a counter offset taken from 62 more bits, so every draw depends on 126 key bits. Fast, statistically strong,
+  not a cryptographic generator.
+* ``"chacha20"`` (hardened): the ChaCha20 block function of RFC 8439 keyed by 256 bits derived from the key, run with
+  torch integer operations on the target device, and Box-Muller in float64. Slower, cryptographically strong, and the
+  same values on every device type.
+
+Keys are secret state: anyone who knows a key can recompute the noise it generated and remove it. ``repr(key)``
+shows only a fingerprint; ``key.hex`` is the explicit accessor. Nothing here touches the global random state.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,26 +36,33 @@ import torch
 from opake_core.errors import ConfigurationError, InputTypeError
 
 __all__ = [
+    "IMPLS",
     "Key",
     "fold_in",
     "key",
     "key_from_json",
     "key_to_json",
     "normal",
+    "normal_many",
     "numpy_generator",
     "random_key",
     "split",
 ]
 
+IMPLS = ("philox", "chacha20")
 _MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
 class Key:
-    """A 128-bit random key. Build one with :func:`key`; derive others with :func:`split` and :func:`fold_in`."""
+    """A 128-bit random key and the name of its noise generator (one of :data:`IMPLS`).
+
+    Build one with :func:`key` or :func:`random_key`; derive others with :func:`split` and :func:`fold_in`.
+    """
 
     hi: int
     lo: int
+    impl: str = "philox"
 
     def __post_init__(self) -> None:
         for name in ("hi", "lo"):
@@ -57,19 +71,31 @@ class Key:
                 raise InputTypeError(
                     f"Key.{name} must be an int in [0, 2**64), got {word!r}; build keys with key(seed)."
                 )
+        _check_impl(self.impl)
 
     def __repr__(self) -> str:
-        return f"Key({self.hi:016x}{self.lo:016x})"
+        # Keys reach logs through the reprs of states: show a fingerprint that identifies the key without revealing it.
+        fingerprint = hashlib.blake2b(_key_bytes(self), digest_size=4, person=b"opake.keyprint").hexdigest()
+        return f"Key(fingerprint={fingerprint}, impl={self.impl})"
 
     @property
     def hex(self) -> str:
-        """The 32-character hexadecimal form used in JSON."""
+        """The 32-character hexadecimal form of the 128 bits, as written by :func:`key_to_json`. It is the secret."""
         return f"{self.hi:016x}{self.lo:016x}"
 
 
-def _hash(*parts: bytes) -> Key:
-    digest = hashlib.blake2b(b"".join(parts), digest_size=16, person=b"opake.random").digest()
-    return Key(int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little"))
+def _check_impl(impl: Any) -> None:
+    if impl not in IMPLS:
+        raise ConfigurationError(f"impl must be one of {IMPLS}, got {impl!r}.")
+
+
+def _digest(*parts: bytes, size: int = 16, person: bytes = b"opake.random") -> bytes:
+    return hashlib.blake2b(b"".join(parts), digest_size=size, person=person).digest()
+
+
+def _hash(impl: str, *parts: bytes) -> Key:
+    digest = _digest(*parts)
+    return Key(int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little"), impl)
 
 
 def _key_bytes(k: Key) -> bytes:
@@ -83,16 +109,20 @@ def _check_key(k: Any, where: str) -> None:
         )
 
 
-def key(seed: int) -> Key:
-    """The root key for an integer seed (any size, negative allowed)."""
+def key(seed: int, *, impl: str = "philox") -> Key:
+    """The root key for an integer seed (any size, negative allowed), drawing noise with generator ``impl``.
+
+    Whoever knows the seed can recompute every noise draw: use :func:`random_key` for private runs.
+    """
     if type(seed) is not int:
         raise InputTypeError(f"key(seed) needs an int seed, got {type(seed).__name__} {seed!r}.")
-    return _hash(b"seed", _encode_int(seed))
+    _check_impl(impl)
+    return _hash(impl, b"seed", _encode_int(seed))
 
 
-def random_key() -> Key:
-    """A root key from the operating system's entropy source (for runs that need no replay from a seed)."""
-    return key(secrets.randbits(128))
+def random_key(*, impl: str = "philox") -> Key:
+    """A root key from 128 bits of the operating system's entropy source (``secrets``): no seed can replay it."""
+    return key(secrets.randbits(128), impl=impl)
 
 
 def _encode_int(value: int) -> bytes:
@@ -113,13 +143,13 @@ def fold_in(k: Key, *data: int | str) -> Key:
     """A child key for the given integers and string tags; ``fold_in(k, a, b) == fold_in(fold_in(k, a), b)``.
 
     Integer and string data never collide (``fold_in(k, 1) != fold_in(k, "1")``), so string tags name streams
-    that cannot clash with the integer children of :func:`split`.
+    that cannot clash with the integer children of :func:`split`. The child has the parent's ``impl``.
     """
     _check_key(k, "fold_in")
     if not data:
         raise ConfigurationError("fold_in(key, *data) needs at least one int or str to fold in, got none.")
     for item in data:
-        k = _hash(b"fold", _key_bytes(k), _encode(item))
+        k = _hash(k.impl, b"fold", _key_bytes(k), _encode(item))
     return k
 
 
@@ -131,8 +161,7 @@ def split(k: Key, num: int = 2) -> tuple[Key, ...]:
     return tuple(fold_in(k, i) for i in range(num))
 
 
-def _seed64(k: Key) -> int:
-    return _hash(b"torch-seed", _key_bytes(k)).lo
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def normal(
@@ -142,14 +171,86 @@ def normal(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Standard normal draws of ``shape`` and ``dtype`` generated on ``device``.
+    """Standard normal draws of ``shape`` and floating ``dtype`` generated on ``device``, by the key's generator.
 
-    The result depends only on (key, shape, dtype, device type) and is bit-identical on replay.
+    The values depend only on (key, shape, dtype, device type) and replay bit-exactly; CUDA draws of a philox key
+    also depend on the GPU model (torch's kernel splits the Philox counter space by the number of multiprocessors).
+    A chacha20 key gives the same values on every device type. The global random state is never touched.
     """
     _check_key(k, "normal")
-    generator = _generator(torch.device(device))
-    generator.manual_seed(_seed64(k))  # the whole state comes from the key: reusing the object changes nothing
-    return torch.randn(tuple(shape), generator=generator, dtype=dtype, device=generator.device)
+    shape, device = tuple(shape), torch.device(device)
+    _check_dtype(dtype)
+    if k.impl == "chacha20":
+        return _chacha20_normals([k], [shape], dtype=dtype, device=device)[0]
+    bits = int.from_bytes(_digest(b"philox-normal", _key_bytes(k)), "little")  # 128 bits
+    if device.type == "cpu":
+        gen = np.random.Generator(np.random.Philox(key=bits))
+        draw = gen.standard_normal(shape, dtype=np.float64 if dtype == torch.float64 else np.float32)
+        return torch.from_numpy(draw).to(dtype)
+    if device.type == "cuda":
+        return _philox_cuda_normal(bits & _MASK64, (bits >> 64) & ~3, shape, dtype=dtype, device=device)
+    raise ConfigurationError(
+        f"philox keys draw on cpu and cuda, got device {device}; use a chacha20 key (key(seed, impl='chacha20')), "
+        "which draws with integer tensor operations on any device."
+    )
+
+
+def normal_many(
+    keys: Sequence[Key],
+    shapes: Sequence[tuple[int, ...] | torch.Size],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
+    """``[normal(k, s, dtype=dtype, device=device) for k, s in zip(keys, shapes)]``, bit-identical, faster.
+
+    The chacha20 keys' draws are made in one vectorized pass over all their blocks, where one call per key would
+    launch ~600 small kernels per key (a tree of many small leaves); philox keys are drawn one by one.
+    """
+    keys, shapes, device = list(keys), [tuple(s) for s in shapes], torch.device(device)
+    if len(keys) != len(shapes):
+        raise ConfigurationError(f"normal_many needs one shape per key, got {len(keys)} keys and {len(shapes)} shapes.")
+    for k in keys:
+        _check_key(k, "normal_many")
+    _check_dtype(dtype)
+    hardened = [i for i, k in enumerate(keys) if k.impl == "chacha20"]
+    draws = _chacha20_normals([keys[i] for i in hardened], [shapes[i] for i in hardened], dtype=dtype, device=device)
+    out = dict(zip(hardened, draws, strict=True))
+    return [
+        out[i] if i in out else normal(k, s, dtype=dtype, device=device)
+        for i, (k, s) in enumerate(zip(keys, shapes, strict=True))
+    ]
+
+
+def normal_like(keys: Sequence[Key], tensors: Sequence[torch.Tensor], *, dtype: torch.dtype) -> list[torch.Tensor]:
+    """One standard normal draw per key, shaped and placed like the matching tensor (``normal_many`` per device): the
+    noise of a tree of leaves, ``keys[i]`` for leaf ``i``."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(i)
+    out: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    for device, indices in by_device.items():
+        draws = normal_many([keys[i] for i in indices], [tensors[i].shape for i in indices], dtype=dtype, device=device)
+        for i, draw in zip(indices, draws, strict=True):
+            out[i] = draw
+    return out
+
+
+def _check_dtype(dtype: Any) -> None:
+    if dtype not in _FLOAT_DTYPES:
+        raise ConfigurationError(f"normal draws one of {_FLOAT_DTYPES}, got dtype={dtype!r}.")
+
+
+def _philox_cuda_normal(
+    seed: int, offset: int, shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """torch's CUDA Philox-4x32-10 with a 64-bit ``seed`` (the Philox key) and a counter ``offset`` (a multiple of 4
+    below 2**64, as torch requires: counters advance in blocks of four 32-bit outputs), so a draw depends on 126 bits.
+    """
+    generator = _generator(device)
+    generator.manual_seed(seed)  # resets the offset: the whole state comes from the key, reusing the object is safe
+    generator.set_offset(offset)
+    return torch.randn(shape, generator=generator, dtype=dtype, device=generator.device)
 
 
 _GENERATORS = threading.local()
@@ -158,34 +259,138 @@ _GENERATORS = threading.local()
 def _generator(device: torch.device) -> torch.Generator:
     """One generator per device and thread, reseeded at every draw (creating one per draw costs more than the draw
     of a small tensor)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
     cache = _GENERATORS.__dict__.setdefault("by_device", {})
     if device not in cache:
         cache[device] = torch.Generator(device=device)
     return cache[device]
 
 
+# ChaCha20 (RFC 8439). Words are uint32 values held in int32 tensors: torch's int32 add wraps modulo 2**32 like the
+# uint32 add of the RFC (checked by the RFC's test vectors on every device type), torch has no uint32 add.
+_SIGMA = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # "expand 32-byte k", RFC 8439 section 2.3
+# Blocks per chunk (8 normals each). A chunk runs ~600 elementwise kernels: on the CPU they stay in cache, on a GPU
+# each moves megabytes so that the launches hide behind the memory traffic. About 0.4 GiB of temporaries at most.
+_CHUNK_BLOCKS = {"cpu": 1 << 16, "cuda": 1 << 20}
+
+
+def _int32(word: int) -> int:
+    """The int32 holding the uint32 ``word``."""
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def _chacha20_key_words(k: Key) -> tuple[int, ...]:
+    """The 8 little-endian key words of the 256-bit ChaCha20 key derived from ``k``, as int32."""
+    raw = _digest(b"chacha20-key", _key_bytes(k), size=32, person=b"opake.chacha20")
+    return tuple(_int32(int.from_bytes(raw[i : i + 4], "little")) for i in range(0, 32, 4))
+
+
+def _rotl(x: torch.Tensor, n: int) -> torch.Tensor:
+    # ">>" is arithmetic on int32: mask the n bits that wrap around
+    return (x << n) | ((x >> (32 - n)) & ((1 << n) - 1))
+
+
+def _quarter_rounds(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """RFC 8439 section 2.1, on the four quarters ``(a[i], b[i], c[i], d[i])`` of every block at once."""
+    a = a + b
+    d = _rotl(d ^ a, 16)
+    c = c + d
+    b = _rotl(b ^ c, 12)
+    a = a + b
+    d = _rotl(d ^ a, 8)
+    c = c + d
+    b = _rotl(b ^ c, 7)
+    return a, b, c, d
+
+
+def _chacha20_block(state: torch.Tensor) -> torch.Tensor:
+    """The ChaCha20 block function (RFC 8439 section 2.3) of a batch of blocks.
+
+    ``state``: the input states, an int32 tensor of shape ``(16, n)`` (constants, key, counter, nonce). Returns the
+    output words, shape ``(16, n)``; serialized little-endian, column ``j`` is block ``j``'s 64 keystream bytes. The
+    state's rows are a 4x4 matrix: a column round is one quarter round on each of its 4 columns, a diagonal round
+    the same after rotating row ``r`` left by ``r`` (RFC 8439 section 2.3.1).
+    """
+    a, b, c, d = state.view(4, 4, -1)
+    for _ in range(10):  # 20 rounds
+        a, b, c, d = _quarter_rounds(a, b, c, d)
+        a, b, c, d = _quarter_rounds(a, b.roll(-1, 0), c.roll(-2, 0), d.roll(-3, 0))
+        b, c, d = b.roll(1, 0), c.roll(2, 0), d.roll(3, 0)
+    return torch.cat((a, b, c, d)) + state
+
+
+def _chacha20_normals(
+    keys: list[Key], shapes: list[tuple[int, ...]], *, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """Standard normals of each shape from the ChaCha20 keystream of each key, block counter from 0, on ``device``.
+
+    Block ``j`` of a key has counter ``j mod 2**32`` in word 12 and ``j // 2**32`` in word 13 (the first nonce word:
+    the 64-bit-counter layout of the original ChaCha; below 2**32 blocks it is RFC 8439 with a zero nonce). Each pair
+    of words gives a 53-bit uniform, each pair of uniforms two normals by Box-Muller in float64, so a block of 16
+    words gives 8 normals, cast to ``dtype`` at the end. Tails beyond 8.57 standard deviations
+    (``sqrt(2 * 53 ln 2)``) are cut, a mass below 1e-17. The blocks of all keys run together, in chunks.
+    """
+    if not keys:
+        return []
+    sizes = [math.prod(s) for s in shapes]
+    firsts = np.cumsum([0] + [-(-n // 8) for n in sizes]).tolist()  # first block of each key, then the total
+    table = torch.tensor([_chacha20_key_words(k) for k in keys], dtype=torch.int32, device=device).T  # (8, keys)
+    starts = torch.tensor(firsts[:-1], dtype=torch.int64, device=device)
+    sigma = torch.tensor([_int32(w) for w in _SIGMA], dtype=torch.int32, device=device)[:, None]
+    flat = torch.empty(8 * firsts[-1], dtype=dtype, device=device)
+    chunk = _CHUNK_BLOCKS.get(device.type, _CHUNK_BLOCKS["cuda"])
+    for start in range(0, firsts[-1], chunk):
+        j = torch.arange(start, min(start + chunk, firsts[-1]), dtype=torch.int64, device=device)
+        owner = torch.searchsorted(starts, j, right=True) - 1
+        j = j - starts[owner]  # block index within its key
+        counter = ((torch.stack((j, j >> 32)) + (1 << 31)) % (1 << 32) - (1 << 31)).int()  # uint32 -> int32, exactly
+        key_words = table[:, owner] if len(keys) > 1 else table
+        state = torch.cat((sigma.expand(4, len(j)), key_words.expand(8, len(j)), counter, torch.zeros_like(counter)))
+        words = _chacha20_block(state)
+        del state
+        first, second = ((w >> s) & ((1 << (32 - s)) - 1) for w, s in ((words[0::2], 5), (words[1::2], 6)))
+        u = (first.double() * 2.0**26 + second.double()) * 2.0**-53  # (8, n) uniforms in [0, 1), 53 bits each
+        radius = torch.sqrt(-2.0 * torch.log1p(-u[0::2]))  # 1 - u >= 2**-53: no log(0)
+        angle = (2.0 * math.pi) * u[1::2]
+        z = torch.stack((radius * torch.cos(angle), radius * torch.sin(angle)), dim=1)  # (4 pairs, 2, n)
+        flat[8 * start : 8 * (start + len(j))].view(-1, 4, 2).copy_(z.permute(2, 0, 1))
+    return [flat[8 * f : 8 * f + n].view(s) for f, n, s in zip(firsts[:-1], sizes, shapes, strict=True)]
+
+
 def numpy_generator(k: Key) -> np.random.Generator:
-    """A NumPy generator on the counter-based Philox bit generator, keyed by the full 128 bits of ``k``."""
+    """A NumPy generator on the counter-based Philox bit generator, keyed by the full 128 bits of ``k``.
+
+    For host-side sampling (batch selection); it ignores ``k.impl``.
+    """
     _check_key(k, "numpy_generator")
     return np.random.Generator(np.random.Philox(key=(k.hi << 64) | k.lo))
 
 
 def key_to_json(k: Key) -> dict[str, str]:
-    """The JSON form of a key: ``{"opake_key": "<32 hex digits>"}``."""
+    """The JSON form of a key: ``{"opake_key": "<32 hex digits>"}``, plus ``"impl"`` for a non-philox key.
+
+    It holds the secret: write it only to private checkpoint state.
+    """
     _check_key(k, "key_to_json")
-    return {"opake_key": k.hex}
+    return {"opake_key": k.hex} if k.impl == "philox" else {"opake_key": k.hex, "impl": k.impl}
 
 
 def key_from_json(obj: Any) -> Key:
-    """The key serialized by :func:`key_to_json`."""
-    if not isinstance(obj, dict) or set(obj) != {"opake_key"} or not isinstance(obj["opake_key"], str):
-        raise InputTypeError(f"key_from_json expects {{'opake_key': '<32 hex digits>'}}, got {obj!r}.")
-    text = obj["opake_key"]
+    """The key serialized by :func:`key_to_json` (a missing ``"impl"`` means philox)."""
+    if (
+        not isinstance(obj, dict)
+        or not {"opake_key"} <= set(obj) <= {"opake_key", "impl"}
+        or not isinstance(obj["opake_key"], str)
+    ):
+        raise InputTypeError(
+            f"key_from_json expects {{'opake_key': '<32 hex digits>'}} with an optional 'impl', got {obj!r}."
+        )
+    text, impl = obj["opake_key"], obj.get("impl", "philox")
+    _check_impl(impl)
     if len(text) != 32:
         raise ConfigurationError(f"a serialized key has 32 hex digits, got {len(text)} in {text!r}.")
     try:
-        return Key(int(text[:16], 16), int(text[16:], 16))
+        return Key(int(text[:16], 16), int(text[16:], 16), impl)
     except ValueError as exc:
         raise ConfigurationError(f"a serialized key must be hexadecimal, got {text!r}.") from exc

@@ -78,6 +78,11 @@ def _sampling_arguments(parser: argparse.ArgumentParser, *, steps_known: bool = 
     priv = parser.add_argument_group("privacy")
     priv.add_argument("--delta", type=float, help="delta in (0, 1); default 1/N**1.1 with --dataset-size")
     priv.add_argument(
+        "--allow-large-delta",
+        action="store_true",
+        help="accept a --delta >= 1/N (refused by default: at that delta one record may leak in the clear)",
+    )
+    priv.add_argument(
         "--accountant", choices=("pld", "rdp"), default=None, help="default pld (monte_carlo for k_out_of_t)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -102,7 +107,9 @@ def _sample_rate(args: argparse.Namespace) -> float:
 
 def _delta(args: argparse.Namespace) -> float:
     if args.delta is not None:
-        return args.delta
+        if args.dataset_size is None:
+            return args.delta
+        return acc.check_delta(args.delta, dataset_size=args.dataset_size, allow_large=args.allow_large_delta)
     if args.dataset_size is None:
         _fail("delta is missing: give --delta, or --dataset-size for the default 1/N**1.1.")
     if args.dataset_size < 2:

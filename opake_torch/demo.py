@@ -52,6 +52,7 @@ class DemoConfig:
     hidden_size: int = 48
     layers: int = 2
     seed: int = 0
+    noise_seed: int | None = None  # None: secret noise keys, as a real run has; an int replays the run (tests)
 
 
 class CharTokenizer:
@@ -155,6 +156,7 @@ def train(config: DemoConfig, output_dir: Path, *, private: bool) -> dict:
         report_to="none",
         use_cpu=True,
         seed=config.seed,
+        privacy_noise_seed=config.noise_seed,
         **privacy,
     )
     trainer = DPTrainer(_model(config, tokenizer.vocab_size), args, train_dataset=dataset)

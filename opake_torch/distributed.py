@@ -24,6 +24,7 @@ This module is the only place the adapter touches ``torch.distributed``; the cor
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -45,6 +46,7 @@ from opake_core.tree import Clipped, Noised
 __all__ = [
     "RankPoisson",
     "barrier",
+    "broadcast_key",
     "broadcast_params",
     "check_params_synchronized",
     "check_synchronized",
@@ -203,6 +205,18 @@ def check_params_synchronized(params: dict[str, torch.Tensor]) -> None:
     dist.all_gather_object(gathered, params_checksum(params))
     if len(set(gathered)) > 1:
         raise StateError(f"the ranks' parameters diverged (checksums {gathered}); the runs are not synchronized.")
+
+
+def broadcast_key(key: Key) -> Key:
+    """Rank 0's ``key`` on every rank (sent as two 64-bit words; nothing is pickled)."""
+    if not is_distributed():
+        return key
+    words = torch.tensor([key.hi - (1 << 63), key.lo - (1 << 63)], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        words = words.cuda()
+    dist.broadcast(words, src=0)
+    hi, lo = (int(w) + (1 << 63) for w in words.cpu())
+    return dataclasses.replace(key, hi=hi, lo=lo)
 
 
 def broadcast_params(params: dict[str, torch.Tensor]) -> None:

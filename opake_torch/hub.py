@@ -1,7 +1,7 @@
 """Publishing a trained model: what may leave the machine.
 
 An output folder holds more than weights. ``runs/`` holds exact training statistics (outside the privacy
-guarantee), and a checkpoint's ``dp_state.pt`` holds the random keys that generated the noise: whoever has them can
+guarantee), and a checkpoint's ``dp_state.json`` holds the secret keys that generated the noise: whoever has them can
 recompute the noise and remove it. :func:`publishable_files` lists what an upload may contain, and
 :func:`strip_private_state` deletes the rest from a folder before it is shared by other means.
 """
@@ -15,7 +15,13 @@ from pathlib import Path
 __all__ = ["PRIVATE_FILES", "PRIVATE_FOLDERS", "publishable_files", "push_to_hub", "strip_private_state"]
 
 PRIVATE_FOLDERS = ("runs",)
-PRIVATE_FILES = ("dp_state.pt", "dp_optimizer.pt", "rng_state*.pth", "trainer_state.json", "training_args.json")
+PRIVATE_FILES = (
+    "dp_state.*",
+    "dp_optimizer.*",
+    "rng_state*.pth",
+    "trainer_state.json",
+    "training_args.json",
+)
 
 
 def _private(relative: str) -> bool:
@@ -31,7 +37,7 @@ def publishable_files(folder: str | Path) -> list[str]:
     """The files under ``folder`` (relative POSIX paths, sorted) that an upload may include.
 
     Excluded: ``runs/`` (training logs outside the guarantee), every ``checkpoint-*`` folder (keys, optimizer and
-    sampler state), ``dp_state.pt``, ``dp_optimizer.pt``, RNG snapshots, trainer state and arguments, and hidden or
+    sampler state), ``dp_state.*``, ``dp_optimizer.*``, RNG snapshots, trainer state and arguments, and hidden or
     underscore-prefixed files. ``accountant.json`` (the privacy guarantee itself) and the weights stay.
     """
     root = Path(folder)

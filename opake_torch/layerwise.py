@@ -362,9 +362,9 @@ class LayerwiseGradients:
                 worst_diff, worst_name = diff.max().item(), name
         worst = (diff_sq.sqrt() / ref_sq.sqrt().clamp(min=1e-30)).max().item()
         if not worst <= rtol:
-            raise ConfigurationError(
-                f"layerwise per-example gradients differ from grad of the per-example loss by {worst:.3g} (relative, "
-                f"> {rtol}), most on {worst_name!r}: a parameter is used outside a supported layer, or examples "
+            raise ConfigurationError(  # no number: the check may run on private records, and messages reach logs
+                f"layerwise per-example gradients differ from grad of the per-example loss by more than rtol={rtol} "
+                f"(relative), most on {worst_name!r}: a parameter is used outside a supported layer, or examples "
                 "interact in the batched pass. Use vmap(grad) for this model."
             )
         return worst

@@ -5,12 +5,14 @@ Build a process (``poisson(gaussian(1.0), 0.01)``, ``repeat(step, 1000)``, ``com
 produced it (PLD by default, RDP on request, Monte Carlo for random allocation). See ``docs/accounting.md``.
 """
 
+from opake_core.accounting.budget import check_delta
 from opake_core.accounting.calibration import (
     Calibrated,
     calibrate_noise_multiplier,
     calibrate_steps,
     stop_step,
 )
+from opake_core.accounting.ledger import Ledger
 from opake_core.accounting.mf import (
     COMPATIBLE_SAMPLERS,
     BallsInBinsMF,
@@ -55,6 +57,7 @@ __all__ = [
     "Calibrated",
     "Compose",
     "Gaussian",
+    "Ledger",
     "MFProcess",
     "MonteCarlo",
     "Poisson",
@@ -67,6 +70,7 @@ __all__ = [
     "calibrate_mf_noise_multiplier",
     "calibrate_noise_multiplier",
     "calibrate_steps",
+    "check_delta",
     "compose",
     "delta",
     "epsilon",

@@ -9,10 +9,8 @@ search costs a handful of PLD queries.
 from __future__ import annotations
 
 import builtins
-import contextlib
-import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from opake_core.accounting import _checks
@@ -23,6 +21,7 @@ from opake_core.accounting.processes import (
     is_nonprivate,
     repeat,
 )
+from opake_core.accounting.queries import _quiet_absl
 from opake_core.accounting.queries import epsilon as _epsilon
 from opake_core.errors import CalibrationError, ConfigurationError
 
@@ -124,7 +123,7 @@ def calibrate_noise_multiplier(
         )
     if names == {"pld"}:
         try:
-            with _quiet_rdp():
+            with _quiet_absl():
                 guide = calibrate_noise_multiplier(
                     make_process,
                     target_epsilon=target,
@@ -217,25 +216,10 @@ def _run(step_process: Process, prefix: Process | None, n: int) -> Process:
     return repeat(step_process, n) if prefix is None else compose(prefix, repeat(step_process, n))
 
 
-@contextlib.contextmanager
-def _quiet_rdp() -> Iterator[None]:
-    """Silence dp-accounting's warnings about RDP orders it drops while RDP only guides a PLD search.
-
-    Those orders are excluded from the (looser) RDP answer used as a starting point; the reported epsilon is PLD.
-    """
-    absl_logger = logging.getLogger("absl")
-    level = absl_logger.level
-    absl_logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        absl_logger.setLevel(level)
-
-
 def _guide(step_process: Process, prefix: Process | None, target: float, delta: float, max_steps: int) -> int:
     """A starting guess for a PLD step search: the RDP answer (cheap, usually a bit smaller)."""
     try:
-        with _quiet_rdp():
+        with _quiet_absl():
             found = _first_reaching(
                 lambda n: _epsilon(_run(step_process, prefix, n), delta=delta, accountant="rdp").value,
                 target,

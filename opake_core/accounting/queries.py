@@ -1,6 +1,6 @@
 """Epsilon at delta and delta at epsilon for a process, with the accountant that answered.
 
-* ``"pld"`` (the default): dp-accounting's ``PLDAccountant``, pessimistic, discretization 1e-4.
+* ``"pld"`` (the default): dp-accounting's ``PLDAccountant``, pessimistic, discretization 1e-4 (see below).
 * ``"rdp"``: dp-accounting's ``RdpAccountant`` with its default orders (looser; no truncated Poisson).
 * ``"monte_carlo"``: the estimator of :mod:`opake_core.accounting.random_allocation`, the only accountant for
   processes with a random-allocation part (chosen automatically for them when ``accountant=None``).
@@ -8,11 +8,24 @@
 Adjacency is add-or-remove-one by default; ``adjacency="replace_one"`` or ``"replace_special"`` select
 dp-accounting's other neighbouring relations where the analysis needs them. A process with a noise multiplier
 of 0 anywhere is non-private: epsilon is ``inf`` and delta is 1 (values, not errors).
+
+Bounded cost. A PLD grid spans the privacy loss of the run, so its size grows with epsilon: a tiny noise multiplier,
+or many steps without sampling, would otherwise take minutes and gigabytes (0.3 noise over 1000 unsampled steps:
+150 s and 21 GB at 1e-4). When ``discretization`` is left at None, a cheap RDP upper bound ``E`` of epsilon at
+delta 1e-10 is computed first and the interval is ``max(1e-4, E / 1e6)``: unchanged wherever that bound is below
+100, and about a million grid points otherwise. Pessimistic discretization stays an upper bound at any interval;
+the added slack is at most the interval per composed step (0.1% of epsilon in the example above, now 2 s).
+Where that bound exceeds a million (an epsilon no grid can hold, and no guarantee at all), RDP answers, and the
+result says so. PLD queries of more than a million composed steps are refused with a pointer to RDP: dp-accounting
+takes minutes (ten million steps) to hours for them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import dp_accounting
@@ -20,13 +33,22 @@ from dp_accounting import pld, rdp
 
 from opake_core.accounting import _checks
 from opake_core.accounting import random_allocation as _ra
-from opake_core.accounting.processes import Process, contains_random_allocation, is_nonprivate, to_dp_event
+from opake_core.accounting.processes import (
+    Compose,
+    Process,
+    Repeat,
+    contains_random_allocation,
+    is_nonprivate,
+    to_dp_event,
+)
 from opake_core.errors import ConfigurationError
 
 __all__ = ["ACCOUNTANTS", "ADJACENCIES", "DEFAULT_DISCRETIZATION", "Result", "delta", "epsilon"]
 
 ACCOUNTANTS = ("pld", "rdp", "monte_carlo")
 DEFAULT_DISCRETIZATION = 1e-4
+GRID_POINTS = 1e6  # the grid size the automatic discretization aims at for large epsilons
+MAX_PLD_STEPS = 10**6  # dp-accounting's PLD composition of more steps takes minutes to hours
 _Rel = dp_accounting.NeighboringRelation
 ADJACENCIES = {
     "add_or_remove": _Rel.ADD_OR_REMOVE_ONE,
@@ -64,28 +86,72 @@ def _resolve(process: Process, accountant: str | None) -> str:
     return accountant
 
 
-def _accountant(name: str, adjacency: str, discretization: float) -> dp_accounting.PrivacyAccountant:
+@contextlib.contextmanager
+def _quiet_absl() -> Iterator[None]:
+    """Silence dp-accounting's warnings about the RDP orders it drops (the RDP answer only sizes the PLD grid)."""
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_logger.setLevel(level)
+
+
+def _steps(process: Process) -> int:
+    """How many releases ``process`` composes (a whole-horizon release counts once)."""
+    if isinstance(process, Repeat):
+        return process.count * _steps(process.process)
+    if isinstance(process, Compose):
+        return sum(_steps(p) for p in process.processes)
+    return 1
+
+
+def _rdp_bound(event: dp_accounting.DpEvent, relation: _Rel) -> float | None:
+    """RDP's epsilon of ``event`` at delta 1e-10 (cheap; an upper bound of the PLD answer), None if unsupported."""
+    accountant = rdp.RdpAccountant(neighboring_relation=relation)
+    if not accountant.supports(event):
+        return None
+    with _quiet_absl():
+        accountant.compose(event)
+        return accountant.get_epsilon(1e-10)
+
+
+def _composed(
+    process: Process, name: str, adjacency: str, discretization: float | None
+) -> tuple[dp_accounting.PrivacyAccountant, str]:
+    """The accountant that answers for ``process`` (with ``process`` composed in) and its name (module docstring:
+    a PLD grid sized to the epsilon; RDP where epsilon is in the millions, which no grid can hold)."""
     if adjacency not in ADJACENCIES:
         raise ConfigurationError(f"adjacency must be one of {sorted(ADJACENCIES)}, got {adjacency!r}.")
     relation = ADJACENCIES[adjacency]
-    if name == "rdp":
-        return rdp.RdpAccountant(neighboring_relation=relation)
-    discretization = _checks.real("discretization", discretization)
-    if discretization <= 0:
-        raise ConfigurationError(f"discretization must be > 0, got {discretization!r}; the default is 1e-4.")
-    return pld.PLDAccountant(relation, value_discretization_interval=discretization)
-
-
-def _composed(process: Process, name: str, adjacency: str, discretization: float) -> dp_accounting.PrivacyAccountant:
-    acc = _accountant(name, adjacency, discretization)
     event = to_dp_event(process)
-    if not acc.supports(event):
+    if name == "pld":
+        if (steps := _steps(process)) > MAX_PLD_STEPS:
+            raise ConfigurationError(
+                f"PLD accounting of {steps} composed steps is refused above {MAX_PLD_STEPS}: it would take minutes to "
+                "hours. Use accountant='rdp' (--accountant rdp), a looser upper bound computed at once."
+            )
+        if discretization is None:
+            bound = _rdp_bound(event, relation)
+            if bound is not None and not bound <= GRID_POINTS:
+                name = "rdp"
+            discretization = max(DEFAULT_DISCRETIZATION, (bound or 0.0) / GRID_POINTS)
+        discretization = _checks.real("discretization", discretization)
+        if discretization <= 0:
+            raise ConfigurationError(f"discretization must be > 0, got {discretization!r}; the default is 1e-4.")
+    if name == "rdp":
+        accountant = rdp.RdpAccountant(neighboring_relation=relation)
+    else:
+        accountant = pld.PLDAccountant(relation, value_discretization_interval=discretization)
+    if not accountant.supports(event):
         raise ConfigurationError(
             f"the {name!r} accountant cannot account {process!r} under adjacency {adjacency!r}; "
             "use accountant='pld' (truncated Poisson is PLD-only) or another adjacency."
         )
-    acc.compose(event)
-    return acc
+    with _quiet_absl():
+        accountant.compose(event)
+    return accountant, name
 
 
 def epsilon(
@@ -94,13 +160,13 @@ def epsilon(
     delta: float,
     accountant: str | None = None,
     adjacency: str = "add_or_remove",
-    discretization: float = DEFAULT_DISCRETIZATION,
+    discretization: float | None = None,
     monte_carlo: _ra.MonteCarlo | None = None,
 ) -> Result:
     """The smallest epsilon such that ``process`` is (epsilon, delta)-DP, by the named accountant.
 
-    ``accountant=None`` means PLD, or Monte Carlo for random allocation. Returns ``Result(inf, ...)`` for a
-    non-private process.
+    ``accountant=None`` means PLD, or Monte Carlo for random allocation. ``discretization=None`` is 1e-4, coarsened
+    for epsilons above 100 (module docstring). Returns ``Result(inf, ...)`` for a non-private process.
     """
     target = _checks.delta(delta)
     name = _resolve(process, accountant)
@@ -108,8 +174,8 @@ def epsilon(
         return Result(math.inf, name)
     if name == "monte_carlo":
         return Result(_ra.epsilon(process, delta=target, config=monte_carlo or _ra.MonteCarlo()), name)
-    value = _composed(process, name, adjacency, discretization).get_epsilon(target)
-    return Result(float(value), name)
+    accountant, name = _composed(process, name, adjacency, discretization)
+    return Result(float(accountant.get_epsilon(target)), name)
 
 
 def delta(
@@ -118,7 +184,7 @@ def delta(
     epsilon: float,
     accountant: str | None = None,
     adjacency: str = "add_or_remove",
-    discretization: float = DEFAULT_DISCRETIZATION,
+    discretization: float | None = None,
     monte_carlo: _ra.MonteCarlo | None = None,
 ) -> Result:
     """The smallest delta such that ``process`` is (epsilon, delta)-DP; 1 for a non-private process."""
@@ -128,5 +194,5 @@ def delta(
         return Result(1.0, name)
     if name == "monte_carlo":
         return Result(_ra.delta(process, epsilon=target, config=monte_carlo or _ra.MonteCarlo()), name)
-    value = _composed(process, name, adjacency, discretization).get_delta(target)
-    return Result(float(min(max(value, 0.0), 1.0)), name)
+    accountant, name = _composed(process, name, adjacency, discretization)
+    return Result(float(min(max(accountant.get_delta(target), 0.0), 1.0)), name)

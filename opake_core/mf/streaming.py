@@ -215,8 +215,10 @@ def _build(
                 step_key = random.fold_in(state_in.key, stream, t)
                 out = []
                 per_leaf = [[] for _ in range(plan.num_buffers)]
-                for i, (leaf, std) in enumerate(zip(values, stds, strict=True)):
-                    z = random.normal(random.fold_in(step_key, i), leaf.shape, dtype=state, device=leaf.device)
+                draws = random.normal_like(
+                    [random.fold_in(step_key, i) for i in range(len(values))], values, dtype=state
+                )
+                for i, (leaf, std, z) in enumerate(zip(values, stds, draws, strict=True)):
                     x, bufs = _advance(plan, z, [b[i] for b in state_in.buffers])
                     for j, b in enumerate(bufs):
                         per_leaf[j].append(b)

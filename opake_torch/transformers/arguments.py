@@ -42,7 +42,9 @@ import torch
 from opake_core.errors import ConfigurationError, PrivacyBudgetError
 from opake_torch.transformers import _parsing as p
 
-__all__ = ["UNSUPPORTED", "TrainingArguments"]
+__all__ = ["SECRET_FIELDS", "UNSUPPORTED", "TrainingArguments"]
+
+SECRET_FIELDS = ("hub_token", "privacy_noise_seed")  # hidden from repr and masked by to_dict
 
 _BF16_ALTERNATIVE = "use bf16=True (native bf16 autocast, no loss scaler)"
 _SHARDING = "parameter/gradient sharding is incompatible with vmap per-example gradients"
@@ -117,6 +119,9 @@ class TrainingArguments:
     privacy_target_delta: float | None = None
     privacy_noise_multiplier: float | None = None
     privacy_accounting: bool | None = None
+    privacy_allow_large_delta: bool = False
+    privacy_noise_seed: int | None = field(default=None, repr=False)
+    privacy_noise_generator: str = "philox"
     privacy_noise_mechanism: str = "gaussian"
     privacy_noise_mechanism_kwargs: dict[str, Any] | str | None = None
     noise_calibration_kwargs: dict[str, Any] | str | None = None
@@ -183,7 +188,7 @@ class TrainingArguments:
     # hub
     push_to_hub: bool = False
     hub_model_id: str | None = None
-    hub_token: str | None = None
+    hub_token: str | None = field(default=None, repr=False)
     hub_private_repo: bool | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> TrainingArguments:
@@ -377,6 +382,19 @@ class TrainingArguments:
         if accounting is None:
             self.privacy_accounting = eps is not None or self.is_complete_horizon
         self.noise_calibration_kwargs = p.calibration(self.noise_calibration_kwargs)
+        if not isinstance(self.privacy_allow_large_delta, bool):
+            raise ConfigurationError(
+                f"privacy_allow_large_delta must be True or False, got {self.privacy_allow_large_delta!r}."
+            )
+        seed = self.privacy_noise_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ConfigurationError(
+                f"privacy_noise_seed must be an int (or None for a secret key from the operating system), got "
+                f"{type(seed).__name__}."
+            )
+        self.privacy_noise_generator = p.as_choice(
+            self.privacy_noise_generator, "privacy_noise_generator", ("philox", "chacha20")
+        )
 
     def _resolve_clipping(self) -> None:
         self.clipping_norm = p.parse_clipping_norm(self.clipping_norm)
@@ -583,10 +601,12 @@ class TrainingArguments:
         return self.optim.endswith("-bc")
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON-serializable values (dtypes by name, unknown objects as ``str``, the hub token masked)."""
+        """The fields as JSON-serializable values (dtypes by name, unknown objects as ``str``); the secrets (the hub
+        token, the reproducible noise seed) are masked."""
         out = {f.name: p.jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
-        if out["hub_token"] is not None:
-            out["hub_token"] = "<HUB_TOKEN>"  # never write a credential into logs or checkpoints
+        for name in SECRET_FIELDS:  # never write a credential or a noise seed into logs or checkpoints
+            if out[name] is not None:
+                out[name] = "<SECRET>"
         return out
 
     def to_json_string(self) -> str:

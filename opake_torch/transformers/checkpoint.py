@@ -2,14 +2,21 @@
 
 A checkpoint is a folder ``checkpoint-<step>`` holding
 
-==================== ===========================================================================
-``model.safetensors`` the model weights (Hugging Face layout; PEFT models save their adapters)
-``dp_state.pt``       the DP runtime: step, sampler state, keys, noise and clipping configuration, versions
-``dp_optimizer.pt``   the optimizer state
-``accountant.json``   what was composed, with which parameters, and the epsilon spent (when accounted)
-``trainer_state.json`` Hugging Face ``TrainerState`` (log history, best metric, ...)
-``training_args.json`` the arguments of the run
-==================== ===========================================================================
+========================== ===========================================================================
+``model.safetensors``      the model weights (Hugging Face layout; PEFT models save their adapters)
+``dp_state.json``          the DP runtime: step counters, the privacy ledger, the sampler state, the **secret**
+                           noise and sampler keys, the run configuration, and the SHA-256 of every other file
+``dp_state.safetensors``   the step state (clipping and DP-FTRL noise buffers) and the torch RNG state
+``dp_optimizer.safetensors`` the optimizer state
+``accountant.json``        the public privacy record: the ledger and the epsilon spent (when accounted)
+``trainer_state.json``     Hugging Face ``TrainerState`` (log history, best metric, ...)
+``training_args.json``     the arguments of the run (secrets masked)
+========================== ===========================================================================
+
+Nothing is pickled: tensors are safetensors, everything else JSON, and the structures are rebuilt from the code
+(:mod:`opake_torch.state_files`), so a crafted file cannot run code. ``dp_state.json`` holds the noise key, which
+turns the released weights back into un-noised updates: a checkpoint folder is as private as the training data.
+Publish the folder :meth:`DPTrainer.save_model` writes, never a checkpoint.
 
 Writes are atomic: files go to a hidden sibling folder that is renamed to ``checkpoint-<step>`` only once every
 file is complete, so a crash part way never leaves a folder that looks complete. Hidden folders are ignored by
@@ -18,32 +25,45 @@ discovery and removed by the next successful write.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from opake_core.errors import CheckpointError
+from opake_torch.state_files import load_tree, read_json, save_tree, sha256, write_json
 
 __all__ = [
     "ACCOUNTANT",
     "DP_OPTIMIZER",
     "DP_STATE",
+    "DP_TENSORS",
     "PREFIX",
     "TRAINER_STATE",
     "TRAINING_ARGS",
     "checkpoints",
+    "configuration",
     "latest_checkpoint",
+    "read_manifest",
+    "read_tensors",
     "require_resumable",
     "rotate",
     "write_atomically",
+    "write_state",
 ]
 
 PREFIX = "checkpoint"
-DP_STATE = "dp_state.pt"
-DP_OPTIMIZER = "dp_optimizer.pt"
+DP_STATE = "dp_state.json"
+DP_TENSORS = "dp_state.safetensors"
+DP_OPTIMIZER = "dp_optimizer.safetensors"
+FORMAT = "opake.dp_state/2"
 ACCOUNTANT = "accountant.json"
 TRAINER_STATE = "trainer_state.json"
 TRAINING_ARGS = "training_args.json"
@@ -89,12 +109,18 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def require_resumable(folder: Path, *, accounted: bool) -> None:
+def require_resumable(folder: Path) -> None:
     """Raise :class:`CheckpointError` unless ``folder`` is a complete DP checkpoint."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"resume_from_checkpoint={str(folder)!r} is not a folder.")
-    needed = [DP_STATE, DP_OPTIMIZER] + ([ACCOUNTANT] if accounted else [])
+    if (folder / "dp_state.pt").is_file() and not (folder / DP_STATE).is_file():
+        raise CheckpointError(
+            f"{folder} was written by an earlier version of Opake that stored its state with pickle; it is not "
+            "loaded, since unpickling a file can run code. Start a new run (from these weights, if they cost no "
+            "privacy), or resume it with the version that wrote it."
+        )
+    needed = [DP_STATE, DP_TENSORS, DP_OPTIMIZER, TRAINER_STATE]
     missing = [name for name in needed if not (folder / name).is_file()]
     if missing:
         raise CheckpointError(
@@ -117,3 +143,98 @@ def rotate(output_dir: Path, limit: int | None, *, protect: tuple[Path, ...] = (
     for path in deleted:
         shutil.rmtree(path, ignore_errors=True)
     return deleted
+
+
+# Arguments that change what is written or shown, never what is computed: a resume may change them and keep its keys.
+_OUTPUT_FIELDS = frozenset({
+    "output_dir", "overwrite_output_dir", "logging_dir", "logging_strategy", "logging_first_step", "logging_steps",
+    "disable_tqdm", "report_to", "run_name", "include_num_input_tokens_seen", "include_tokens_per_second",
+    "save_strategy", "save_steps", "save_total_limit", "save_safetensors", "save_on_each_node", "save_only_model",
+    "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "restore_callback_states_from_checkpoint",
+    "resume_from_checkpoint", "eval_strategy", "eval_steps", "eval_on_start", "eval_delay", "prediction_loss_only",
+    "include_for_metrics", "per_device_eval_batch_size", "bf16_full_eval", "dataloader_num_workers",
+    "dataloader_pin_memory", "push_to_hub", "hub_model_id", "hub_token", "hub_private_repo", "privacy_accounting",
+    "privacy_allow_large_delta", "ddp_timeout", "local_rank",
+})  # fmt: skip
+
+
+def configuration(args: Any) -> str:
+    """A fingerprint (SHA-256) of the arguments that determine a run's trajectory: all but the output settings."""
+    fields = {k: v for k, v in args.to_dict().items() if k not in _OUTPUT_FIELDS}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# dp_state.json: field -> the JSON types its value may have
+_MANIFEST = {
+    "format": (str,),
+    "global_step": (int,),
+    "noise_key": (dict,),
+    "sampler_key": (dict,),
+    "ledger": (dict,),
+    "sampler_state": (dict,),
+    "configuration": (str,),
+    "noise_multiplier": (float,),
+    "calibration_source": (str,),
+    "delta": (float,),
+    "total_steps": (int,),
+    "expected_batch_size": (float,),
+    "mechanism": (str,),
+    "mechanism_kwargs": (dict,),
+    "sampling_mode": (str,),
+    "clipping_norm": (str,),
+    "world_size": (int,),
+    "versions": (dict,),
+    "files": (dict,),
+}
+
+
+def write_state(folder: Path, manifest: dict[str, Any], *, step_state: Any, opt_state: Any, rng_state: Any) -> None:
+    """Write the DP state files into ``folder``, last of the checkpoint's files: the tensors as safetensors, then
+    ``dp_state.json`` with the SHA-256 of every other file of the folder (weights, states, records)."""
+    save_tree(folder / DP_TENSORS, {"step_state": step_state, "torch_rng_state": rng_state})
+    save_tree(folder / DP_OPTIMIZER, opt_state)
+    files = {path.name: sha256(path) for path in sorted(folder.iterdir()) if path.is_file()}
+    write_json(folder / DP_STATE, {**manifest, "format": FORMAT, "files": files})
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """``dp_state.json`` of ``folder``, its fields type-checked and the checksum of every state file verified.
+
+    Raises CheckpointError naming the file and the problem: a missing or extra field, a value of the wrong type, a
+    file of the checkpoint that is missing or was changed after the checkpoint was written.
+    """
+    path = Path(folder) / DP_STATE
+    manifest = read_json(path)
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(manifest).__name__}.")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {manifest.get('format')!r}; this version reads {FORMAT!r}.")
+    missing, extra = sorted(set(_MANIFEST) - set(manifest)), sorted(set(manifest) - set(_MANIFEST))
+    if missing or extra:
+        raise CheckpointError(f"{path} lacks fields {missing} or has unknown fields {extra}.")
+    for name, kinds in _MANIFEST.items():
+        value = manifest[name]
+        if float in kinds and type(value) is int:  # JSON writes 1.0 as 1 in some encoders
+            value = manifest[name] = float(value)
+        if type(value) not in kinds or (type(value) is int and value < 0):
+            raise CheckpointError(f"{path}: field {name!r} has the wrong type or value {str(value)[:100]!r}.")
+    for name, digest in manifest["files"].items():
+        if Path(name).name != name or name in ("", ".", "..", DP_STATE) or not isinstance(digest, str):
+            raise CheckpointError(f"{path}: unexpected entry {name!r} in its list of files.")
+        if not (Path(folder) / name).is_file():
+            raise CheckpointError(f"{Path(folder) / name} is missing: the checkpoint is incomplete.")
+        if sha256(Path(folder) / name) != digest:
+            raise CheckpointError(
+                f"{Path(folder) / name} does not match the checksum recorded in {path}: the file was changed or "
+                "damaged after the checkpoint was written. Resume from another checkpoint."
+            )
+    return manifest
+
+
+def read_tensors(folder: Path, *, step_template: Any, opt_template: Any, device: Any) -> tuple[Any, Any, Any]:
+    """``(step_state, opt_state, torch_rng_state)`` of ``folder``, rebuilt on the structures of the templates (the
+    states a fresh run of the same configuration starts from); CheckpointError when they differ."""
+    template = {"step_state": step_template, "torch_rng_state": torch.get_rng_state()}
+    tensors = load_tree(Path(folder) / DP_TENSORS, template=template, device=device)
+    opt_state = load_tree(Path(folder) / DP_OPTIMIZER, template=opt_template, device=device)
+    return tensors["step_state"], opt_state, tensors["torch_rng_state"].cpu()

@@ -53,6 +53,9 @@ def collate(
     up to ``pad_to_multiple_of``): ``input_ids`` with ``pad_token_id``, ``labels`` with -100, masks with 0.
     Scalar columns (a class label) are stacked. A fixed ``max_length`` with ``pad_to_multiple_of`` keeps shapes
     constant across steps, which compiled or graph-captured kernels need.
+
+    Examples without an ``attention_mask`` get one (1 on their own tokens, 0 on the padding), so that no record's
+    output, loss or gradient depends on how long the other records of its batch are.
     """
     if not examples:
         raise ConfigurationError("collate needs at least one example; build empty batches by slicing [:0].")
@@ -74,6 +77,9 @@ def collate(
         for row, value in enumerate(values):
             padded[row, : value.shape[0]] = value
         batch[name] = padded
+        if name == "input_ids" and "attention_mask" not in examples[0]:
+            lengths = torch.tensor([v.shape[0] for v in values])
+            batch["attention_mask"] = (torch.arange(length)[None, :] < lengths[:, None]).to(torch.int64)
     return batch
 
 

@@ -17,16 +17,17 @@ times the world size, and ``q = cluster batch / N`` is the sampling rate the acc
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from opake_core import accounting, mf, sampling
 from opake_core.clipping import adaptive, auto_s
-from opake_core.errors import ConfigurationError, PrivacyBudgetError
+from opake_core.errors import CalibrationError, ConfigurationError, PrivacyBudgetError
 
-__all__ = ["PrivacyPlan", "build_plan", "clipping_rule", "total_steps"]
+__all__ = ["PrivacyPlan", "build_plan", "clipping_rule", "ledger_epsilon", "resolve_delta", "total_steps"]
 
 ADAPTIVE_COUNT_NOISE = 0.05  # Andrew et al. 2021: count noise std = expected batch / 20
 STRATEGIES: dict[str, Callable[..., Any]] = {
@@ -45,21 +46,24 @@ class PrivacyPlan:
 
     Attributes:
         sampler: the batch sampler (``init``/``sample``/``process``).
-        make_process: ``(noise_multiplier, steps) -> process``, the accounting of ``steps`` steps of this run.
+        release: what the run releases at this multiplier: the process of one step (per-step runs, recorded in the
+            run's :class:`~opake_core.accounting.Ledger` at every step), or the whole horizon (horizon runs,
+            recorded once).
         noise_multiplier: resolved multiplier (0 for a non-private run).
         calibration_source: ``"fixed"`` or ``"calibrated"``.
         delta: the delta every epsilon is reported at.
-        total_steps: the declared number of steps.
+        total_steps: the declared number of steps of this ``train()`` call.
         expected_batch_size: the public normalizer of the clipped sum (cluster-wide).
         sample_rate: the cluster-wide fraction of the dataset per step.
-        stop_step: for stop-at-epsilon, the first step at which epsilon reaches the target (None otherwise).
+        stop_step: with a target epsilon and a fixed multiplier, the last step whose epsilon (history included) is
+            within the target; None otherwise.
         accounted: whether epsilon is computed and reported.
         horizon: whether the run is accounted once for its whole declared horizon.
         strategy: the optimized DP-FTRL strategy (None for DP-SGD).
     """
 
     sampler: Any
-    make_process: Callable[[float, int], Any]
+    release: Any
     noise_multiplier: float
     calibration_source: str
     delta: float
@@ -70,26 +74,16 @@ class PrivacyPlan:
     accounted: bool
     horizon: bool
     strategy: Any = None
-    _epsilons: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def steps_per_epoch(self) -> float:
         return 1 / self.sample_rate
 
-    def process(self, steps: int) -> Any:
-        """The accounting process after ``steps`` steps (the whole horizon for horizon runs)."""
-        return self.make_process(self.noise_multiplier, self.total_steps if self.horizon else steps)
 
-    def epsilon(self, steps: int) -> float:
-        """Epsilon spent after ``steps`` steps at :attr:`delta` (inf for a non-private run)."""
-        if self.noise_multiplier == 0:
-            return math.inf
-        if steps == 0 and not self.horizon:
-            return 0.0
-        steps = self.total_steps if self.horizon else steps  # a horizon run reports one full-horizon value
-        if steps not in self._epsilons:  # a PLD or Monte Carlo query: computed once per step count
-            self._epsilons[steps] = accounting.mf_epsilon(self.process(steps), delta=self.delta).value
-        return self._epsilons[steps]
+@functools.lru_cache(maxsize=64)
+def ledger_epsilon(ledger: accounting.Ledger, delta: float) -> float:
+    """Epsilon of ``ledger`` at ``delta`` (a PLD or Monte Carlo query, so computed once per distinct history)."""
+    return ledger.epsilon(delta=delta).value
 
 
 def total_steps(args: Any, dataset_size: int) -> int:
@@ -187,64 +181,110 @@ def _strategy(args: Any, sampler: Any, steps: int) -> Any:
     return mf.optimize(spec, steps, participation=participation)
 
 
-def _process_maker(args: Any, sampler: Any, strategy: Any) -> Callable[[float, int], Any]:
+def _release_maker(args: Any, sampler: Any, strategy: Any, steps: int) -> Callable[[float], Any]:
+    """``z -> process``: one step of a per-step run, or the whole horizon of a horizon run."""
     if strategy is not None:
-        return lambda z, steps: accounting.mf_process(strategy, sampler=sampler, noise_multiplier=z, n_steps=steps)
+        return lambda z: accounting.mf_process(strategy, sampler=sampler, noise_multiplier=z, n_steps=steps)
+    if args.sampling_mode == "k_out_of_t":
+        return lambda z: sampler.process(z, steps)
     if args.clipping_mode != "adaptive":
-        return sampler.process
+        return lambda z: sampler.process(z, 1).process  # the single step inside repeat(step, 1)
     if not isinstance(sampler, sampling.Poisson) or sampler.truncated_batch_size is not None:
         raise ConfigurationError(
             "clipping_mode='adaptive' is accounted for plain Poisson sampling only; use sampling_mode='poisson' "
             "without truncation, or clipping_mode='fixed'."
         )
 
-    def make(z: float, steps: int) -> Any:
-        step = accounting.adaptive_clipping(
+    def step(z: float) -> Any:
+        release = accounting.adaptive_clipping(
             accounting.gaussian(z),
             count_noise_fraction=ADAPTIVE_COUNT_NOISE,
             expected_batch_size=sampler.expected_batch_size,
         )
-        return accounting.repeat(accounting.poisson(step, sampler.sample_rate), steps)
+        return accounting.poisson(release, sampler.sample_rate)
 
-    return make
+    return step
 
 
-def build_plan(args: Any, dataset_size: int) -> PrivacyPlan:
-    """Resolve sampler, mechanism, delta, horizon and noise multiplier (calibrating it when a target is given)."""
+def resolve_delta(args: Any, dataset_size: int) -> float:
+    """``privacy_target_delta`` (or ``1 / N**1.1``), refused at or above ``1/N`` unless explicitly allowed."""
+    if args.privacy_target_delta is None:
+        return 1 / dataset_size**1.1
+    return accounting.check_delta(
+        args.privacy_target_delta, dataset_size=dataset_size, allow_large=args.privacy_allow_large_delta
+    )
+
+
+def build_plan(
+    args: Any, dataset_size: int, *, spent: Any = None, done: int = 0, resumed_multiplier: float | None = None
+) -> PrivacyPlan:
+    """Resolve sampler, mechanism, delta, horizon and noise multiplier (calibrating it when a target is given).
+
+    ``spent`` is the :class:`~opake_core.accounting.Ledger` of what the run already released (a resumed checkpoint,
+    or earlier ``train()`` calls) and ``done`` the steps of this call already taken (a resume). A target epsilon is
+    the total for the whole history: the remaining steps are calibrated against what is left of it, and a spent
+    budget is refused with PrivacyBudgetError. ``resumed_multiplier`` is the calibrated multiplier of an unchanged
+    resumed run: it is kept while the whole history at it stays within the target, so the resume replays exactly.
+    """
     if dataset_size < 1:
         raise ConfigurationError("the training dataset is empty.")
+    spent = spent or accounting.Ledger()
     steps = total_steps(args, dataset_size)
     sampler = _sampler(args, dataset_size, steps)
     strategy = _strategy(args, sampler, steps) if args.privacy_noise_mechanism != "gaussian" else None
-    make_process = _process_maker(args, sampler, strategy)
-    delta = args.privacy_target_delta or 1 / dataset_size**1.1
+    release = _release_maker(args, sampler, strategy, steps)
+    delta = resolve_delta(args, dataset_size)
+    horizon = args.is_complete_horizon
     target, multiplier = args.privacy_target_epsilon, args.privacy_noise_multiplier
-    stop = None
+    remaining = max(steps - done, 1)
+    prefix = None if horizon else spent.process()
+
+    def history(z: float) -> Any:
+        """What the whole run releases at multiplier ``z``: the history so far, then the remaining steps."""
+        if horizon:
+            return release(z)
+        rest = accounting.repeat(release(z), remaining)
+        return rest if prefix is None else accounting.compose(prefix, rest)
+
+    if target is not None and prefix is not None:
+        already = ledger_epsilon(spent, delta)
+        if already >= target:
+            raise PrivacyBudgetError(
+                f"the privacy budget is spent: the {spent.releases} steps already taken cost epsilon {already:.4g} "
+                f"of privacy_target_epsilon={target} (the target is the total for the run, resumes and earlier "
+                "train() calls included). Stop here, or raise the target if a larger total is acceptable."
+            )
+    stop, source = None, "fixed"
+    if multiplier is None and resumed_multiplier is not None and not horizon:
+        if accounting.mf_epsilon(history(resumed_multiplier), delta=delta).value <= target:
+            multiplier, source = resumed_multiplier, "calibrated"
     if multiplier is None:
         bounds = args.noise_calibration_kwargs
-        calibrated = accounting.calibrate_mf_noise_multiplier(
-            lambda z: make_process(z, steps),
-            target_epsilon=target,
-            delta=delta,
-            min=bounds["min"],
-            max=bounds["max"],
-            tolerance=bounds["tolerance"],
-        )
+        try:
+            calibrated = accounting.calibrate_mf_noise_multiplier(
+                history,
+                target_epsilon=target,
+                delta=delta,
+                min=bounds["min"],
+                max=bounds["max"],
+                tolerance=bounds["tolerance"],
+            )
+        except CalibrationError as exc:
+            if prefix is None:
+                raise
+            raise PrivacyBudgetError(
+                f"the privacy budget is spent: the {spent.releases} steps already taken cost epsilon "
+                f"{ledger_epsilon(spent, delta):.4g} of privacy_target_epsilon={target}, and what is left cannot pay "
+                f"for {remaining} more steps even at noise multiplier {bounds['max']} ({exc}). Stop here, or raise "
+                "the target if a larger total is acceptable."
+            ) from exc
         multiplier, source = float(calibrated.value), "calibrated"
-    else:
-        source = "fixed"
-        if target is not None:
-            step_process = make_process(multiplier, 1)
-            stop = accounting.stop_step(step_process, target_epsilon=target, delta=delta, max_steps=steps + 1)
-            if stop == 1 and accounting.epsilon(step_process, delta=delta).value > target:
-                raise PrivacyBudgetError(
-                    f"a single step at privacy_noise_multiplier={multiplier} already exceeds "
-                    f"privacy_target_epsilon={target}: raise the multiplier or the target."
-                )
+    elif source == "fixed" and target is not None:
+        stop = done + _steps_within(release(multiplier), prefix, target, delta, remaining, multiplier)
     expected = float(getattr(sampler, "expected_batch_size", args.train_batch_size))
     return PrivacyPlan(
         sampler=sampler,
-        make_process=make_process,
+        release=release(multiplier),
         noise_multiplier=multiplier,
         calibration_source=source,
         delta=delta,
@@ -253,6 +293,19 @@ def build_plan(args: Any, dataset_size: int) -> PrivacyPlan:
         sample_rate=expected / dataset_size,
         stop_step=stop,
         accounted=bool(args.privacy_accounting) or multiplier == 0,
-        horizon=args.is_complete_horizon,
+        horizon=horizon,
         strategy=strategy,
+    )
+
+
+def _steps_within(step: Any, prefix: Any, target: float, delta: float, remaining: int, multiplier: float) -> int:
+    """How many more steps of ``step`` (after ``prefix``) keep epsilon within ``target``; refuses zero at once."""
+    first = step if prefix is None else accounting.compose(prefix, step)
+    if accounting.epsilon(first, delta=delta).value > target:
+        raise PrivacyBudgetError(
+            f"one more step at privacy_noise_multiplier={multiplier} already exceeds privacy_target_epsilon={target}"
+            f"{'' if prefix is None else ' (with the steps already taken)'}: raise the multiplier or the target."
+        )
+    return int(
+        accounting.calibrate_steps(step, target_epsilon=target, delta=delta, prefix=prefix, max_steps=remaining).value
     )

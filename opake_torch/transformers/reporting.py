@@ -30,10 +30,14 @@ class RunLogCallback(TrainerCallback):
         self._writer = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if "tensorboard" in args.report_to and state.is_world_process_zero and self._writer is None:
+        if not state.is_world_process_zero:
+            return
+        _forget_after(Path(args.logging_dir) / "log.jsonl", state.global_step)
+        if "tensorboard" in args.report_to and self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(args.logging_dir))
+            # purge_step: a resumed run drops the events an interrupted attempt logged after its checkpoint
+            self._writer = SummaryWriter(log_dir=str(args.logging_dir), purge_step=state.global_step or None)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not state.is_world_process_zero or not logs:
@@ -52,6 +56,21 @@ class RunLogCallback(TrainerCallback):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def _forget_after(path: Path, step: int) -> None:
+    """Drop the rows of ``path`` logged after ``step``: a run resumed at ``step`` logs those steps again."""
+    if not step or not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True) if _row_step(line) <= step]
+    path.write_text("".join(kept))
+
+
+def _row_step(line: str) -> float:
+    try:
+        return float(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError, TypeError):
+        return 0.0  # a damaged row is kept as it is
 
 
 def _tag(name: str) -> str:

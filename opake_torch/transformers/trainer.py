@@ -32,9 +32,10 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput
 
-from opake_core import accounting, random
+from opake_core import accounting
 from opake_core.clipping import AdaptiveClipState
-from opake_core.errors import CheckpointError, ConfigurationError
+from opake_core.errors import CheckpointError, ConfigurationError, OpakeError
+from opake_core.sampling.state import SamplerState
 from opake_core.step import DPFTRLState, DPSGDState, dp_ftrl, dp_sgd
 from opake_core.tree import per_group
 from opake_torch import distributed
@@ -45,10 +46,12 @@ from opake_torch.patches.checkpointing import check_memory_knobs, enable_vmap_ch
 from opake_torch.patches.families import apply_family_patches
 from opake_torch.patches.kernels import clip_and_sum
 from opake_torch.patches.performance import apply_performance_kernels
+from opake_torch.state_files import write_json
 from opake_torch.transformers import checkpoint as ckpt
 from opake_torch.transformers.arguments import TrainingArguments
 from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
 from opake_torch.transformers.data import collate, fetch, language_modeling_labels, model_input_names
+from opake_torch.transformers.keys import RunKeys, first_keys, next_keys
 from opake_torch.transformers.loss import (
     batch_losses,
     fused_causal_lm_losses,
@@ -58,15 +61,10 @@ from opake_torch.transformers.loss import (
 )
 from opake_torch.transformers.microbatch import retry_eval_batch, run_with_oom_retry
 from opake_torch.transformers.optimizer import build_optimizer, build_schedule
-from opake_torch.transformers.privacy import PrivacyPlan, build_plan, clipping_rule
+from opake_torch.transformers.privacy import PrivacyPlan, build_plan, clipping_rule, ledger_epsilon
 from opake_torch.transformers.reporting import RunLogCallback
 
 __all__ = ["DPTrainer", "DPTrainerState"]
-
-DP_STATE_VERSION = 1
-NOISE_STREAM = "opake.trainer.noise"
-SAMPLER_STREAM = "opake.trainer.sampler"
-
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +84,8 @@ class _Run:
     """The mutable state of one ``train()`` call."""
 
     plan: PrivacyPlan
+    keys: RunKeys
+    ledger: accounting.Ledger
     params: dict[str, torch.Tensor]
     opt_state: Any
     dp_state: DPSGDState | DPFTRLState
@@ -93,9 +93,11 @@ class _Run:
     schedule: Any
     loss_sum: torch.Tensor
     clip_sum: torch.Tensor
+    nonfinite: torch.Tensor
     count: int = 0
     total_loss: float = 0.0
     total_count: int = 0
+    total_nonfinite: int = 0
 
 
 class DPTrainer:
@@ -184,9 +186,9 @@ class DPTrainer:
         # the causal-LM loss from the final hidden states, logits never materialized (frozen heads only)
         self._fused_head = fused_head(self.model, set(self._params)) if fused else None
         self._ce_kernel = "cross_entropy" in self.performance_patches  # the token losses through the Triton kernel
-        root = random.key(args.seed)
-        self._noise_key = random.fold_in(root, NOISE_STREAM)
-        self._sampler_key = random.fold_in(root, SAMPLER_STREAM)
+        self._keys = first_keys(args, is_distributed=self._distributed)  # secrets: never logged or published
+        self._ledger = accounting.Ledger()  # what this trainer's train() calls released, in order
+        self._trained = False  # a later fresh train() call is a new segment, with new keys
         self._plan: PrivacyPlan | None = None
         self._microbatch: int | None = args.microbatch_size
         self._layerwise = self._layerwise_engine()
@@ -377,11 +379,29 @@ class DPTrainer:
 
     # -- training --------------------------------------------------------------------------------------------------
 
-    def _start(self) -> tuple[_Run, Any]:
+    def _start(self, saved: dict[str, Any] | None, folder: Path | None) -> tuple[_Run, Any]:
+        """The plan, the step function and the initial run state of a ``train()`` call.
+
+        A resume (``saved``, the checkpoint's ``dp_state.json``) continues the checkpoint's ledger and, when the
+        configuration is unchanged, its keys; otherwise the call continues this trainer's own ledger. A changed
+        configuration, or a second call, starts a new segment with new keys (see :mod:`.keys`).
+        """
         args = self.args
         if self.train_dataset is None:
             raise ConfigurationError("train() needs a train_dataset.")
-        plan = build_plan(args, len(self.train_dataset))
+        if saved is None and self._trained and args.is_complete_horizon:
+            raise ConfigurationError(
+                f"this trainer already ran its {args.privacy_noise_mechanism!r} / {args.sampling_mode!r} horizon, "
+                "which is accounted once as a whole; a second train() would start another horizon with noise the "
+                "accountant does not cover. To continue an interrupted run, resume from its checkpoint "
+                "(train(resume_from_checkpoint=True)); to train further, start a new DPTrainer."
+            )
+        ledger = self._saved_ledger(saved, folder) if saved else self._ledger
+        done = saved["global_step"] if saved else 0
+        unchanged = saved is not None and saved["configuration"] == ckpt.configuration(args)
+        kept = saved["noise_multiplier"] if unchanged else None
+        plan = build_plan(args, len(self.train_dataset), spent=ledger, done=done, resumed_multiplier=kept)
+        keys = self._segment_keys(saved, folder, plan, ledger, unchanged=unchanged)
         optimizer = build_optimizer(args, plan.total_steps)
         self._check_layerwise()
         common = {
@@ -415,6 +435,8 @@ class DPTrainer:
         zero = torch.zeros((), device=args.device)
         run = _Run(
             plan=plan,
+            keys=keys,
+            ledger=ledger if saved or not plan.horizon else ledger.record(plan.release),
             params=dict(self._params),
             opt_state=optimizer.init(self._params),
             dp_state=dp_state,
@@ -422,8 +444,39 @@ class DPTrainer:
             schedule=build_schedule(args, plan.total_steps),
             loss_sum=zero.clone(),
             clip_sum=zero.clone(),
+            nonfinite=torch.zeros((), dtype=torch.int64, device=args.device),
         )
+        self._keys = keys
         return run, step_fn
+
+    @staticmethod
+    def _saved_ledger(saved: dict[str, Any], folder: Path | None) -> accounting.Ledger:
+        try:
+            return accounting.Ledger.from_json(saved["ledger"])
+        except OpakeError as exc:
+            raise CheckpointError(f"{folder}/{ckpt.DP_STATE}: its privacy ledger is invalid ({exc}).") from exc
+
+    def _segment_keys(
+        self,
+        saved: dict[str, Any] | None,
+        folder: Path | None,
+        plan: PrivacyPlan,
+        ledger: accounting.Ledger,
+        *,
+        unchanged: bool,
+    ) -> RunKeys:
+        """The checkpoint's keys for an unchanged resume (same arguments, same multiplier), new keys for a new
+        segment, this trainer's own otherwise."""
+        if saved is None:
+            if not self._trained:
+                return self._keys
+            return next_keys(self.args, released=ledger.releases, is_distributed=self._distributed)
+        self._check_same_run(saved, plan, folder)
+        keys = RunKeys.from_json(saved, f"{folder}/{ckpt.DP_STATE}")
+        if unchanged and plan.noise_multiplier == saved["noise_multiplier"]:
+            return keys
+        logger.info("the configuration changed since %s: the run continues with new noise and sampler keys", folder)
+        return next_keys(self.args, released=ledger.releases, is_distributed=self._distributed)
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Run DP training; returns Hugging Face's ``TrainOutput(global_step, training_loss, metrics)``.
@@ -433,7 +486,15 @@ class DPTrainer:
         trajectory.
         """
         args, begin = self.args, time.perf_counter()
-        run, step_fn = self._start()
+        folder = ckpt.latest_checkpoint(args.output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
+        if resume_from_checkpoint is True and folder is None:
+            raise CheckpointError(f"resume_from_checkpoint=True but {args.output_dir} holds no checkpoint.")
+        folder = Path(folder) if folder else None
+        saved = None
+        if folder is not None:
+            ckpt.require_resumable(folder)
+            saved = ckpt.read_manifest(folder)
+        run, step_fn = self._start(saved, folder)
         plan = run.plan
         self.state = DPTrainerState(
             max_steps=plan.total_steps,
@@ -447,11 +508,8 @@ class DPTrainer:
             privacy_resolved_noise_multiplier=plan.noise_multiplier,
             privacy_calibration_source=plan.calibration_source,
         )
-        folder = ckpt.latest_checkpoint(args.output_dir) if resume_from_checkpoint is True else resume_from_checkpoint
-        if resume_from_checkpoint is True and folder is None:
-            raise CheckpointError(f"resume_from_checkpoint=True but {args.output_dir} holds no checkpoint.")
-        if folder:
-            self._restore(Path(folder), run)
+        if saved is not None:
+            self._restore(folder, saved, run)
         if self._distributed:
             self._check_ranks_agree(run)
         self.model.train()
@@ -465,14 +523,18 @@ class DPTrainer:
                 break
             epoch_before = int(self.state.epoch)
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-            indices, run.sampler_state = plan.sampler.sample(self._sampler_key, run.sampler_state)
+            indices, run.sampler_state = plan.sampler.sample(run.keys.sampler, run.sampler_state)
             batch = self._batch(self.train_dataset, indices)
             if args.auto_find_microbatch_size and len(indices):
                 step_fn, outputs = self._step_with_oom_retry(step_fn, run, batch, len(indices))
             else:
-                outputs = step_fn(run.params, run.opt_state, run.dp_state, (batch,), self._noise_key)
+                outputs = step_fn(run.params, run.opt_state, run.dp_state, (batch,), run.keys.noise)
             run.params, run.opt_state, run.dp_state, metrics = outputs
-            run.loss_sum += metrics.loss
+            if not plan.horizon:  # a horizon run recorded its whole release at the start
+                run.ledger = run.ledger.record(plan.release)
+            finite = torch.isfinite(metrics.loss)  # no host sync: read at the next log
+            run.loss_sum += torch.where(finite, metrics.loss, 0.0)
+            run.nonfinite += ~finite
             run.clip_sum += metrics.clip_rate
             run.count += 1
             self.state.global_step += 1
@@ -488,7 +550,7 @@ class DPTrainer:
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             self._restore_weights(Path(self.state.best_model_checkpoint), run)
         self._params = run.params
-        self._plan = plan
+        self._plan, self._ledger, self._trained = plan, run.ledger, True
         self._sync_model(run.params)
         if self._distributed:
             distributed.check_params_synchronized(run.params)
@@ -504,8 +566,8 @@ class DPTrainer:
         """Keys, step counters and the privacy configuration must be the same on every rank (ConfigurationError)."""
         plan, sampler_state = run.plan, run.sampler_state
         distributed.check_synchronized(
-            noise_key=self._noise_key,
-            sampler_key=self._sampler_key,
+            noise_key=run.keys.noise,
+            sampler_key=run.keys.sampler,
             global_step=self.state.global_step,
             dp_step=run.dp_state.step,
             sampler_step=sampler_state.step,
@@ -535,7 +597,7 @@ class DPTrainer:
         def attempt(chunk: int) -> Any:
             if chunk not in steps:
                 steps[chunk] = self._make_step(chunk)[0]
-            return steps[chunk](run.params, run.opt_state, run.dp_state, (batch,), self._noise_key)
+            return steps[chunk](run.params, run.opt_state, run.dp_state, (batch,), run.keys.noise)
 
         outputs, chunk = run_with_oom_retry(attempt, microbatch_size=current, batch_size=batch_size)
         if chunk < current:
@@ -543,10 +605,12 @@ class DPTrainer:
             self.log({"converged_microbatch_size": float(chunk)})
         return steps[chunk], outputs
 
-    def _privacy_logs(self, plan: PrivacyPlan) -> dict[str, float]:
+    @staticmethod
+    def _privacy_logs(plan: PrivacyPlan, ledger: accounting.Ledger) -> dict[str, float]:
+        """The public privacy parameters; epsilon is that of the whole ledger (earlier calls and resumes too)."""
         logs = {"privacy_noise_multiplier": plan.noise_multiplier}
         if plan.accounted:
-            logs["privacy_epsilon"] = plan.epsilon(self.state.global_step)
+            logs["privacy_epsilon"] = ledger_epsilon(ledger, plan.delta)
             logs["privacy_delta"] = plan.delta
         return logs
 
@@ -562,19 +626,33 @@ class DPTrainer:
         loss_sum, clip_sum = run.loss_sum, run.clip_sum
         if self._distributed and self.args.average_tokens_across_devices:  # the same logged values on every rank
             loss_sum, clip_sum = distributed.reduce_mean(loss_sum), distributed.reduce_mean(clip_sum)
-        loss = (loss_sum / run.count).item()
+        nonfinite = int(run.nonfinite.item())
+        finite = run.count - nonfinite
+        loss = (loss_sum / finite).item() if finite else math.nan
+        if nonfinite:
+            logger.warning(
+                "%d of the last %d steps had examples with a non-finite loss (NaN or inf). Those examples added "
+                "nothing to the clipped sum, but the steps still released noise and are charged to epsilon. Check "
+                "the learning rate, the data, and bf16 overflow.",
+                nonfinite,
+                run.count,
+            )
+        run.total_nonfinite += nonfinite
         logs = {
             "loss": loss,
             "learning_rate": float(run.schedule(max(self.state.global_step - 1, 0))),
             "privacy_clip_rate": (clip_sum / run.count).item(),
             "privacy_clipping_norm": self._current_bound(run),
             "privacy_noise_std": _noise_std(run.plan, self._current_bound(run)),
-            **self._privacy_logs(run.plan),
+            "nonfinite_loss_steps": run.total_nonfinite,
+            **self._privacy_logs(run.plan, run.ledger),
         }
-        run.total_loss += loss * run.count
-        run.total_count += run.count
+        if finite:
+            run.total_loss += loss * finite
+            run.total_count += finite
         run.loss_sum.zero_()
         run.clip_sum.zero_()
+        run.nonfinite.zero_()
         run.count = 0
         self.log(logs)
 
@@ -594,7 +672,8 @@ class DPTrainer:
             "train_steps": float(self.state.global_step),
             "train_steps_per_second": self.state.global_step / max(seconds, 1e-9),
             "train_loss": run.total_loss / max(run.total_count, 1),
-            **self._privacy_logs(run.plan),
+            "nonfinite_loss_steps": run.total_nonfinite,
+            **self._privacy_logs(run.plan, run.ledger),
         }
         return metrics
 
@@ -612,27 +691,20 @@ class DPTrainer:
             for name, value in params.items():
                 own[name].copy_(value)
 
-    def _dp_state(self, run: _Run) -> dict[str, Any]:
+    def _manifest(self, run: _Run) -> dict[str, Any]:
+        """The JSON part of the private DP state (``dp_state.json``): counters, keys, ledger, configuration."""
         plan = run.plan
         return {
-            "version": DP_STATE_VERSION,
             "global_step": self.state.global_step,
-            "step_state": run.dp_state,
+            **run.keys.to_json(),
+            "ledger": run.ledger.to_json(),
             "sampler_state": run.sampler_state.to_json(),
-            "noise_key": random.key_to_json(self._noise_key),
-            "sampler_key": random.key_to_json(self._sampler_key),
-            "noise_multiplier": plan.noise_multiplier,
+            "configuration": ckpt.configuration(self.args),
             "calibration_source": plan.calibration_source,
             "delta": plan.delta,
-            "total_steps": plan.total_steps,
-            "expected_batch_size": plan.expected_batch_size,
-            "mechanism": self.args.privacy_noise_mechanism,
-            "mechanism_kwargs": {k: str(v) for k, v in self.args.privacy_noise_mechanism_kwargs.items()},
-            "sampling_mode": self.args.sampling_mode,
-            "clipping_norm": self.args.clipping_norm,
             "world_size": self.args.world_size,
-            "torch_rng_state": torch.get_rng_state(),
             "versions": accounting.library_versions(),
+            **self._mechanism_fields(plan),
         }
 
     def _save_checkpoint(self, run: _Run, metrics: dict[str, float] | None) -> Path:
@@ -644,12 +716,17 @@ class DPTrainer:
         def write(tmp: Path) -> None:
             self._save_weights(tmp)
             if run.plan.accounted:
-                (tmp / ckpt.ACCOUNTANT).write_text(json.dumps(self._accountant_record(run.plan), indent=2))
-            if not args.save_only_model:
-                torch.save(self._dp_state(run), tmp / ckpt.DP_STATE)
-                torch.save(run.opt_state, tmp / ckpt.DP_OPTIMIZER)
+                self._write_accountant(tmp, run.plan, run.ledger)
             self.state.save_to_json(str(tmp / ckpt.TRAINER_STATE))
             (tmp / ckpt.TRAINING_ARGS).write_text(json.dumps(args.to_dict(), indent=2, default=str))
+            if not args.save_only_model:
+                ckpt.write_state(
+                    tmp,
+                    self._manifest(run),
+                    step_state=run.dp_state,
+                    opt_state=run.opt_state,
+                    rng_state=torch.get_rng_state(),
+                )
 
         if not self._distributed:
             if args.should_save:
@@ -670,18 +747,22 @@ class DPTrainer:
         protect = (Path(self.state.best_model_checkpoint),) if self.state.best_model_checkpoint else ()
         ckpt.rotate(self.args.output_dir, self.args.save_total_limit, protect=protect)
 
-    def _accountant_record(self, plan: PrivacyPlan) -> dict[str, Any]:
-        steps = self.state.global_step
-        return {
-            "process": accounting.to_json(plan.process(steps)),
-            "epsilon": plan.epsilon(steps),
+    def _write_accountant(self, folder: Path, plan: PrivacyPlan, ledger: accounting.Ledger) -> None:
+        """``accountant.json``: the public record of what was released and the epsilon it costs (no keys; epsilon is
+        the string ``"inf"`` for a non-private run)."""
+        epsilon = ledger_epsilon(ledger, plan.delta)
+        record = {
+            "epsilon": epsilon if math.isfinite(epsilon) else "inf",
             "delta": plan.delta,
-            "steps": steps,
+            "steps": plan.total_steps if plan.horizon else ledger.releases,
+            "ledger": ledger.to_json(),
             "noise_multiplier": plan.noise_multiplier,
             "sample_rate": plan.sample_rate,
             "sampling_mode": self.args.sampling_mode,
             "mechanism": self.args.privacy_noise_mechanism,
+            "horizon": plan.horizon,
         }
+        write_json(folder / ckpt.ACCOUNTANT, record)
 
     def _update_best(self, folder: Path, metrics: dict[str, float] | None) -> None:
         name = self.args.metric_for_best_model
@@ -705,20 +786,21 @@ class DPTrainer:
             self.processing_class.save_pretrained(folder)
 
     def _restore_weights(self, folder: Path, run: _Run) -> None:
-        from safetensors.torch import load_file
-
         adapter = folder / "adapter_model.safetensors"
         if adapter.is_file():
             from peft import set_peft_model_state_dict
 
-            set_peft_model_state_dict(self.model, load_file(str(adapter), device=str(self.args.device)))
+            set_peft_model_state_dict(self.model, _read_weights(adapter, self.args.device))
         else:
             weights = folder / "model.safetensors"
             if not weights.is_file():
                 raise CheckpointError(f"{folder} holds no model.safetensors or adapter_model.safetensors.")
-            state = load_file(str(weights), device=str(self.args.device))
+            state = _read_weights(weights, self.args.device)
             missing = set(self._params) - set(state)
             own = dict(self.model.named_parameters())
+            wrong = [k for k, v in state.items() if k in own and v.shape != own[k].shape]
+            if wrong:
+                raise CheckpointError(f"{weights} has tensors of other shapes than the model: {wrong[:5]}.")
             with torch.no_grad():
                 for name, value in state.items():
                     if name in own:
@@ -727,51 +809,72 @@ class DPTrainer:
                 raise CheckpointError(f"{weights} lacks trainable parameters {sorted(missing)[:5]}.")
         run.params = {name: p.detach().clone() for name, p in self.model.named_parameters() if name in self._params}
 
-    def _restore(self, folder: Path, run: _Run) -> None:
-        ckpt.require_resumable(folder, accounted=run.plan.accounted)
-        saved = torch.load(folder / ckpt.DP_STATE, map_location="cpu", weights_only=False)
-        if saved.get("version") != DP_STATE_VERSION:
-            raise CheckpointError(f"unsupported dp_state version {saved.get('version')!r} in {folder}.")
-        self._check_same_run(saved, run.plan)
-        self._restore_weights(folder, run)
-        run.opt_state = torch.load(folder / ckpt.DP_OPTIMIZER, map_location=self.args.device, weights_only=False)
-        if type(saved["step_state"]) is not type(run.dp_state):
+    def _restore(self, folder: Path, saved: dict[str, Any], run: _Run) -> None:
+        """Load the checkpoint's tensors, weights and trainer state into ``run`` and ``self.state``, after checking
+        that its step counters agree (CheckpointError otherwise)."""
+        args = self.args
+        step_state, run.opt_state, rng_state = ckpt.read_tensors(
+            folder, step_template=run.dp_state, opt_template=run.opt_state, device=args.device
+        )
+        try:
+            state = DPTrainerState.load_from_json(str(folder / ckpt.TRAINER_STATE))
+        except (OSError, ValueError, TypeError) as exc:
+            raise CheckpointError(f"{folder / ckpt.TRAINER_STATE} is unreadable: {exc}") from exc
+        sampler = SamplerState.from_json(saved["sampler_state"])
+        counters = {
+            f"{ckpt.DP_STATE} global_step": saved["global_step"],
+            f"{ckpt.TRAINER_STATE} global_step": state.global_step,
+            "step state": step_state.step,
+            "sampler state": sampler.step,
+        }
+        if len(set(counters.values())) != 1 or (not run.plan.horizon and run.ledger.releases < sampler.step):
             raise CheckpointError(
-                f"the checkpoint holds a {type(saved['step_state']).__name__}, this run needs a "
-                f"{type(run.dp_state).__name__}: the mechanism changed."
+                f"{folder}: the step counters disagree ({counters}; {run.ledger.releases} releases in the ledger), "
+                "so the checkpoint was edited or assembled from different runs. Resume from another checkpoint."
             )
-        run.dp_state = saved["step_state"]
+        self._restore_weights(folder, run)
+        run.dp_state = step_state
+        torch.set_rng_state(rng_state)
         if self._distributed:  # rank 0 wrote the state; each rank keeps its own sampler configuration
-            run.sampler_state = distributed.local_sampler_state(saved["sampler_state"], run.sampler_state)
-        else:
-            run.sampler_state = type(run.sampler_state).from_json(saved["sampler_state"])
-        torch.set_rng_state(saved["torch_rng_state"])
-        state = DPTrainerState.load_from_json(str(folder / ckpt.TRAINER_STATE))
+            run.sampler_state = distributed.local_sampler_state(sampler, run.sampler_state)
+        elif sampler.config == run.sampler_state.config:
+            run.sampler_state = sampler
+        else:  # a per-step run resumed at another rate (a new segment): this sampler, continued at the same step
+            run.sampler_state = SamplerState(sampler.step, run.sampler_state.config)
         for name in ("global_step", "epoch", "log_history", "best_metric", "best_global_step", "best_model_checkpoint"):
             setattr(self.state, name, getattr(state, name))
 
-    def _check_same_run(self, saved: dict[str, Any], plan: PrivacyPlan) -> None:
+    def _check_same_run(self, saved: dict[str, Any], plan: PrivacyPlan, folder: Path | None) -> None:
+        """Refuse a resume whose world size changed, or a horizon resume whose mechanism, horizon, multiplier, rate
+        or clipping changed: a horizon is accounted as a whole and its noise is correlated across steps."""
         if saved["world_size"] != self.args.world_size:
             raise CheckpointError(
-                f"the checkpoint was written with world size {saved['world_size']}, this run has "
-                f"{self.args.world_size}: per-rank sampling and accounting depend on it. Resume with the same "
-                "number of processes."
+                f"{folder} was written with world size {saved['world_size']}, this run has {self.args.world_size}: "
+                "per-rank sampling and accounting depend on it. Resume with the same number of processes."
             )
-        checks = {
-            "mechanism": self.args.privacy_noise_mechanism,
-            "sampling_mode": self.args.sampling_mode,
-            "noise_key": random.key_to_json(self._noise_key),
-            "sampler_key": random.key_to_json(self._sampler_key),
-        }
-        if plan.horizon:
-            checks["noise_multiplier"] = plan.noise_multiplier
-            checks["total_steps"] = plan.total_steps
-        changed = {k: (saved[k], v) for k, v in checks.items() if saved[k] != v}
+        if not plan.horizon:
+            return
+        now = self._mechanism_fields(plan)
+        changed = {k: (saved[k], v) for k, v in now.items() if saved[k] != v}
         if changed:
             raise CheckpointError(
-                f"the checkpoint belongs to another run configuration; (saved, now) values differ: {changed}. "
-                "A horizon mechanism cannot change its strategy, multiplier or horizon, and keys come from args.seed."
+                f"{folder} belongs to another run configuration; (saved, now) values differ: {changed}. A horizon "
+                "mechanism (DP-FTRL, k-out-of-t) is accounted for its whole horizon with correlated noise, so its "
+                "mechanism, multiplier, horizon, batch and clipping cannot change on resume."
             )
+
+    def _mechanism_fields(self, plan: PrivacyPlan) -> dict[str, Any]:
+        """What a horizon run cannot change on resume (saved in ``dp_state.json``)."""
+        args = self.args
+        return {
+            "mechanism": args.privacy_noise_mechanism,
+            "mechanism_kwargs": {k: str(v) for k, v in args.privacy_noise_mechanism_kwargs.items()},
+            "sampling_mode": args.sampling_mode,
+            "noise_multiplier": plan.noise_multiplier,
+            "total_steps": plan.total_steps,
+            "expected_batch_size": plan.expected_batch_size,
+            "clipping_norm": str(args.to_dict()["clipping_norm"]),
+        }
 
     def save_model(self, output_dir: str | None = None) -> Path:
         """Save the trained weights, the tokenizer and ``accountant.json`` to ``output_dir``.
@@ -785,7 +888,7 @@ class DPTrainer:
         folder.mkdir(parents=True, exist_ok=True)
         self._save_weights(folder)
         if self._plan is not None and self._plan.accounted:
-            (folder / ckpt.ACCOUNTANT).write_text(json.dumps(self._accountant_record(self._plan), indent=2))
+            self._write_accountant(folder, self._plan, self._ledger)
         return folder
 
     def push_to_hub(self, repo_id: str | None = None) -> object:
@@ -905,6 +1008,17 @@ def _scalar_bound(bound: float | dict[str, float]) -> float:
     if isinstance(bound, dict):
         return math.sqrt(sum(v * v for v in bound.values()))
     return float(bound)
+
+
+def _read_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors weights file; CheckpointError when it is damaged or not safetensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
 
 
 def _tied_names(model: nn.Module) -> set[str]:

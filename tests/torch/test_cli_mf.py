@@ -21,7 +21,7 @@ def _refused(capsys, *argv: str) -> str:
     return capsys.readouterr().err
 
 
-COMMON = ("--sample-rate", "0.1", "--steps", "64", "--delta", "1e-3", "--json")
+COMMON = ("--sample-rate", "0.1", "--steps", "64", "--delta", "1e-4", "--json")
 
 
 def test_identity_with_poisson_equals_dp_sgd(capsys):
@@ -39,7 +39,7 @@ def test_band_mf_defaults_to_cyclic_poisson_and_matches_the_core(capsys):
     sampler = sampling.cyclic_poisson(dataset_size=1000, sample_rate=0.1, bands=4)
     process = acc.mf_process(mf.band_mf(4), sampler=sampler, noise_multiplier=1.0, n_steps=64)
     assert answer["sampler"] == "cyclic_poisson" and answer["bands"] == 4
-    assert answer["epsilon"] == pytest.approx(acc.mf_epsilon(process, delta=1e-3).value, rel=1e-9)
+    assert answer["epsilon"] == pytest.approx(acc.mf_epsilon(process, delta=1e-4).value, rel=1e-9)
 
 
 def test_calibrate_band_mf_and_monte_carlo_bsr(capsys):
@@ -76,7 +76,7 @@ def test_refusals_name_the_fix(capsys, argv, message):
     for flag, value in base.items():
         if flag not in args:
             args += [flag, value]
-    err = _refused(capsys, "privacy", "epsilon", "--noise-multiplier", "1.0", "--delta", "1e-3", *args)
+    err = _refused(capsys, "privacy", "epsilon", "--noise-multiplier", "1.0", "--delta", "1e-5", *args)
     assert message in err
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import dp_accounting
 import pytest
+from dp_accounting import rdp
 
 from opake_torch.cli import build_parser, main
 
@@ -109,6 +111,8 @@ def test_nonprivate_epsilon_is_inf(capsys):
         (["--sample-rate", "0.01", "--steps", "10", "--delta", "1.5"], "delta"),
         (["--sample-rate", "0.01", "--steps", "10"], "--delta"),
         (["--sample-rate", "0.01", "--steps", "10", "--delta", "1e-5", "--sampler", "k_out_of_t"], "--k"),
+        (["--batch-size", "8", "--dataset-size", "64", "--steps", "10", "--delta", "0.5"], "1/N"),
+        (["--sample-rate", "1", "--steps", "2000000", "--delta", "1e-5"], "--accountant rdp"),
     ],
 )
 def test_bad_input_exits_with_a_message(capsys, argv, needle):
@@ -140,3 +144,23 @@ def test_parser_has_room_for_more_commands():
     parser = build_parser()
     args = parser.parse_args(["privacy", "epsilon", "--noise-multiplier", "1", "--sample-rate", "0.1", "--steps", "1"])
     assert callable(args.run)
+
+
+def test_a_large_delta_needs_the_explicit_override(capsys):
+    argv = ["privacy", "epsilon", "--noise-multiplier", "1", "--batch-size", "8", "--dataset-size", "64", "--steps",
+            "10", "--delta", "0.05", "--json"]  # fmt: skip
+    assert main(argv) == 2
+    with pytest.warns(UserWarning, match="1/N"):
+        assert main([*argv, "--allow-large-delta"]) == 0
+    assert json.loads(capsys.readouterr().out)["delta"] == 0.05
+
+
+def test_a_tiny_multiplier_answers_at_once(capsys):
+    """0.01 noise: epsilon is in the millions, beyond any PLD grid, so RDP answers and says so (queries.py)."""
+    answer = _run(
+        capsys, "privacy", "epsilon", "--noise-multiplier", "0.01", "--sample-rate", "0.01", "--steps", "1000",
+        "--delta", "1e-5", "--json",
+    )  # fmt: skip
+    direct = rdp.RdpAccountant()
+    direct.compose(dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(0.01)), 1000)
+    assert answer["accountant"] == "rdp" and answer["epsilon"] == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)

@@ -109,6 +109,7 @@ def _trainer_args(out: Path, kind: str, save_steps: int):
         save_steps=save_steps,
         report_to="none",
         seed=int(os.environ.get("DDP_TEST_SEED", "42")),
+        privacy_noise_seed=int(os.environ.get("DDP_TEST_SEED", "42")),
         **extra,
     )
 

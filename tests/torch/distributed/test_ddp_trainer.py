@@ -19,7 +19,7 @@ from opake_core.errors import CheckpointError, ConfigurationError, StateError
 from opake_core.sampling.state import SamplerState
 from opake_torch import distributed
 from opake_torch.transformers import DPTrainer, TrainingArguments
-from opake_torch.transformers.privacy import build_plan
+from opake_torch.transformers.privacy import build_plan, ledger_epsilon
 
 DATA = token_data(40)
 STEPS, PER_DEVICE = 5, 2
@@ -38,6 +38,7 @@ def _args(tmp_path, **kw):
         "optim": "sgd",
         "save_strategy": "no",
         "report_to": "none",
+        "privacy_noise_seed": 42,  # the ranks' keys, replayed by the single process
     }
     return TrainingArguments(str(tmp_path / "single"), **{**base, **kw})
 
@@ -65,21 +66,23 @@ def _rank_samplers(kind, rate):
 def _single_process(tmp_path, kind):
     """Parameters of a one-process run fed, at every step, the union of the two ranks' draws (same per-rank keys)."""
     trainer = DPTrainer(tiny_model("llama"), _args(tmp_path, **_mf(kind)), train_dataset=DATA)
-    run, step_fn = trainer._start()
+    run, step_fn = trainer._start(None, None)
     samplers = _rank_samplers(kind, run.plan.sample_rate)
     states = [s.init() for s in samplers]
     sizes = []
     for _ in range(STEPS):
         parts = []
         for r, sampler in enumerate(samplers):
-            idx, states[r] = sampler.sample(trainer._sampler_key, states[r])
+            idx, states[r] = sampler.sample(run.keys.sampler, states[r])
             parts.append(idx)
         sizes.append([len(p) for p in parts])
         batch = trainer._batch(DATA, np.sort(np.concatenate(parts)))
         run.params, run.opt_state, run.dp_state, _ = step_fn(
-            run.params, run.opt_state, run.dp_state, (batch,), trainer._noise_key
+            run.params, run.opt_state, run.dp_state, (batch,), run.keys.noise
         )
-    return run.params, run.plan.epsilon(STEPS), sizes
+        if not run.plan.horizon:
+            run.ledger = run.ledger.record(run.plan.release)
+    return run.params, ledger_epsilon(run.ledger, run.plan.delta), sizes
 
 
 @pytest.mark.parametrize("kind", ["sgd", "mf", "adaptive"])

@@ -307,5 +307,7 @@ def test_user_mechanism_kwargs_are_not_mutated():
     assert user == {"beta": 0.5}
 
 
-def test_to_dict_masks_the_hub_token():
-    assert make(hub_token="secret").to_dict()["hub_token"] == "<HUB_TOKEN>"
+def test_secrets_are_masked_and_hidden_from_repr():
+    args = make(hub_token="hf_secret", privacy_noise_seed=987654321)
+    assert args.to_dict()["hub_token"] == args.to_dict()["privacy_noise_seed"] == "<SECRET>"
+    assert "hf_secret" not in repr(args) and "987654321" not in repr(args) and "987654321" not in str(args)

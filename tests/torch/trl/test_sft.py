@@ -14,7 +14,8 @@ from opake_torch.transformers import TrainingArguments
 from opake_torch.transformers.trl import SFTConfig, SFTTrainer
 
 BASE = {"privacy_noise_multiplier": 0.0, "clipping_norm": math.inf, "use_cpu": True, "disable_tqdm": True,
-        "report_to": "none", "save_strategy": "no", "max_steps": 1, "per_device_train_batch_size": 4}  # fmt: skip
+        "report_to": "none", "save_strategy": "no", "max_steps": 1, "per_device_train_batch_size": 4,
+        "privacy_noise_seed": 0}  # fmt: skip
 
 
 def _trainer(tmp_path, data, family="llama", **kwargs):
