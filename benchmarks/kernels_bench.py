@@ -81,20 +81,23 @@ def _kernel_cases(batch: int, seq: int, dtype: torch.dtype, repeats: int) -> lis
 
 
 def _clip_cases(leaves: int, elements: float, ms: list[int], repeats: int) -> list[dict[str, object]]:
+    from opake_core.clipping import MaterializedGradients
+    from opake_core.clipping.rules import ClipRule, bounds_on
+
     out = []
     per_leaf = max(1, int(elements // leaves))
+    rule, bounds = ClipRule((0,) * leaves, 1), bounds_on((1.0,), torch.device("cuda"))
     for m in ms:
         grads = [torch.randn(m, per_leaf, device="cuda") for _ in range(leaves)]
-        sums = [torch.zeros(per_leaf, device="cuda") for _ in range(leaves)]
-        kwargs = {"group_index": [0] * leaves, "bounds": [1.0], "accumulators": sums}
+        params = [torch.zeros(per_leaf, device="cuda") for _ in range(leaves)]
         result = _compare(
             f"clip phase: {leaves} leaves, {per_leaf * leaves:.3g} elements, m={m}",
-            lambda g=grads, kw=kwargs: K.clip_and_sum(g, **kw),
-            lambda g=grads, kw=kwargs: R.clip_and_sum(g, **kw),
+            lambda g=grads, p=params: rule(K.FusedGradients(g), p, bounds, None),
+            lambda g=grads, p=params: rule(MaterializedGradients(g), p, bounds, None),
             repeats,
         )
         out.append(result)
-        del grads, sums
+        del grads, params
     return out
 
 

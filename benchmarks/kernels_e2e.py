@@ -6,8 +6,10 @@ unless ``--base-dtype-adapters``), at seq 512 (batch 16) and seq 2048 (batch 8).
 a fresh model build:
 
 * ``non-private``: ``model(**batch).loss.backward()`` and ``torch.optim.AdamW`` (the reference of the ratios);
-* ``kernels off, torch clip``: ``opake_core.step.dp_sgd`` on the trainer's per-example loss, ``clip_backend=None``;
-* ``kernels off, fused clip``: the same with ``clip_backend=clip_and_sum`` (DPTrainer's default on CUDA);
+* ``kernels off, torch clip``: ``opake_core.step.dp_sgd`` on the trainer's per-example loss, the default engine
+  (``vmap(grad)``, materialized gradients clipped and summed with torch arithmetic);
+* ``kernels off, fused clip``: the same with ``VmapGradients(FusedGradients)`` (Triton norms and scaled sums;
+  DPTrainer's default on CUDA);
 * ``kernels on, fused clip``: ``apply_performance_kernels(model, use_performance_kernels=True)`` first, as DPTrainer
   does with ``TrainingArguments(use_performance_kernels=True)``;
 * ``layerwise, kernels off`` / ``layerwise, kernels on``: per-example gradients from one batched pass
@@ -18,9 +20,9 @@ The DP steps use noise multiplier 1, clipping norm 1, ``opake_core.optim.adamw``
 ``--microbatch`` examples per vmap chunk (default: the whole batch). Each row: the median of ``--steps`` timed steps
 after ``--warmup`` warm-ups, ``torch.cuda.synchronize()`` around each step; peak memory is
 ``torch.cuda.max_memory_allocated`` over the timed steps (reset after the warm-ups: weights and optimizer state
-included). Then the clip phase alone: ``clip_and_sum`` (fused Triton) against the torch path
-(``opake_torch.patches.kernels.reference.clip_and_sum``, what the engine runs without a backend) on per-example
-gradients shaped like this model's LoRA leaves, ``m`` = the microbatch.
+included). Then the clip phase alone: ``FusedGradients`` (fused Triton) against ``MaterializedGradients`` (the
+torch path of the default engine) on per-example gradients shaped like this model's LoRA leaves, ``m`` = the
+microbatch.
 
 Bounded by ``--budget-s``: rows left when it is spent are recorded as skipped. A failing row (OOM included) is
 recorded with its error. Prints one JSON document to stdout (progress to stderr); ``--out DIR`` also writes
@@ -47,7 +49,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import fmt, free, rope_restored, table_row, timed_steps
+from modes import LR, WEIGHT_DECAY, nonprivate_step
+from timing import fmt, free, is_oom, peak_gib, rope_restored, table_row, timed_steps
 from workloads import LLAMA_1B, LORA_TARGETS, Workload, make_batch
 
 CONFIGS = {  # name: (use_performance_kernels, fused clip, layerwise); None: the non-private reference
@@ -58,7 +61,6 @@ CONFIGS = {  # name: (use_performance_kernels, fused clip, layerwise); None: the
     "layerwise, kernels off": (False, False, True),
     "layerwise, kernels on": (True, False, True),
 }
-LR, WEIGHT_DECAY = 1e-4, 0.01
 TINY = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -117,17 +119,6 @@ def build(args: argparse.Namespace, device: torch.device | str) -> torch.nn.Modu
     return peft.get_peft_model(base, lora, autocast_adapter_dtype=not args.base_dtype_adapters).train()
 
 
-def _nonprivate_step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Callable[[], None]:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WEIGHT_DECAY)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
-        opt.step()
-
-    return step
-
-
 def _dp_step(
     model: torch.nn.Module,
     batch: dict[str, torch.Tensor],
@@ -139,13 +130,14 @@ def _dp_step(
     """One ``dp_sgd`` step as DPTrainer builds it: compat patches, performance kernels, functional model, the
     per-example causal-LM loss; returns the step and the kernel patches in effect."""
     from opake_core import random
+    from opake_core.clipping import Engine, MaterializedGradients, VmapGradients
     from opake_core.optim import adamw
     from opake_core.step import dp_sgd
     from opake_torch.functional import functional_model
     from opake_torch.layerwise import LayerwiseGradients
     from opake_torch.patches import apply_compat_patches
     from opake_torch.patches.families import apply_family_patches
-    from opake_torch.patches.kernels import clip_and_sum
+    from opake_torch.patches.kernels import FusedGradients
     from opake_torch.patches.performance import apply_performance_kernels
     from opake_torch.transformers.loss import batch_losses, fused_causal_lm_losses, fused_head, per_example_loss
 
@@ -174,14 +166,17 @@ def _dp_step(
         noise_multiplier=1.0,
         expected_batch_size=float(batch["input_ids"].shape[0]),
         microbatch_size=microbatch,
-        clip_backend=clip_and_sum if fused else None,
-        per_example_grads=LayerwiseGradients(model, batch_loss) if layerwise else None,
+        engine=Engine(
+            gradients=LayerwiseGradients(model, batch_loss)
+            if layerwise
+            else VmapGradients(FusedGradients if fused else MaterializedGradients)
+        ),
+        key=random.key(0),
     )
     state = [params, optimizer.init(params), dp_state]
-    key = random.key(0)
 
     def step() -> None:
-        state[0], state[1], state[2], _ = step_fn(*state, (batch,), key)
+        state[0], state[1], state[2], _ = step_fn(*state, (batch,))
 
     return step, applied
 
@@ -193,7 +188,7 @@ def _measure(args: argparse.Namespace, name: str, seq: int, batch_size: int) -> 
     model = build(args, device)
     out: dict[str, Any] = {}
     if choice is None:
-        step = _nonprivate_step(model, batch)
+        step = nonprivate_step(model, batch)
     else:
         kernels, fused, layerwise = choice
         step, out["kernels_applied"] = _dp_step(
@@ -201,36 +196,38 @@ def _measure(args: argparse.Namespace, name: str, seq: int, batch_size: int) -> 
         )
     times = timed_steps(step, device, args.warmup, args.steps)
     median = statistics.median(times)
-    cuda = device.type == "cuda"
     return {
         **out,
         "step_s": median,
         "step_s_min": min(times),
         "tokens_per_s": batch_size * seq / median,
-        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "peak_gib": peak_gib(device),
     }
 
 
 def _clip_phase(args: argparse.Namespace, m: int) -> dict[str, Any]:
-    """Time ``clip_and_sum`` and the torch path on ``[m, *leaf]`` float gradients of this model's LoRA leaves."""
-    from opake_torch.patches.kernels import clip_and_sum, reference
+    """Time the clip phase (norms, scales, scaled sum of one chunk) on ``[m, *leaf]`` float gradients of this model's
+    LoRA leaves: materialized torch arithmetic against the fused Triton kernels (``FusedGradients``)."""
+    from opake_core.clipping import MaterializedGradients
+    from opake_core.clipping.rules import ClipRule, bounds_on
+    from opake_torch.patches.kernels import FusedGradients
     from opake_torch.patches.kernels.clip_sum import fused_supported
 
     device = args.device
     shapes = [(p.shape, p.dtype) for p in build(args, "meta").parameters() if p.requires_grad]
     gen = torch.Generator(device=device).manual_seed(0)
     grads = [torch.randn(m, *shape, generator=gen, device=device, dtype=dtype) for shape, dtype in shapes]
-    sums = [torch.zeros(shape, device=device, dtype=torch.float32) for shape, _ in shapes]
-    kwargs = {"group_index": [0] * len(grads), "bounds": [1.0], "accumulators": sums}
+    params = [torch.zeros(shape, device=device, dtype=torch.float32) for shape, _ in shapes]
+    rule, bounds = ClipRule((0,) * len(grads), 1), bounds_on((1.0,), device)
     result: dict[str, Any] = {
         "leaves": len(grads),
         "elements_per_example": sum(g[0].numel() for g in grads),
-        "fused_backend": "triton" if fused_supported(grads, sums) else "torch (fallback: no CUDA/Triton)",
+        "fused_backend": "triton" if fused_supported(grads, params) else "torch (fallback: no CUDA/Triton)",
     }
-    for label, fn in (("torch", reference.clip_and_sum), ("fused", clip_and_sum)):
+    for label, form in (("torch", MaterializedGradients), ("fused", FusedGradients)):
         free(device)
         base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        times = timed_steps(lambda fn=fn: fn(grads, **kwargs), device, 2, args.clip_repeats)
+        times = timed_steps(lambda form=form: rule(form(grads), params, bounds, None), device, 2, args.clip_repeats)
         result[f"{label}_ms"] = 1e3 * statistics.median(times)
         if device.type == "cuda":
             result[f"{label}_peak_mib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
@@ -239,7 +236,7 @@ def _clip_phase(args: argparse.Namespace, m: int) -> dict[str, Any]:
 
 
 def _error(exc: BaseException) -> str:
-    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+    if is_oom(exc):
         return "failed: out of memory"
     return f"failed: {type(exc).__name__}: {str(exc)[:300]}"
 

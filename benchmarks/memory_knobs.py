@@ -43,9 +43,9 @@ def build(layers: int, bf16: bool) -> torch.nn.Module:
 
 def measure(knob: str, *, layers: int, seq: int, batch: int, microbatch: int, steps: int) -> dict:
     """One knob: ``plain`` (vmap(grad)), ``checkpointing``, ``bf16``, ``compile`` and ``cuda_graphs`` (each chunk
-    wrapped through ``clipped_grad(chunk_transform=...)``, as ``DPTrainer`` does), ``layerwise`` (the layerwise
+    wrapped through the engine's ``transform``, as ``DPTrainer`` does), ``layerwise`` (the layerwise
     engine), joined with ``+``."""
-    from opake_core.clipping import clipped_grad
+    from opake_core.clipping import Engine, VmapGradients, clipped_grad
     from opake_torch.functional import functional_model
     from opake_torch.layerwise import LayerwiseGradients
     from opake_torch.patches import apply_compat_patches
@@ -76,9 +76,8 @@ def measure(knob: str, *, layers: int, seq: int, batch: int, microbatch: int, st
     layerwise = None
     if "layerwise" in knob:
         layerwise = LayerwiseGradients(model, lambda p, b: batch_losses(apply, p, frozen, b, task="causal_lm"))
-    grad_fn, state = clipped_grad(
-        loss, clipping_norm=1.0, microbatch_size=microbatch, chunk_transform=transform, per_example_grads=layerwise
-    )
+    engine = Engine(gradients=VmapGradients() if layerwise is None else layerwise, transform=transform)
+    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, microbatch_size=microbatch, engine=engine)
 
     def step(p: dict, data: dict) -> dict:
         return grad_fn(p, data, state=state)[0].value

@@ -43,6 +43,22 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+def failure(exc: BaseException) -> str:
+    """How a failed measurement is recorded: ``"OOM"``, or the exception's type and the start of its message."""
+    return "OOM" if is_oom(exc) else f"{type(exc).__name__}: {str(exc)[:400]}"
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """TF32 matmuls and convolutions on or off inside the block, restored after it."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
 def timed_steps(step: Callable[[], object], device: torch.device, warmup: int, steps: int) -> list[float]:
     """Run ``warmup`` untimed then ``steps`` timed calls (seconds each, synchronized); the peak-memory statistics
     are reset after the warm-ups."""
@@ -69,6 +85,11 @@ def fmt(value: object, spec: str) -> str:
 def table_row(cells: list[str]) -> str:
     """One markdown table row."""
     return "| " + " | ".join(cells) + " |"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines: the header, its rule and one line per row of cells."""
+    return [table_row(header), "|" + "---|" * len(header), *(table_row(cells) for cells in rows)]
 
 
 @contextlib.contextmanager

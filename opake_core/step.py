@@ -1,12 +1,17 @@
-"""Composed DP step functions.
+"""The composed DP step, ``dp_step``, and its presets ``dp_sgd`` and ``dp_ftrl``.
 
-DP-SGD (Abadi et al. 2016, Algorithm 1), one logical step on a sampled batch:
+One logical step on a sampled batch:
 
-    per-example gradients -> clip to C -> sum / expected batch size -> Gaussian noise -> optimizer update
+    per-example gradients -> clip -> sum / expected batch size -> (cross-rank sum) -> noise -> optimizer update
 
-DP-FTRL (:func:`dp_ftrl`) is the same pipeline with the correlated matrix-factorization noise of
-:func:`opake_core.mf.mf_gaussian_noise` over a declared horizon of ``n_steps``; its accounting is
-:func:`opake_core.accounting.mf_process` for the whole horizon.
+The noise is a value: any privatizer (the contract of :mod:`opake_core.noise`), whose state holds its key. The presets
+fix it:
+
+* :func:`dp_sgd`, DP-SGD (Abadi et al. 2016, Algorithm 1): the Gaussian mechanism
+  (:func:`opake_core.noise.gaussian_noise`); account it with the sampler's process.
+* :func:`dp_ftrl`, DP-FTRL / matrix factorization (Choquette-Choo et al. 2023, arXiv:2306.08153): the correlated noise
+  of :func:`opake_core.mf.mf_gaussian_noise` over a declared horizon of ``n_steps``; account it with
+  :func:`opake_core.accounting.mf_process` for the whole horizon.
 
 The batch is sampled outside the step (see :mod:`opake_core.sampling`), so that the sampler and the accountant can be
 chosen together; the clipped sum is divided by the *expected* batch size, never the realized one, so an empty batch
@@ -24,25 +29,26 @@ from typing import Any
 import optree.dataclasses
 import torch
 
-from opake_core import random
-from opake_core.clipping import ADAPTIVE_STREAM, AdaptiveClipState, AdaptiveRule, AutoSRule, clipped_grad
+from opake_core import random, validate
+from opake_core.clipping import ADAPTIVE_STREAM, VMAP, AdaptiveRule, AutoSRule, Engine, clipped_grad
 from opake_core.errors import ConfigurationError, InputTypeError, StateError
-from opake_core.mf import MFNoiseState, mf_gaussian_noise
-from opake_core.mf import optimize as _optimize_strategy
+from opake_core.mf import mf_gaussian_noise
 from opake_core.mf.participation import SINGLE, Participation
-from opake_core.noise import add_gaussian_noise, compute_dtype_of
+from opake_core.noise import NoiseFn, gaussian_noise
 from opake_core.optim import apply_updates
 from opake_core.tree import NAMESPACE, Clipped, Noised, PerGroup
 
-__all__ = ["DPFTRLState", "DPSGDState", "StepMetrics", "dp_ftrl", "dp_sgd"]
+__all__ = ["DPState", "StepMetrics", "dp_ftrl", "dp_sgd", "dp_step", "rekeyed", "unkeyed"]
 
 
 @optree.dataclasses.dataclass(frozen=True, namespace=NAMESPACE)
-class DPSGDState:
-    """State of a composed DP-SGD step: steps taken so far and the clipping state."""
+class DPState:
+    """State of a composed step: steps taken so far, the clipping state and the noise mechanism's state (its key and,
+    for DP-FTRL, its buffers)."""
 
     step: int = optree.dataclasses.field(pytree_node=False)
     clip: Any
+    noise: Any
 
 
 @dataclass(frozen=True)
@@ -60,40 +66,90 @@ class StepMetrics:
     clip_rate: torch.Tensor
 
 
-def _clipped_sum(
-    loss_fn: Callable[..., torch.Tensor],
-    clipping_norm: float | PerGroup | AutoSRule | AdaptiveRule,
-    expected_batch_size: float,
-    microbatch_size: int | None,
-    clip_backend: Callable[..., Any] | None = None,
-    reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    per_example_grads: Callable[..., Any] | None = None,
-    chunk_transform: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
-) -> tuple[Callable[..., Any], Any]:
-    """The clipped, expected-batch-normalized gradient sum of a batch tuple, with diagnostics.
+StepFn = Callable[[Any, Any, DPState, tuple[torch.Tensor, ...]], tuple[Any, Any, DPState, StepMetrics]]
 
-    Adaptive clipping gets a placeholder key here; :func:`_keyed` replaces it with one derived from the run's key
-    at every step, so that a step depends only on ``(key, t)``.
+
+def dp_step(
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    clipping: float | PerGroup | AutoSRule | AdaptiveRule,
+    noise: tuple[NoiseFn, Any],
+    optimizer: Any,
+    expected_batch_size: float,
+    microbatch_size: int | None = None,
+    engine: Engine = VMAP,
+    reduce: Callable[[Clipped], Clipped] | None = None,
+    reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    clipping_key: random.Key | None = None,
+) -> tuple[StepFn, DPState]:
+    """A composed DP step as ``(step_fn, dp_state)``: clip, sum, noise with any privatizer, update.
+
+    Args:
+        loss_fn: ``loss_fn(params, *example) -> scalar`` for one example (see
+            :func:`~opake_core.clipping.clipped_grad`).
+        clipping: the per-example rule: an L2 bound (float, ``math.inf`` for none, or PerGroup), or a rule from
+            :func:`~opake_core.clipping.auto_s` or :func:`~opake_core.clipping.adaptive`. Adaptive clipping releases a
+            noisy count too: account it with ``accounting.adaptive_clipping``.
+        noise: a privatizer's ``(noise_fn, state)`` pair (the contract of :mod:`opake_core.noise`), for example
+            ``gaussian_noise(noise_multiplier=z, key=key)``; its state, key included, lives in ``dp_state.noise``.
+        optimizer: an :mod:`opake_core.optim` optimizer (``init`` / ``update``).
+        expected_batch_size: the public expected batch size (sampling rate times dataset size); the clipped sum is
+            divided by it, so the sensitivity is ``clipping / expected_batch_size``.
+        microbatch_size: examples per chunk (memory only; the result does not depend on it).
+        engine: how per-example gradients are formed and each chunk runs (:class:`~opake_core.clipping.Engine`).
+        reduce: applied to the clipped, normalized sum before the noise (default: identity). Data-parallel adapters
+            pass a cross-rank SUM here (``opake_torch.distributed.sum_gradients``), so that the noise is added once,
+            after the sum; it must return a :class:`~opake_core.tree.Clipped` with the same sensitivity.
+        reduce_count: adaptive clipping under data parallelism: sums its ``[clipped, batch size]`` counts across
+            ranks (see :func:`~opake_core.clipping.clipped_grad`).
+        clipping_key: the key of adaptive clipping's count noise (required for adaptive clipping, refused
+            otherwise); it lives in ``dp_state.clip``.
+
+    Returns:
+        ``step_fn(params, opt_state, dp_state, batch) -> (params, opt_state, dp_state, metrics)`` where ``batch`` is
+        a tuple of per-example tensors ``[B, ...]`` (``loss_fn(params, *batch[i])`` is one example's loss). A step
+        depends only on its inputs: the same state replays the same step.
     """
-    return clipped_grad(
-        lambda params, batch: loss_fn(params, *batch),
-        clipping_norm=clipping_norm,
-        normalize_by=expected_batch_size,
+    if not (isinstance(noise, tuple) and len(noise) == 2 and callable(noise[0])):
+        raise InputTypeError(
+            f"noise must be a privatizer's (noise_fn, state) pair, such as gaussian_noise(...), got {noise!r:.80}."
+        )
+    noise_fn, noise_state = noise
+    grad_fn, clip_state = clipped_grad(
+        loss_fn,
+        clipping_norm=clipping,
+        batch_argnums=slice(1, None),
+        normalize_by=validate.positive("expected_batch_size", expected_batch_size),
         microbatch_size=microbatch_size,
         return_diagnostics=True,
-        key=random.key(0) if isinstance(clipping_norm, AdaptiveRule) else None,
-        clip_backend=clip_backend,
+        key=clipping_key,
+        engine=engine,
         reduce_count=reduce_count,
-        per_example_grads=None if per_example_grads is None else lambda p, batch: per_example_grads(p, *batch),
-        chunk_transform=chunk_transform,
     )
 
+    def step_fn(
+        params: Any, opt_state: Any, dp_state: DPState, batch: tuple[torch.Tensor, ...]
+    ) -> tuple[Any, Any, DPState, StepMetrics]:
+        if not isinstance(dp_state, DPState):
+            raise InputTypeError(f"step_fn expects the DPState its factory returned, got {type(dp_state).__name__}.")
+        if not isinstance(batch, tuple):
+            raise InputTypeError(f"batch must be a tuple of per-example tensors, got {type(batch).__name__}.")
+        with torch.profiler.record_function("opake::dp_step"):
+            (clipped, diagnostics), clip = grad_fn(params, *batch, state=dp_state.clip)
+            noised, noise = noise_fn(_reduced(reduce, clipped), dp_state.noise)
+            updates, opt_state = optimizer.update(noised, opt_state, params=params)
+            params = apply_updates(params, updates)
+        losses = diagnostics.losses
+        metrics = StepMetrics(
+            step=dp_state.step,
+            noise_std=noised.noise_std,
+            batch_size=diagnostics.batch_size,
+            loss=losses.mean() if losses.numel() else torch.zeros((), device=losses.device),
+            clip_rate=diagnostics.clip_rate,
+        )
+        return params, opt_state, DPState(dp_state.step + 1, clip, noise), metrics
 
-def _keyed(clip_state: Any, key: random.Key) -> Any:
-    """The clipping state with the count-noise key of adaptive clipping taken from the run's key."""
-    if isinstance(clip_state, AdaptiveClipState):
-        return dataclasses.replace(clip_state, key=random.fold_in(key, ADAPTIVE_STREAM))
-    return clip_state
+    return step_fn, DPState(0, clip_state, noise_state)
 
 
 def _reduced(reduce: Callable[[Clipped], Clipped] | None, clipped: Clipped) -> Clipped:
@@ -109,158 +165,65 @@ def _reduced(reduce: Callable[[Clipped], Clipped] | None, clipped: Clipped) -> C
     return out
 
 
-def _check_batch(batch: Any) -> None:
-    if not isinstance(batch, tuple):
-        raise InputTypeError(f"batch must be a tuple of per-example tensors, got {type(batch).__name__}.")
-
-
-def _metrics(step: int, noised: Any, diagnostics: Any) -> StepMetrics:
-    losses = diagnostics.losses
-    return StepMetrics(
-        step=step,
-        noise_std=noised.noise_std,
-        batch_size=diagnostics.batch_size,
-        loss=losses.mean() if losses.numel() else torch.zeros((), device=losses.device),
-        clip_rate=diagnostics.clip_rate,
-    )
-
-
 def dp_sgd(
     loss_fn: Callable[..., torch.Tensor],
     *,
-    optimizer: Any,
-    clipping_norm: float | PerGroup,
+    clipping_norm: float | PerGroup | AutoSRule | AdaptiveRule,
     noise_multiplier: float,
-    expected_batch_size: float,
-    microbatch_size: int | None = None,
+    key: random.Key,
     compute_dtype: torch.dtype | str = torch.float32,
-    clip_backend: Callable[..., Any] | None = None,
-    reduce: Callable[[Clipped], Clipped] | None = None,
-    reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    per_example_grads: Callable[..., Any] | None = None,
-    chunk_transform: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
-) -> tuple[Callable[..., tuple[Any, Any, DPSGDState, StepMetrics]], DPSGDState]:
-    """A composed DP-SGD step as ``(step_fn, dp_state)``.
+    **step_options: Any,
+) -> tuple[StepFn, DPState]:
+    """DP-SGD: :func:`dp_step` with the Gaussian mechanism of :func:`~opake_core.noise.gaussian_noise`.
 
     Args:
-        loss_fn: ``loss_fn(params, *example) -> scalar`` for one example (see
-            :func:`~opake_core.clipping.clipped_grad`).
-        optimizer: an :mod:`opake_core.optim` optimizer (``init`` / ``update``).
-        clipping_norm: per-example L2 bound (float, ``math.inf`` for none, or PerGroup), or a rule from
-            :func:`~opake_core.clipping.auto_s` or :func:`~opake_core.clipping.adaptive`. Adaptive clipping releases a
-            noisy count too: account it with ``accounting.adaptive_clipping``.
+        loss_fn: ``loss_fn(params, *example) -> scalar`` for one example.
+        clipping_norm: the ``clipping`` rule of :func:`dp_step`; adaptive clipping's count noise is keyed by
+            ``fold_in(key, ADAPTIVE_STREAM)``.
         noise_multiplier: ``z``; the noise std is ``z * clipping_norm / expected_batch_size``. 0 = non-private.
-        expected_batch_size: the public expected batch size (sampling rate times dataset size).
-        microbatch_size: vmap chunk size (memory only; the result does not depend on it).
+        key: the run's noise key, kept in ``dp_state``: the noise of step ``t`` depends only on ``(key, t)``.
         compute_dtype: dtype the noise is drawn and added in.
-        clip_backend: a faster clip-and-sum engine (see :func:`~opake_core.clipping.clipped_grad`).
-        reduce: applied to the clipped, normalized sum before the noise (default: identity). Data-parallel adapters
-            pass a cross-rank SUM here (``opake_torch.distributed.sum_gradients``), so that the noise is added once,
-            after the sum; it must return a :class:`~opake_core.tree.Clipped` with the same sensitivity.
-        reduce_count: adaptive clipping under data parallelism: sums its ``[clipped, batch size]`` counts across
-            ranks (see :func:`~opake_core.clipping.clipped_grad`).
-        per_example_grads: replaces ``vmap(grad(loss_fn))``: ``per_example_grads(params, *batch) ->
-            (PerExampleGradients, losses)`` for the same per-example losses (see
-            :func:`~opake_core.clipping.clipped_grad`; ``opake_torch.layerwise.LayerwiseGradients`` is one).
-        chunk_transform: wraps the per-chunk clip function once (``torch.compile``, a CUDA-graph capture); with a
-            ``microbatch_size`` every chunk is padded to that many rows (see :func:`~opake_core.clipping.clipped_grad`).
-
-    Returns:
-        ``step_fn(params, opt_state, dp_state, batch, key) -> (params, opt_state, dp_state, metrics)`` where
-        ``batch`` is a tuple of per-example tensors ``[B, ...]`` (``loss_fn(params, *batch[i])`` is one example's
-        loss) and ``key`` is the run's noise key: the noise of step ``t`` depends only on ``(key, t)``.
+        **step_options: the other arguments of :func:`dp_step` (``optimizer``, ``expected_batch_size``, and
+            optionally ``microbatch_size``, ``engine``, ``reduce``, ``reduce_count``).
     """
-    dtype = compute_dtype_of(compute_dtype)
-    grad_fn, clip_state = _clipped_sum(
-        loss_fn,
-        clipping_norm,
-        expected_batch_size,
-        microbatch_size,
-        clip_backend,
-        reduce_count,
-        per_example_grads,
-        chunk_transform,
-    )
-
-    def step_fn(
-        params: Any, opt_state: Any, dp_state: DPSGDState, batch: tuple[torch.Tensor, ...], key: random.Key
-    ) -> tuple[Any, Any, DPSGDState, StepMetrics]:
-        if not isinstance(dp_state, DPSGDState):
-            raise InputTypeError(f"step_fn expects the DPSGDState from dp_sgd, got {type(dp_state).__name__}.")
-        _check_batch(batch)
-        with torch.profiler.record_function("opake::dp_sgd_step"):
-            (clipped, diagnostics), clip = grad_fn(params, batch, state=_keyed(dp_state.clip, key))
-            clipped = _reduced(reduce, clipped)
-            noised = add_gaussian_noise(
-                clipped, noise_multiplier=noise_multiplier, key=key, step=dp_state.step, compute_dtype=dtype
-            )
-            updates, opt_state = optimizer.update(noised, opt_state, params=params)
-            params = apply_updates(params, updates)
-        return params, opt_state, DPSGDState(dp_state.step + 1, clip), _metrics(dp_state.step, noised, diagnostics)
-
-    return step_fn, DPSGDState(0, clip_state)
-
-
-@optree.dataclasses.dataclass(frozen=True, namespace=NAMESPACE)
-class DPFTRLState:
-    """State of a composed DP-FTRL step: steps taken, the clipping state and the MF noise state (its buffers)."""
-
-    step: int = optree.dataclasses.field(pytree_node=False)
-    clip: Any
-    noise: MFNoiseState
+    noise = gaussian_noise(noise_multiplier=noise_multiplier, key=key, compute_dtype=compute_dtype)
+    count_key = random.fold_in(key, ADAPTIVE_STREAM) if isinstance(clipping_norm, AdaptiveRule) else None
+    return dp_step(loss_fn, clipping=clipping_norm, noise=noise, clipping_key=count_key, **step_options)
 
 
 def dp_ftrl(
     loss_fn: Callable[..., torch.Tensor],
     *,
     params: Any,
-    optimizer: Any,
     strategy: Any,
     n_steps: int,
-    clipping_norm: float | PerGroup,
+    clipping_norm: float | PerGroup | AutoSRule,
     noise_multiplier: float,
-    expected_batch_size: float,
-    microbatch_size: int | None = None,
+    key: random.Key,
     compute_dtype: torch.dtype | str = torch.float32,
     participation: Participation = SINGLE,
-    clip_backend: Callable[..., Any] | None = None,
-    reduce: Callable[[Clipped], Clipped] | None = None,
-    per_example_grads: Callable[..., Any] | None = None,
-    chunk_transform: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
-) -> tuple[Callable[..., tuple[Any, Any, DPFTRLState, StepMetrics]], DPFTRLState]:
-    """A composed DP-FTRL step as ``(step_fn, dp_state)``, used exactly like :func:`dp_sgd`.
+    **step_options: Any,
+) -> tuple[StepFn, DPState]:
+    """DP-FTRL: :func:`dp_step` with the correlated noise of :func:`~opake_core.mf.mf_gaussian_noise`.
 
     Args:
         loss_fn: ``loss_fn(params, *example) -> scalar`` for one example.
         params: a tree shaped like the parameters: the noise buffers (the strategy's streaming memory) follow its
             shapes and devices and live in ``dp_state.noise``.
-        optimizer: an :mod:`opake_core.optim` optimizer.
         strategy: an :mod:`opake_core.mf` strategy; specifications are optimized here once for ``n_steps`` and
             ``participation``.
         n_steps: the declared horizon; ``step_fn`` raises StateError at step ``n_steps``.
-        clipping_norm: a fixed per-example L2 bound (float or PerGroup). Adaptive clipping is refused: the
+        clipping_norm: a fixed per-example L2 bound (float or PerGroup) or AUTO-S. Adaptive clipping is refused: the
             matrix mechanism needs one sensitivity for the whole horizon.
         noise_multiplier: ``z``; the noise of step ``t`` is ``z * sens(C, participation) * clipping_norm /
             expected_batch_size * (C^-1 w)_t``. Account it with ``accounting.mf_process(strategy, sampler=...,
             noise_multiplier=z, n_steps=n_steps, participation=participation)``. 0 = non-private.
-        expected_batch_size: the public expected batch size (``sampler.expected_batch_size``).
-        microbatch_size: vmap chunk size (memory only).
+        key: the run's noise key, kept in ``dp_state``.
         compute_dtype: dtype the noise is added in.
         participation: the pattern the noise is scaled for (single participation: the per-round convention of
             amplified accounting).
-        clip_backend: a faster clip-and-sum engine (see :func:`~opake_core.clipping.clipped_grad`).
-        reduce: applied to the clipped, normalized sum before the noise (default: identity). Data-parallel adapters
-            pass a cross-rank SUM here (``opake_torch.distributed.sum_gradients``), so that the noise is added once,
-            after the sum; it must return a :class:`~opake_core.tree.Clipped` with the same sensitivity.
-        per_example_grads: replaces ``vmap(grad(loss_fn))``: ``per_example_grads(params, *batch) ->
-            (PerExampleGradients, losses)`` for the same per-example losses (see
-            :func:`~opake_core.clipping.clipped_grad`; ``opake_torch.layerwise.LayerwiseGradients`` is one).
-        chunk_transform: wraps the per-chunk clip function once (``torch.compile``, a CUDA-graph capture); with a
-            ``microbatch_size`` every chunk is padded to that many rows (see :func:`~opake_core.clipping.clipped_grad`).
-
-    Returns:
-        ``step_fn(params, opt_state, dp_state, batch, key) -> (params, opt_state, dp_state, metrics)``; the noise of
-        step ``t`` is drawn from ``(key, t)``, so pass the run's key at every step.
+        **step_options: the other arguments of :func:`dp_step` (``optimizer``, ``expected_batch_size``, and
+            optionally ``microbatch_size``, ``engine``, ``reduce``).
     """
     if isinstance(clipping_norm, bool) or not isinstance(clipping_norm, numbers.Real | PerGroup | AutoSRule):
         raise ConfigurationError(
@@ -268,47 +231,51 @@ def dp_ftrl(
             "adaptive clipping is refused under matrix-factorization noise, whose privacy proof assumes a constant "
             "per-step sensitivity. Use a fixed bound (or dp_sgd for adaptive clipping)."
         )
-    dtype = compute_dtype_of(compute_dtype)
-    concrete = _optimize_strategy(strategy, n_steps, participation=participation)
-    grad_fn, clip_state = _clipped_sum(
-        loss_fn,
-        clipping_norm,
-        expected_batch_size,
-        microbatch_size,
-        clip_backend,
-        per_example_grads=per_example_grads,
-        chunk_transform=chunk_transform,
-    )
-    noise_fn, noise_state = mf_gaussian_noise(
+    noise = mf_gaussian_noise(
         params,
-        concrete,
+        strategy,
         n_steps=n_steps,
         noise_multiplier=noise_multiplier,
-        key=random.key(0),  # replaced by the step's key at every call
-        compute_dtype=dtype,
+        key=key,
+        compute_dtype=compute_dtype,
         participation=participation,
     )
+    step_fn, dp_state = dp_step(loss_fn, clipping=clipping_norm, noise=noise, **step_options)
 
-    def step_fn(
-        params: Any, opt_state: Any, dp_state: DPFTRLState, batch: tuple[torch.Tensor, ...], key: random.Key
-    ) -> tuple[Any, Any, DPFTRLState, StepMetrics]:
-        if not isinstance(dp_state, DPFTRLState):
-            raise InputTypeError(f"step_fn expects the DPFTRLState from dp_ftrl, got {type(dp_state).__name__}.")
-        _check_batch(batch)
-        if not isinstance(key, random.Key):
-            raise InputTypeError(f"step_fn needs key=opake_core.random.key(seed), got {type(key).__name__}.")
-        if dp_state.step >= n_steps:
+    def within_horizon(
+        params: Any, opt_state: Any, dp_state: DPState, batch: tuple[torch.Tensor, ...]
+    ) -> tuple[Any, Any, DPState, StepMetrics]:
+        if isinstance(dp_state, DPState) and dp_state.step >= n_steps:  # refused before any gradient is computed
             raise StateError(
                 f"DP-FTRL step {dp_state.step} is past the declared horizon of n_steps={n_steps} (accounted as a "
                 "whole); build a new run with a larger n_steps, recalibrated, to train longer."
             )
-        with torch.profiler.record_function("opake::dp_ftrl_step"):
-            (clipped, diagnostics), clip = grad_fn(params, batch, state=dp_state.clip)
-            clipped = _reduced(reduce, clipped)
-            noised, noise = noise_fn(clipped, dataclasses.replace(dp_state.noise, key=key))
-            updates, opt_state = optimizer.update(noised, opt_state, params=params)
-            params = apply_updates(params, updates)
-        state = DPFTRLState(dp_state.step + 1, clip, noise)
-        return params, opt_state, state, _metrics(dp_state.step, noised, diagnostics)
+        return step_fn(params, opt_state, dp_state, batch)
 
-    return step_fn, DPFTRLState(0, clip_state, noise_state)
+    return within_horizon, dp_state
+
+
+def rekeyed(state: Any, keys_from: Any) -> Any:
+    """``state`` with every key replaced by the one at the same place in ``keys_from``, a state of the same structure
+    (a fresh ``dp_state`` built with this segment's keys); counters, bounds and buffers stay ``state``'s.
+
+    With :func:`unkeyed` it keeps keys out of saved states: a checkpoint stores ``unkeyed(dp_state)`` and its keys
+    apart, and a resume continues ``rekeyed(saved, fresh)``. A resumed run that starts a new segment with new keys
+    thereby never adds noise drawn for one trajectory to another.
+    """
+    if isinstance(state, random.Key) or isinstance(keys_from, random.Key):
+        return keys_from
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
+        fields = dataclasses.fields(state)
+        return dataclasses.replace(
+            state, **{f.name: rekeyed(getattr(state, f.name), getattr(keys_from, f.name, None)) for f in fields}
+        )
+    if type(state) in (tuple, list):
+        others = keys_from if type(keys_from) is type(state) and len(keys_from) == len(state) else [None] * len(state)
+        return type(state)(rekeyed(a, b) for a, b in zip(state, others, strict=True))
+    return state
+
+
+def unkeyed(state: Any) -> Any:
+    """``state`` with every key replaced by None: what a checkpoint stores (see :func:`rekeyed`)."""
+    return rekeyed(state, None)

@@ -27,12 +27,9 @@ from torch.func import grad, vmap
 
 from opake_core import accounting, optim, random, sampling
 from opake_core.audit import AuditResult, coin_flips, one_run_audit
-from opake_core.clipping import clipped_grad
 from opake_core.errors import ConfigurationError
 from opake_core.mf import MinSepParticipation
-from opake_core.noise import mf_gaussian_noise
-from opake_core.optim import apply_updates
-from opake_core.step import dp_sgd
+from opake_core.step import dp_ftrl, dp_sgd
 
 __all__ = [
     "AuditReport",
@@ -176,41 +173,32 @@ def audit_core_run(
         optimizer = optim.sgd(0.5, non_private=not private)
     start = dict(params)
     current, opt_state = dict(params), optimizer.init(params)
+    noise_key = random.fold_in(key, "opake.audit.noise")
+    common = {"optimizer": optimizer, "clipping_norm": clipping_norm, "noise_multiplier": noise_multiplier}
     if strategy is None:
         sampler = sampling.poisson(dataset_size=n, sample_rate=sample_rate)
-        step_fn, dp_state = dp_sgd(
-            loss_fn,
-            optimizer=optimizer,
-            clipping_norm=clipping_norm,
-            noise_multiplier=noise_multiplier,
-            expected_batch_size=sampler.expected_batch_size,
-        )
-        sampler_state = sampler.init()
-        sampler_key, noise_key = random.fold_in(key, "opake.audit.sampler"), random.fold_in(key, "opake.audit.noise")
+        step_fn, dp_state = dp_sgd(loss_fn, expected_batch_size=sampler.expected_batch_size, key=noise_key, **common)
+        sampler_state, sampler_key = sampler.init(), random.fold_in(key, "opake.audit.sampler")
         for _ in range(steps):
             idx, sampler_state = sampler.sample(sampler_key, sampler_state)
             idx_t = torch.as_tensor(idx, dtype=torch.long)
-            current, opt_state, dp_state, _ = step_fn(current, opt_state, dp_state, (x[idx_t], y[idx_t]), noise_key)
+            current, opt_state, dp_state, _ = step_fn(current, opt_state, dp_state, (x[idx_t], y[idx_t]))
         theoretical = (
             accounting.epsilon(sampler.process(noise_multiplier, steps), delta=delta).value if private else math.inf
         )
     else:
-        grad_fn, clip_state = clipped_grad(
-            loss_fn, clipping_norm=clipping_norm, normalize_by=float(n), batch_argnums=(1, 2)
-        )
-        noise_fn, noise_state = mf_gaussian_noise(
-            params,
-            strategy,
+        step_fn, dp_state = dp_ftrl(
+            loss_fn,
+            params=params,
+            strategy=strategy,
             n_steps=steps,
-            noise_multiplier=noise_multiplier,
-            key=random.fold_in(key, "opake.audit.noise"),
             participation=MinSepParticipation(1),
+            expected_batch_size=float(n),
+            key=noise_key,
+            **common,
         )
         for _ in range(steps):
-            clipped, clip_state = grad_fn(current, x, y, state=clip_state)
-            noised, noise_state = noise_fn(clipped, noise_state)
-            updates, opt_state = optimizer.update(noised, opt_state, params=current)
-            current = apply_updates(current, updates)
+            current, opt_state, dp_state, _ = step_fn(current, opt_state, dp_state, (x, y))
         theoretical = (
             accounting.epsilon(accounting.gaussian(noise_multiplier), delta=delta).value if private else math.inf
         )

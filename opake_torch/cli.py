@@ -286,10 +286,8 @@ def run_epsilon(args: argparse.Namespace) -> dict[str, Any]:
     q = _sample_rate(args)
     steps, delta = _steps(args, q), _delta(args)
     query = _query(args)
-    if args.mechanism == "gaussian":
-        result = acc.epsilon(_run_factory(args, q, steps)(args.noise_multiplier), delta=delta, **query)
-    else:
-        result = acc.mf_epsilon(_mf_factory(args, q, steps)(args.noise_multiplier), delta=delta, **query)
+    make = _run_factory if args.mechanism == "gaussian" else _mf_factory
+    result = acc.epsilon(make(args, q, steps)(args.noise_multiplier), delta=delta, **query)
     _plot_steps(args, args.noise_multiplier, q, steps, delta, query)
     return {
         "epsilon": result.value,
@@ -303,8 +301,7 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     q = _sample_rate(args)
     steps, delta = _steps(args, q), _delta(args)
     query = _query(args)
-    calibrate = acc.calibrate_noise_multiplier if args.mechanism == "gaussian" else acc.calibrate_mf_noise_multiplier
-    found = calibrate(
+    found = acc.calibrate_noise_multiplier(
         (_run_factory if args.mechanism == "gaussian" else _mf_factory)(args, q, steps),
         target_epsilon=args.target_epsilon,
         delta=delta,

@@ -11,9 +11,10 @@ inputs ``a`` from a forward hook, the output gradients ``g`` from a backward tap
   ``sum_i c_i G_i = (c * g)^T a``, one matmul, the same as a non-private weight gradient ("book-keeping",
   Bu et al. 2023, arXiv 2210.00038).
 
-Clipping itself stays in :func:`opake_core.clipping.clipped_grad`, which takes the squared norms, forms the
-scales with the same rule and margin as for materialized gradients and asks for the scaled sum: the two engines
-release the same clipped sum up to float rounding.
+:class:`LayerwiseGradients` is the ``gradients`` part of an :class:`opake_core.clipping.Engine`. Clipping itself
+stays in :mod:`opake_core.clipping.rules`, which takes the squared norms, forms the scales with the same rule and
+margin as for materialized gradients and asks for the scaled sum: the two engines release the same clipped sum up to
+float rounding.
 
 Supported layers: ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, Hugging Face's ``Conv1D`` and
 Llama-style ``*RMSNorm`` layers, with their stock ``forward``; every layer must see the batch in dimension 0 (Hugging
@@ -27,7 +28,7 @@ supported layer and any other coupling. Hooks exist only for the duration of one
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,7 +189,7 @@ class _Gradients:
     dense: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [m, *shape]
     ghost: dict[str, tuple[_Call, torch.Tensor]] = field(default_factory=dict)  # name -> (call, squared norms)
 
-    def squared_norms(self) -> list[torch.Tensor]:
+    def squared_norms(self) -> torch.Tensor:
         out = []
         for name in self.names:
             if name in self.ghost:
@@ -197,12 +198,13 @@ class _Gradients:
                 out.append(MaterializedGradients([self.dense[name]]).squared_norms()[0])
             else:
                 out.append(torch.zeros(self.m, dtype=torch.float64, device=self.device))
-        return out
+        return torch.stack(out)
 
-    def add_scaled(self, scales: list[torch.Tensor], sums: list[torch.Tensor]) -> None:
-        for name, scale, total in zip(self.names, scales, sums, strict=True):
+    def add_scaled(self, scales: dict[torch.dtype, torch.Tensor], sums: list[torch.Tensor]) -> None:
+        for k, (name, total) in enumerate(zip(self.names, sums, strict=True)):
+            scale = scales[total.dtype][k]
             if name in self.dense:
-                MaterializedGradients([self.dense[name]]).add_scaled([scale], [total])
+                MaterializedGradients([self.dense[name]]).add_scaled({total.dtype: scale[None]}, [total])
             elif name in self.ghost:
                 _add_ghost(self.ghost[name][0], scale, total)
 
@@ -282,16 +284,16 @@ def _prefers_ghost(call: _Call, shape: torch.Size, m: int) -> bool:
 
 
 class LayerwiseGradients:
-    """``per_example_grads`` for :func:`opake_core.clipping.clipped_grad` (and the steps) from one batched pass.
+    """Per-example gradients from one batched pass: the ``gradients`` of an :class:`opake_core.clipping.Engine`
+    (``Engine(gradients=LayerwiseGradients(model, batch_loss))``).
 
     Args:
         model: the module whose trainable parameters are differentiated; every one of them must live in a supported
             layer (see :func:`unsupported_parameters`).
-        batch_loss: ``batch_loss(params, *batch) -> losses [m]``: runs ``model`` (through
-            ``torch.func.functional_call`` with ``params``) on a batch and returns each example's loss, the same
-            per-example losses as the ``loss_fn`` given to ``clipped_grad``.
-
-    Call it as ``per_example_grads(params, *batch) -> (gradients, losses [m])``.
+        batch_loss: ``batch_loss(params, *batch) -> losses [m]``: the arguments of the ``loss_fn`` given to
+            ``clipped_grad`` (the parameters first), batched; it runs ``model`` (through
+            ``torch.func.functional_call`` with ``params``) and returns each example's loss, the same per-example
+            losses as ``loss_fn``, which is not called.
     """
 
     def __init__(self, model: nn.Module, batch_loss: Callable[..., torch.Tensor]) -> None:
@@ -310,8 +312,8 @@ class LayerwiseGradients:
         if reasons:
             raise ConfigurationError(
                 "layerwise per-example gradients serve Linear, Embedding, LayerNorm, RMSNorm and Conv1D layers of "
-                f"models whose examples do not interact; not: {'; '.join(reasons[:5])}. Use vmap(grad) (leave "
-                "per_example_grads unset)."
+                f"models whose examples do not interact; not: {'; '.join(reasons[:5])}. Use vmap(grad) (the "
+                "default engine)."
             )
         places, _ = _owners(self.model, set(params))
         by_module: dict[nn.Module, tuple[str, dict[str, str]]] = {}
@@ -321,8 +323,12 @@ class LayerwiseGradients:
         self._layout = (names, by_module)
         return by_module
 
-    def __call__(self, params: dict[str, torch.Tensor], *batch: Any) -> tuple[_Gradients, torch.Tensor]:
-        return self._run(params, batch, instantiate=False)
+    def __call__(
+        self, example_grad: Callable[..., Any], args: Sequence[Any], batch_argnums: tuple[int, ...]
+    ) -> tuple[_Gradients, torch.Tensor]:
+        """The chunk's gradients and losses ``[m]`` from ``batch_loss(*args)``; ``example_grad`` is not needed."""
+        with torch.enable_grad():  # clipped_grad runs under no_grad; this engine runs autograd
+            return self._run(args[0], tuple(args[1:]), instantiate=False)
 
     def check(
         self, params: dict[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor], *batch: Any, rtol: float = 1e-2

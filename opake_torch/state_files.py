@@ -43,12 +43,12 @@ from torchopt.transform.trace import TraceState
 from opake_core import random
 from opake_core.clipping import AdaptiveClipState, FixedClipState
 from opake_core.errors import CheckpointError, InputTypeError, OpakeError
-from opake_core.mf.streaming import MFNoiseState
+from opake_core.noise import GaussianNoiseState
 from opake_core.optim._foreach import AdamState
 from opake_core.optim._lr import LearningRateState
 from opake_core.optim.adafactor import FactoredRmsState
 from opake_core.optim.bias_correction import BiasCorrectedAdamState
-from opake_core.step import DPFTRLState, DPSGDState
+from opake_core.step import DPState
 from opake_core.tree import PerGroup
 
 __all__ = ["MAX_JSON_BYTES", "load_tree", "read_json", "save_tree", "sha256", "write_json"]
@@ -58,11 +58,10 @@ MAX_JSON_BYTES = 64 * 2**20
 
 _FORMAT, _TREE = ("opake.format", "tree/1"), "opake.tree"
 _CLASSES: dict[str, type] = {
-    "opake.DPSGDState": DPSGDState,
-    "opake.DPFTRLState": DPFTRLState,
+    "opake.DPState": DPState,
     "opake.FixedClipState": FixedClipState,
     "opake.AdaptiveClipState": AdaptiveClipState,
-    "opake.MFNoiseState": MFNoiseState,
+    "opake.GaussianNoiseState": GaussianNoiseState,
     "opake.PerGroup": PerGroup,
     "opake.AdamState": AdamState,
     "opake.BiasCorrectedAdamState": BiasCorrectedAdamState,

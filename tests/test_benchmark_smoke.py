@@ -85,7 +85,7 @@ def test_phase_breakdown_names_the_core_labels(report: tuple[dict, str]) -> None
     for phases in results["phases"]:
         assert phases["ok"], phases
         names = set(phases["phases"])
-        assert {"opake::dp_sgd_step", "opake::clipped_grad", "opake::gaussian_noise"} <= names
+        assert {"opake::dp_step", "opake::clipped_grad", "opake::gaussian_noise"} <= names
         assert any(name.startswith("opake::optim.") for name in names)
         assert phases["per_example_grads_ms"] > 0
 

@@ -1,8 +1,9 @@
 """Privacy accounting on dp-accounting: processes, queries, calibration, JSON.
 
 Build a process (``poisson(gaussian(1.0), 0.01)``, ``repeat(step, 1000)``, ``compose(a, b)``), then ask
-``epsilon(process, delta=1e-5)`` or ``delta(process, epsilon=8.0)``; each answer says which accountant
-produced it (PLD by default, RDP on request, Monte Carlo for random allocation). See ``docs/accounting.md``.
+``epsilon(process, delta=1e-5)`` or ``delta(process, epsilon=8.0)``, for DP-SGD and DP-FTRL processes alike; each
+answer says which accountant produced it (PLD by default, RDP on request, Monte Carlo where dp-accounting has no
+event). See ``docs/accounting.md``.
 """
 
 from opake_core.accounting.budget import check_delta
@@ -13,17 +14,8 @@ from opake_core.accounting.calibration import (
     stop_step,
 )
 from opake_core.accounting.ledger import Ledger
-from opake_core.accounting.mf import (
-    COMPATIBLE_SAMPLERS,
-    BallsInBinsMF,
-    BMinSepMF,
-    MFProcess,
-    calibrate_mf_noise_multiplier,
-    mf_delta,
-    mf_epsilon,
-    mf_process,
-    sampler_participation,
-)
+from opake_core.accounting.mf import COMPATIBLE_SAMPLERS, MFProcess, mf_process, sampler_participation
+from opake_core.accounting.mf_monte_carlo import BallsInBinsMF, BMinSepMF
 from opake_core.accounting.processes import (
     AdaptiveClipping,
     Compose,
@@ -67,7 +59,6 @@ __all__ = [
     "Result",
     "TruncatedPoisson",
     "adaptive_clipping",
-    "calibrate_mf_noise_multiplier",
     "calibrate_noise_multiplier",
     "calibrate_steps",
     "check_delta",
@@ -79,8 +70,6 @@ __all__ = [
     "is_nonprivate",
     "k_out_of_t",
     "library_versions",
-    "mf_delta",
-    "mf_epsilon",
     "mf_process",
     "poisson",
     "random_allocation",

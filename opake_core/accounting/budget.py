@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 
-from opake_core.accounting import _checks
+from opake_core import validate
 from opake_core.errors import PrivacyBudgetError
 
 __all__ = ["check_delta"]
@@ -20,8 +20,8 @@ __all__ = ["check_delta"]
 def check_delta(delta: float, *, dataset_size: int, allow_large: bool = False) -> float:
     """``delta`` checked against ``1/dataset_size``: PrivacyBudgetError at or above it (unless ``allow_large``),
     a warning above ``1/(10 dataset_size)``; returns it as a float."""
-    value = _checks.delta(delta)
-    n = _checks.integer("dataset_size", dataset_size, minimum=1)
+    value = validate.delta("delta", delta)
+    n = validate.integer("dataset_size", dataset_size, minimum=1)
     if value >= 1 / n and not allow_large:
         raise PrivacyBudgetError(
             f"delta={value:.3g} is >= 1/N = {1 / n:.3g} for N={n} records: at that delta, publishing one random "

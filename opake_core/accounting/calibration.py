@@ -11,9 +11,11 @@ from __future__ import annotations
 import builtins
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
-from opake_core.accounting import _checks
+from opake_core import validate
+from opake_core.accounting.mf_monte_carlo import MonteCarloMF, default_monte_carlo
 from opake_core.accounting.processes import (
     Process,
     compose,
@@ -23,6 +25,7 @@ from opake_core.accounting.processes import (
 )
 from opake_core.accounting.queries import _quiet_absl
 from opake_core.accounting.queries import epsilon as _epsilon
+from opake_core.accounting.random_allocation import MonteCarlo
 from opake_core.errors import CalibrationError, ConfigurationError
 
 __all__ = ["Calibrated", "calibrate_noise_multiplier", "calibrate_steps", "stop_step"]
@@ -39,7 +42,7 @@ class Calibrated:
 
 
 def _target(target_epsilon: float) -> float:
-    value = _checks.real("target_epsilon", target_epsilon)
+    value = validate.real("target_epsilon", target_epsilon)
     if value <= 0:
         raise ConfigurationError(f"target_epsilon must be > 0, got {value!r}.")
     return value
@@ -98,14 +101,22 @@ def calibrate_noise_multiplier(
     ``max`` does not reach the target. ``query`` is passed to :func:`opake_core.accounting.epsilon`. With PLD,
     a cheap RDP calibration first gives a starting point (RDP is looser, so its multiplier is usually already
     safe).
+
+    Whole-horizon Monte Carlo processes (DP-FTRL with balls-in-bins or b-min-sep sampling) are bisected on ``log z``
+    instead, with common random numbers (the same samples' seed at every probe), until the bracket is within
+    ``tolerance`` relative on ``z``; each probe runs at failure probability ``beta / 40`` so that the returned
+    multiplier's guarantee holds with probability >= 1 - ``beta`` (at most 40 probes). The returned multiplier is
+    always the safe end of the bracket.
     """
     target = _target(target_epsilon)
-    lo, hi = _checks.real("min", min), _checks.real("max", max)
-    tol = _checks.real("tolerance", tolerance)
+    lo, hi = validate.real("min", min), validate.real("max", max)
+    tol = validate.real("tolerance", tolerance)
     if not 0 < lo < hi:
         raise CalibrationError(f"calibration bounds need 0 < min < max, got min={lo!r}, max={hi!r}.")
     if not 0 < tol < 1:
         raise CalibrationError(f"tolerance must be in (0, 1), got {tol!r}; the default is 1e-3 (relative).")
+    if isinstance(make_process(hi), MonteCarloMF):
+        return _bisect_monte_carlo(make_process, target, delta, lo, hi, tol, accountant, **query)
     calls, names = 0, set()
 
     def eps(sigma: float) -> float:
@@ -161,6 +172,50 @@ def calibrate_noise_multiplier(
         integer=False,
     )
     return Calibrated(math.exp(-xs), math.exp(ys), names.pop(), calls)
+
+
+_MONTE_CARLO_PROBES = 40
+
+
+def _bisect_monte_carlo(
+    make_process: Callable[[float], Any],
+    target: float,
+    delta: float,
+    lo: float,
+    hi: float,
+    tol: float,
+    accountant: str | None,
+    monte_carlo: MonteCarlo | None = None,
+) -> Calibrated:
+    """Bisection on ``log z`` for Monte Carlo processes (see :func:`calibrate_noise_multiplier`)."""
+    base = monte_carlo or default_monte_carlo(delta)
+    config = replace(base, failure_probability=base.failure_probability / _MONTE_CARLO_PROBES)
+    calls, names = 0, {}
+
+    def eps(z: float) -> float:
+        nonlocal calls
+        calls += 1
+        result = _epsilon(make_process(z), delta=delta, accountant=accountant, monte_carlo=config)
+        names[z] = result.accountant
+        return result.value
+
+    e_hi = eps(hi)
+    if e_hi > target:
+        raise CalibrationError(
+            f"target_epsilon={target} is unreachable with noise multipliers up to max={hi}: the Monte Carlo epsilon "
+            f"there is {e_hi:.6g}. Raise max, use more Monte Carlo samples, or accept a larger target."
+        )
+    e_lo = eps(lo)
+    if e_lo <= target:
+        return Calibrated(lo, e_lo, names[lo], calls)
+    while hi / lo - 1 > tol and calls < _MONTE_CARLO_PROBES:
+        mid = math.sqrt(lo * hi)
+        e_mid = eps(mid)
+        if e_mid <= target:
+            hi, e_hi = mid, e_mid
+        else:
+            lo = mid
+    return Calibrated(hi, e_hi, names[hi], calls)
 
 
 def _first_reaching(
@@ -263,7 +318,7 @@ def stop_step(
     ``max_steps``.
     """
     target = _step_query(step_process, prefix, target_epsilon, "stop_step")
-    max_steps = _checks.integer("max_steps", max_steps, minimum=1)
+    max_steps = validate.integer("max_steps", max_steps, minimum=1)
 
     def eps_of(n: int) -> float:
         return _epsilon(_run(step_process, prefix, n), delta=delta, accountant=accountant, **query).value
@@ -288,7 +343,7 @@ def calibrate_steps(
     not reached within it.
     """
     target = _step_query(step_process, prefix, target_epsilon, "calibrate_steps")
-    max_steps = _checks.integer("max_steps", max_steps, minimum=1)
+    max_steps = validate.integer("max_steps", max_steps, minimum=1)
     values: dict[int, tuple[float, str]] = {}
 
     def eps_of(n: int) -> float:

@@ -17,10 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from opake_core.accounting import _checks
-from opake_core.accounting.mf import mf_epsilon
+from opake_core import validate
 from opake_core.accounting.processes import Process, compose, repeat
-from opake_core.accounting.queries import Result
+from opake_core.accounting.queries import Result, epsilon
 from opake_core.accounting.serialization import _build, _node, library_versions
 from opake_core.errors import ConfigurationError, InputTypeError
 
@@ -39,11 +38,11 @@ class Ledger:
         for entry in self.entries:
             if not isinstance(entry, tuple) or len(entry) != 2:
                 raise InputTypeError(f"a ledger entry is a (process, count) pair, got {entry!r}.")
-            _checks.integer("count", entry[1], minimum=1)
+            validate.integer("count", entry[1], minimum=1)
 
     def record(self, process: Any, count: int = 1) -> Ledger:
         """The ledger after ``count`` more releases of ``process`` (merged into the last entry when equal)."""
-        count = _checks.integer("count", count, minimum=1)
+        count = validate.integer("count", count, minimum=1)
         _node(process)  # refuses anything that is not a process
         if self.entries and self.entries[-1][0] == process:
             last, n = self.entries[-1]
@@ -68,7 +67,7 @@ class Ledger:
         if process is None:
             return Result(0.0, "none")
         try:
-            return mf_epsilon(process, delta=delta, **query)
+            return epsilon(process, delta=delta, **query)
         except ConfigurationError as exc:
             raise ConfigurationError(
                 f"this history cannot be accounted as one composition ({exc}) A whole-horizon process (DP-FTRL "

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import dp_accounting
 
-from opake_core.accounting import _checks
+from opake_core import validate
 from opake_core.errors import ConfigurationError, InputTypeError
 
 __all__ = [
@@ -59,7 +59,9 @@ class Gaussian:
     noise_multiplier: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "noise_multiplier", _checks.noise_multiplier(self.noise_multiplier))
+        object.__setattr__(
+            self, "noise_multiplier", validate.noise_multiplier("noise_multiplier", self.noise_multiplier)
+        )
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ class AdaptiveClipping:
                 "pass gaussian(noise_multiplier)."
             )
         for name in ("count_noise_fraction", "expected_batch_size"):
-            value = _checks.real(name, getattr(self, name))
+            value = validate.real(name, getattr(self, name))
             if value <= 0:
                 raise ConfigurationError(f"{name} must be > 0, got {value!r}.")
             object.__setattr__(self, name, value)
@@ -119,7 +121,7 @@ class Poisson:
 
     def __post_init__(self) -> None:
         _check_mechanism("poisson", self.inner)
-        object.__setattr__(self, "sample_rate", _checks.rate("sample_rate", self.sample_rate))
+        object.__setattr__(self, "sample_rate", validate.rate("sample_rate", self.sample_rate))
 
 
 @dataclass(frozen=True)
@@ -137,17 +139,17 @@ class TruncatedPoisson:
 
     def __post_init__(self) -> None:
         _check_mechanism("truncated_poisson", self.inner)
-        q = _checks.rate("sample_rate", self.sample_rate)
+        q = validate.rate("sample_rate", self.sample_rate)
         if q == 1.0:
             raise ConfigurationError(
                 "truncated_poisson needs sample_rate < 1, got 1.0; with q = 1 use a fixed batch, not truncation."
             )
         object.__setattr__(self, "sample_rate", q)
-        object.__setattr__(self, "dataset_size", _checks.integer("dataset_size", self.dataset_size, minimum=1))
+        object.__setattr__(self, "dataset_size", validate.integer("dataset_size", self.dataset_size, minimum=1))
         object.__setattr__(
             self,
             "truncated_batch_size",
-            _checks.integer("truncated_batch_size", self.truncated_batch_size, minimum=1),
+            validate.integer("truncated_batch_size", self.truncated_batch_size, minimum=1),
         )
 
 
@@ -170,7 +172,7 @@ class RandomAllocation:
                 f"{type(self.inner).__name__}; "
                 "pass gaussian(noise_multiplier)."
             )
-        object.__setattr__(self, "num_steps", _checks.integer("num_steps", self.num_steps, minimum=1))
+        object.__setattr__(self, "num_steps", validate.integer("num_steps", self.num_steps, minimum=1))
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ class Repeat:
 
     def __post_init__(self) -> None:
         _check_process("repeat", self.process)
-        object.__setattr__(self, "count", _checks.integer("count", self.count, minimum=1))
+        object.__setattr__(self, "count", validate.integer("count", self.count, minimum=1))
 
 
 @dataclass(frozen=True)
@@ -244,8 +246,8 @@ def k_out_of_t(inner: Gaussian, *, k: int, t: int, allocation: str) -> Process:
     with
       block sizes ``floor(t/k)`` and ``ceil(t/k)`` (Feldman & Shenfeld 2025, arXiv 2502.08202).
     """
-    k = _checks.integer("k", k, minimum=1)
-    t = _checks.integer("t", t, minimum=1)
+    k = validate.integer("k", k, minimum=1)
+    t = validate.integer("t", t, minimum=1)
     if k > t:
         raise ConfigurationError(
             f"k must be <= t, got k={k}, t={t}; an example cannot take part in more steps than exist."

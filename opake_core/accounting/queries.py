@@ -2,8 +2,12 @@
 
 * ``"pld"`` (the default): dp-accounting's ``PLDAccountant``, pessimistic, discretization 1e-4 (see below).
 * ``"rdp"``: dp-accounting's ``RdpAccountant`` with its default orders (looser; no truncated Poisson).
-* ``"monte_carlo"``: the estimator of :mod:`opake_core.accounting.random_allocation`, the only accountant for
-  processes with a random-allocation part (chosen automatically for them when ``accountant=None``).
+* ``"monte_carlo"``: the estimators of :mod:`opake_core.accounting.random_allocation` and
+  :mod:`opake_core.accounting.mf_monte_carlo`, the only accountants for processes with a random-allocation part and
+  for the Monte Carlo DP-FTRL processes (chosen automatically for them when ``accountant=None``; the latter may
+  answer ``"analytic_gaussian"``, their exact unamplified bound, when it is smaller).
+
+One surface for every process: ``epsilon`` and ``delta`` dispatch on the process, DP-SGD and DP-FTRL alike.
 
 Adjacency is add-or-remove-one by default; ``adjacency="replace_one"`` or ``"replace_special"`` select
 dp-accounting's other neighbouring relations where the analysis needs them. A process with a noise multiplier
@@ -31,8 +35,10 @@ from dataclasses import dataclass
 import dp_accounting
 from dp_accounting import pld, rdp
 
-from opake_core.accounting import _checks
+from opake_core import validate
+from opake_core.accounting import mf_monte_carlo as _mf_mc
 from opake_core.accounting import random_allocation as _ra
+from opake_core.accounting.mf_monte_carlo import MonteCarloMF
 from opake_core.accounting.processes import (
     Compose,
     Process,
@@ -69,19 +75,21 @@ class Result:
 
 
 def _resolve(process: Process, accountant: str | None) -> str:
-    needs_mc = contains_random_allocation(process)
+    needs_mc = isinstance(process, MonteCarloMF) or contains_random_allocation(process)
     if accountant is None:
         return "monte_carlo" if needs_mc else "pld"
     if accountant not in ACCOUNTANTS:
         raise ConfigurationError(f"accountant must be one of {ACCOUNTANTS} or None, got {accountant!r}.")
     if needs_mc and accountant != "monte_carlo":
         raise ConfigurationError(
-            f"a random-allocation process (k-out-of-t sampling) cannot be accounted with {accountant!r}: "
-            "dp-accounting has no event for it. Use accountant='monte_carlo' or None."
+            f"a {type(process).__name__} process (random allocation, or DP-FTRL with balls-in-bins or b-min-sep "
+            f"sampling) is accounted by Monte Carlo only, not {accountant!r}: dp-accounting has no event for it. Use "
+            "accountant='monte_carlo' or None."
         )
     if not needs_mc and accountant == "monte_carlo":
         raise ConfigurationError(
-            "accountant='monte_carlo' is only for random-allocation processes; use 'pld' (exact, the default)."
+            "accountant='monte_carlo' is only for random-allocation and Monte Carlo DP-FTRL processes; use 'pld' "
+            "(exact, the default)."
         )
     return accountant
 
@@ -137,7 +145,7 @@ def _composed(
             if bound is not None and not bound <= GRID_POINTS:
                 name = "rdp"
             discretization = max(DEFAULT_DISCRETIZATION, (bound or 0.0) / GRID_POINTS)
-        discretization = _checks.real("discretization", discretization)
+        discretization = validate.real("discretization", discretization)
         if discretization <= 0:
             raise ConfigurationError(f"discretization must be > 0, got {discretization!r}; the default is 1e-4.")
     if name == "rdp":
@@ -165,11 +173,14 @@ def epsilon(
 ) -> Result:
     """The smallest epsilon such that ``process`` is (epsilon, delta)-DP, by the named accountant.
 
-    ``accountant=None`` means PLD, or Monte Carlo for random allocation. ``discretization=None`` is 1e-4, coarsened
-    for epsilons above 100 (module docstring). Returns ``Result(inf, ...)`` for a non-private process.
+    ``accountant=None`` means PLD, or Monte Carlo where no dp-accounting event exists. ``discretization=None`` is
+    1e-4, coarsened for epsilons above 100 (module docstring). Returns ``Result(inf, ...)`` for a non-private
+    process.
     """
-    target = _checks.delta(delta)
+    target = validate.delta("delta", delta)
     name = _resolve(process, accountant)
+    if isinstance(process, MonteCarloMF):
+        return Result(*_mf_mc.epsilon(process, delta=target, config=monte_carlo))
     if is_nonprivate(process):
         return Result(math.inf, name)
     if name == "monte_carlo":
@@ -188,8 +199,10 @@ def delta(
     monte_carlo: _ra.MonteCarlo | None = None,
 ) -> Result:
     """The smallest delta such that ``process`` is (epsilon, delta)-DP; 1 for a non-private process."""
-    target = _checks.epsilon("epsilon", epsilon)
+    target = validate.epsilon("epsilon", epsilon)
     name = _resolve(process, accountant)
+    if isinstance(process, MonteCarloMF):
+        return Result(*_mf_mc.delta(process, epsilon=target, config=monte_carlo))
     if is_nonprivate(process):
         return Result(1.0, name)
     if name == "monte_carlo":

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from opake_core.accounting import _checks
+from opake_core import validate
 from opake_core.accounting.processes import Compose, Process, RandomAllocation, Repeat
 from opake_core.errors import ConfigurationError
 from opake_core.random import fold_in, key, numpy_generator
@@ -54,14 +54,14 @@ class MonteCarlo:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _checks.integer("num_samples", self.num_samples, minimum=100)
-        beta = _checks.real("failure_probability", self.failure_probability)
+        validate.integer("num_samples", self.num_samples, minimum=100)
+        beta = validate.real("failure_probability", self.failure_probability)
         if not 0 < beta < 1:
             raise ConfigurationError(f"failure_probability must be in (0, 1), got {beta!r}; 1e-6 is the default.")
         for name in ("epsilon_resolution", "max_epsilon"):
-            if _checks.real(name, getattr(self, name)) <= 0:
+            if validate.real(name, getattr(self, name)) <= 0:
                 raise ConfigurationError(f"{name} must be > 0, got {getattr(self, name)!r}.")
-        _checks.integer("seed", self.seed, minimum=-(2**63))
+        validate.integer("seed", self.seed, minimum=-(2**63))
 
     @property
     def grid_size(self) -> int:

@@ -2,7 +2,8 @@
 
 See :mod:`opake_core.mf.strategies` for the notation. Modules: ``toeplitz`` (coefficient algebra), ``workload``,
 ``participation``, ``strategies`` (identity, BSR, BISR, lambda-CGD and the shared functions), ``band_mf``, ``blt``,
-``sensitivity``, ``error`` and ``streaming`` (the streaming noise ``mf_gaussian_noise``).
+``sensitivity``, ``error`` and ``streaming`` (the streamed Gaussian matrix mechanism: ``mf_gaussian_noise``, and
+``opake_core.noise.gaussian_noise`` with ``C = I``).
 """
 
 from opake_core.mf.band_mf import BandedToeplitz, BandMF, band_mf
@@ -25,7 +26,7 @@ from opake_core.mf.strategies import (
     num_buffers,
     optimize,
 )
-from opake_core.mf.streaming import MFNoiseState, mf_gaussian_noise, mf_second_moment_noise
+from opake_core.mf.streaming import GaussianNoiseState, mf_gaussian_noise
 from opake_core.mf.workload import Workload, lr_schedule, momentum_weight_decay, prefix_sum
 
 __all__ = [
@@ -37,9 +38,9 @@ __all__ = [
     "BufferedToeplitz",
     "CyclicParticipation",
     "ExpectedError",
+    "GaussianNoiseState",
     "Identity",
     "LambdaCGD",
-    "MFNoiseState",
     "MinSepParticipation",
     "SingleParticipation",
     "Workload",
@@ -56,7 +57,6 @@ __all__ = [
     "lr_schedule",
     "materialize",
     "mf_gaussian_noise",
-    "mf_second_moment_noise",
     "momentum_weight_decay",
     "num_buffers",
     "optimize",

@@ -17,8 +17,9 @@ import numpy as np
 import scipy.optimize
 import torch
 
+from opake_core import validate
 from opake_core.errors import ConfigurationError
-from opake_core.mf import _autodiff, _checks, toeplitz
+from opake_core.mf import _autodiff, toeplitz
 from opake_core.mf._base import Concrete, StreamPlan
 from opake_core.mf.participation import SINGLE, Participation
 from opake_core.mf.workload import PREFIX_SUM, Workload
@@ -105,8 +106,8 @@ def optimize_banded(
     max_iterations: int = 500,
 ) -> BandedToeplitz:
     """Optimize ``bands`` Toeplitz coefficients for horizon ``n`` (see the module docstring)."""
-    _checks.integer("n", n)
-    _checks.integer("bands", bands)
+    validate.integer("n", n, minimum=1)
+    validate.integer("bands", bands, minimum=1)
     if bands > n:
         raise ConfigurationError(f"BandMF needs bands <= n_steps, got bands={bands} and n_steps={n}.")
     workload.rates(n)  # a schedule shorter than the horizon fails here, before the optimization
@@ -151,7 +152,7 @@ class BandMF:
     objective: str = "mean"
 
     def __post_init__(self) -> None:
-        _checks.integer("bands", self.bands)
+        validate.integer("bands", self.bands, minimum=1)
         _objective("objective", self.objective)
         if not isinstance(self.workload, Workload):
             raise ConfigurationError(f"workload must be an opake_core.mf.Workload, got {type(self.workload).__name__}.")

@@ -28,8 +28,9 @@ import numpy as np
 import scipy.optimize
 import torch
 
+from opake_core import validate
 from opake_core.errors import ConfigurationError
-from opake_core.mf import _autodiff, _checks, toeplitz
+from opake_core.mf import _autodiff, toeplitz
 from opake_core.mf._base import Concrete, StreamPlan
 from opake_core.mf.participation import SINGLE, Participation, SingleParticipation
 from opake_core.mf.workload import PREFIX_SUM, Workload
@@ -205,8 +206,8 @@ def optimize_buffers(
     max_iterations: int = 400,
 ) -> tuple[BufferedToeplitz, float]:
     """The best BLT with exactly ``num_buffers`` buffers for horizon ``n``, and its loss."""
-    _checks.integer("n", n)
-    _checks.integer("num_buffers", num_buffers, minimum=0)
+    validate.integer("n", n, minimum=1)
+    validate.integer("num_buffers", num_buffers, minimum=0)
     if num_buffers == 0:
         ident = BufferedToeplitz((), ())
         _, k = participation.min_sep_and_count(n)
@@ -250,13 +251,13 @@ class BLT:
     objective: str = "max"
 
     def __post_init__(self) -> None:
-        _checks.integer("max_buffers", self.max_buffers)
+        validate.integer("max_buffers", self.max_buffers, minimum=1)
         if self.max_buffers > MAX_BUFFERS:
             raise ConfigurationError(
                 f"max_buffers must be <= {MAX_BUFFERS} (more buffers make the optimization numerically unstable), "
                 f"got {self.max_buffers}."
             )
-        _checks.integer("min_buffers", self.min_buffers, minimum=0)
+        validate.integer("min_buffers", self.min_buffers, minimum=0)
         if self.min_buffers > self.max_buffers:
             raise ConfigurationError(
                 f"min_buffers must be <= max_buffers, got min_buffers={self.min_buffers}, "

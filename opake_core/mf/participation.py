@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from opake_core.mf import _checks
+from opake_core import validate
 
 __all__ = ["SINGLE", "CyclicParticipation", "MinSepParticipation", "Participation", "SingleParticipation"]
 
@@ -38,9 +38,9 @@ class MinSepParticipation:
     max_participations: int | None = None
 
     def __post_init__(self) -> None:
-        _checks.integer("min_sep", self.min_sep)
+        validate.integer("min_sep", self.min_sep, minimum=1)
         if self.max_participations is not None:
-            _checks.integer("max_participations", self.max_participations)
+            validate.integer("max_participations", self.max_participations, minimum=1)
 
     def min_sep_and_count(self, n: int) -> tuple[int, int]:
         """The equivalent ``(min_sep, max_participations)`` at horizon ``n``."""
@@ -61,7 +61,7 @@ class CyclicParticipation:
     cycle_length: int
 
     def __post_init__(self) -> None:
-        _checks.integer("cycle_length", self.cycle_length)
+        validate.integer("cycle_length", self.cycle_length, minimum=1)
 
     def min_sep_and_count(self, n: int) -> tuple[int, int]:
         """The equivalent ``(min_sep, max_participations)``: ``(b, ceil(n / b))`` (same worst case for ``C >= 0``)."""

@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from opake_core import validate
 from opake_core.errors import ConfigurationError, InputTypeError
-from opake_core.mf import _checks, toeplitz
+from opake_core.mf import toeplitz
 from opake_core.mf._base import Concrete, StreamPlan
 from opake_core.mf.band_mf import BandedToeplitz, BandMF, band_mf
 from opake_core.mf.blt import BLT, BufferedToeplitz, blt
@@ -112,7 +113,7 @@ class LambdaCGD(Concrete):
     lambda_: float = 0.5
 
     def __post_init__(self) -> None:
-        _checks.in_range("lambda_", self.lambda_, 0.0, 1.0, low_open=False, high_open=True)
+        validate.in_range("lambda_", self.lambda_, 0.0, 1.0, low_open=False, high_open=True)
 
     def strategy_coef(self, n: int) -> np.ndarray:
         return self.lambda_ ** np.arange(n, dtype=np.float64)
@@ -146,9 +147,9 @@ class BSR(Concrete):
     beta: float = 0.9
 
     def __post_init__(self) -> None:
-        _checks.integer("bandwidth", self.bandwidth)
-        _checks.in_range("alpha", self.alpha, 0.0, 1.0, low_open=True, high_open=False)
-        _checks.in_range("beta", self.beta, 0.0, 1.0, low_open=False, high_open=True)
+        validate.integer("bandwidth", self.bandwidth, minimum=1)
+        validate.in_range("alpha", self.alpha, 0.0, 1.0, low_open=True, high_open=False)
+        validate.in_range("beta", self.beta, 0.0, 1.0, low_open=False, high_open=True)
         if not self.alpha > self.beta:
             raise ConfigurationError(
                 f"BSR needs alpha > beta (weight decay factor above momentum), got alpha={self.alpha!r}, "
@@ -189,9 +190,9 @@ class BISR(Concrete):
     beta: float = 0.0
 
     def __post_init__(self) -> None:
-        _checks.integer("bandwidth", self.bandwidth)
-        _checks.in_range("alpha", self.alpha, 0.0, 1.0, low_open=True, high_open=False)
-        _checks.in_range("beta", self.beta, 0.0, 1.0, low_open=False, high_open=True)
+        validate.integer("bandwidth", self.bandwidth, minimum=1)
+        validate.in_range("alpha", self.alpha, 0.0, 1.0, low_open=True, high_open=False)
+        validate.in_range("beta", self.beta, 0.0, 1.0, low_open=False, high_open=True)
 
     def taps(self) -> np.ndarray:
         """The ``bandwidth`` non-zero coefficients of ``C^-1``."""
@@ -235,7 +236,7 @@ def optimize(strategy: Any, n_steps: int, *, participation: Participation = SING
     """The concrete strategy for a horizon: specifications (``band_mf``, ``blt``) are optimized for ``n_steps`` and
     ``participation``; concrete strategies are checked against the horizon and returned as they are."""
     with torch.profiler.record_function("opake::mf_optimize"):
-        _checks.integer("n_steps", n_steps)
+        validate.integer("n_steps", n_steps, minimum=1)
         if isinstance(strategy, BandMF | BLT):
             return strategy.optimize(n_steps, participation=participation)
         if not isinstance(strategy, Concrete):

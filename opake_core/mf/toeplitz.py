@@ -27,8 +27,8 @@ import numpy as np
 import scipy.linalg
 import scipy.signal
 
+from opake_core import validate
 from opake_core.errors import ConfigurationError
-from opake_core.mf import _checks
 
 __all__ = [
     "cyclic_sensitivity_squared",
@@ -65,7 +65,7 @@ def inverse_coef(coef: np.ndarray | list[float], n: int) -> np.ndarray:
     ``y_0 = 1 / c_0`` and ``y_i = -(sum_{r>=1} c_r y_{i-r}) / c_0``; a recursive filter, ``O(n len(coef))``.
     """
     c = _coef(coef)
-    _checks.integer("n", n)
+    validate.integer("n", n, minimum=1)
     if c[0] == 0:
         raise ConfigurationError(f"a lower-triangular Toeplitz matrix with coef[0] = 0 is singular, got {c[:4]!r}.")
     impulse = np.zeros(n)
@@ -115,10 +115,10 @@ def minsep_sensitivity_squared(
     Other coefficients are replaced by their non-increasing majorant ``reverse-cummax(|c|)``: the result is then an
     upper bound (``|sum_j C[:, j]| <= sum_j |C[:, j]|`` entrywise, and the majorant dominates every shifted column).
     """
-    _checks.integer("n", n)
-    _checks.integer("min_sep", min_sep)
+    validate.integer("n", n, minimum=1)
+    validate.integer("min_sep", min_sep, minimum=1)
     if max_participations is not None:
-        _checks.integer("max_participations", max_participations)
+        validate.integer("max_participations", max_participations, minimum=1)
     c = pad(coef, n)
     majorant = np.maximum.accumulate(np.abs(c)[::-1])[::-1]
     k = true_max_participations(n, min_sep, max_participations)
@@ -134,8 +134,8 @@ def cyclic_sensitivity_squared(coef: np.ndarray | list[float], cycle_length: int
     by ``r``, so ``r = 0`` is the worst case; with ``|coef|`` the value is exact for non-negative coefficients and an
     upper bound otherwise. No monotonicity is needed.
     """
-    _checks.integer("n", n)
-    _checks.integer("cycle_length", cycle_length)
+    validate.integer("n", n, minimum=1)
+    validate.integer("cycle_length", cycle_length, minimum=1)
     c = np.abs(pad(coef, n))
     v = _comb(c, cycle_length, math.ceil(n / cycle_length))
     return float(v @ v)

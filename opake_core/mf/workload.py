@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.signal
 
+from opake_core import validate
 from opake_core.errors import ConfigurationError
-from opake_core.mf import _checks
 
 __all__ = ["PREFIX_SUM", "Workload", "lr_schedule", "momentum_weight_decay", "prefix_sum"]
 
@@ -44,8 +44,8 @@ class Workload:
     learning_rates: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        _checks.in_range("alpha", self.alpha, 0.0, 1.0, low_open=True, high_open=False)
-        _checks.in_range("beta", self.beta, 0.0, 1.0, low_open=False, high_open=True)
+        validate.in_range("alpha", self.alpha, 0.0, 1.0, low_open=True, high_open=False)
+        validate.in_range("beta", self.beta, 0.0, 1.0, low_open=False, high_open=True)
         if self.learning_rates is not None:
             lrs = tuple(float(v) for v in self.learning_rates)
             if not lrs or not all(math.isfinite(v) and v > 0 for v in lrs):
@@ -66,14 +66,14 @@ class Workload:
         Computed as the impulse response of ``1 / ((1 - alpha x)(1 - beta x))``, which is also well defined for
         ``alpha == beta`` (``(k+1) alpha^k``).
         """
-        _checks.integer("n", n)
+        validate.integer("n", n, minimum=1)
         impulse = np.zeros(n)
         impulse[0] = 1.0
         return scipy.signal.lfilter([1.0], [1.0, -(self.alpha + self.beta), self.alpha * self.beta], impulse)
 
     def rates(self, n: int) -> np.ndarray:
         """The first ``n`` learning rates (ones without a schedule)."""
-        _checks.integer("n", n)
+        validate.integer("n", n, minimum=1)
         if self.learning_rates is None:
             return np.ones(n)
         if len(self.learning_rates) < n:

@@ -9,8 +9,8 @@ import optree
 import torch
 from torchopt.base import GradientTransformation
 
+from opake_core import validate
 from opake_core.errors import ConfigurationError
-from opake_core.optim import _validate
 from opake_core.optim.schedules import Schedule
 
 LearningRate = float | Schedule
@@ -25,7 +25,7 @@ class LearningRateState(NamedTuple):
 
 def check_lr(lr: LearningRate) -> LearningRate:
     """A callable as is; a number must be positive and finite."""
-    return lr if callable(lr) else _validate.positive_finite(lr, "lr")
+    return lr if callable(lr) else validate.positive("lr", lr)
 
 
 def scale_by_neg_lr(lr: LearningRate) -> GradientTransformation:

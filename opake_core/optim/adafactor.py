@@ -25,8 +25,8 @@ import torch
 from torchopt import chain
 from torchopt.base import EmptyState, GradientTransformation
 
+from opake_core import validate
 from opake_core.errors import ConfigurationError
-from opake_core.optim import _validate
 from opake_core.optim._foreach import add_decayed_weights
 from opake_core.optim._guard import Optimizer
 from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
@@ -138,17 +138,17 @@ def adafactor(
         non_private: accept plain trees of tensors (an explicitly non-private run).
     """
     lr = check_lr(lr)
-    c = _validate.number(decay_rate, "decay_rate")
+    c = validate.number("decay_rate", decay_rate)
     if not -1 <= c < 0:
         raise ConfigurationError(f"decay_rate must lie in [-1, 0), got {c!r} (beta2_t = 1 - t^c must rise to 1).")
     if not isinstance(eps, tuple | list) or len(eps) != 2:
         raise ConfigurationError(f"eps must be a pair (eps1, eps2), got {eps!r}.")
-    eps1 = _validate.positive_finite(eps[0], "eps[0]")
-    eps2 = _validate.positive_finite(eps[1], "eps[1]")
-    threshold = _validate.number(clip_threshold, "clip_threshold")
+    eps1 = validate.positive("eps[0]", eps[0])
+    eps2 = validate.positive("eps[1]", eps[1])
+    threshold = validate.number("clip_threshold", clip_threshold)
     if not threshold > 0:
         raise ConfigurationError(f"clip_threshold must be positive, got {clip_threshold!r}.")
-    weight_decay = _validate.non_negative_finite(weight_decay, "weight_decay")
+    weight_decay = validate.non_negative("weight_decay", weight_decay)
     transform = chain(
         scale_by_factored_rms(c, eps1),
         clip_by_block_rms(threshold),

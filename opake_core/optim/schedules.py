@@ -15,8 +15,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from opake_core import validate
 from opake_core.errors import ConfigurationError, InputTypeError
-from opake_core.optim import _validate
 
 __all__ = [
     "ConstantSchedule",
@@ -35,7 +35,7 @@ Schedule = Callable[[int], float]
 
 
 def _step(step: int) -> int:
-    return _validate.count(step, "step", minimum=0)
+    return validate.integer("step", step, minimum=0)
 
 
 def _progress(step: int, transition_begin: int, transition_steps: int) -> float:
@@ -50,7 +50,7 @@ class ConstantSchedule:
     value: float
 
     def __post_init__(self) -> None:
-        _validate.non_negative_finite(self.value, "value")
+        validate.non_negative("value", self.value)
 
     def __call__(self, step: int) -> float:
         _step(step)
@@ -111,8 +111,8 @@ class WarmupSchedule:
             raise InputTypeError(
                 f"schedule must be a float or a step -> float callable, got {type(self.schedule).__name__}."
             )
-        _validate.count(self.warmup_steps, "warmup_steps", minimum=1)
-        init = _validate.number(self.init_value, "init_value")
+        validate.integer("warmup_steps", self.warmup_steps, minimum=1)
+        init = validate.number("init_value", self.init_value)
         if not 0 <= init <= 1:
             raise ConfigurationError(
                 f"init_value is the fraction of the schedule at step 0 and must lie in [0, 1], got {init!r}."
@@ -128,10 +128,10 @@ class WarmupSchedule:
 
 
 def _check_transition(init_value: float, end_value: float, transition_steps: int, transition_begin: int) -> None:
-    _validate.non_negative_finite(init_value, "init_value")
-    _validate.non_negative_finite(end_value, "end_value")
-    _validate.count(transition_steps, "transition_steps", minimum=1)
-    _validate.count(transition_begin, "transition_begin", minimum=0)
+    validate.non_negative("init_value", init_value)
+    validate.non_negative("end_value", end_value)
+    validate.integer("transition_steps", transition_steps, minimum=1)
+    validate.integer("transition_begin", transition_begin, minimum=0)
 
 
 def constant(value: float) -> ConstantSchedule:
@@ -155,5 +155,5 @@ def with_warmup(schedule: Schedule | float, warmup_steps: int, *, init_value: fl
     """``schedule`` (a callable, or a float for a constant) with a linear warm-up over ``warmup_steps`` (>= 1)
     updates that starts at ``init_value * schedule(0)``, ``init_value`` in [0, 1]."""
     if not callable(schedule):
-        schedule = constant(_validate.number(schedule, "schedule"))
+        schedule = constant(validate.number("schedule", schedule))
     return WarmupSchedule(schedule, warmup_steps, init_value)

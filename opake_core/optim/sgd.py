@@ -14,7 +14,7 @@ from torchopt import chain
 from torchopt.base import GradientTransformation
 from torchopt.transform.trace import TraceState
 
-from opake_core.optim import _validate
+from opake_core import validate
 from opake_core.optim._foreach import add_decayed_weights
 from opake_core.optim._guard import Optimizer
 from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
@@ -72,7 +72,7 @@ def momentum(
         weight_decay: L2 penalty coefficient (>= 0), added to the gradient before the momentum.
         non_private: accept plain trees of tensors (an explicitly non-private run).
     """
-    decay = _validate.decay(momentum, "momentum")
+    decay = validate.decay("momentum", momentum)
     return _build("momentum", lr, decay, nesterov=nesterov, weight_decay=weight_decay, non_private=non_private)
 
 
@@ -86,7 +86,7 @@ def _build(
     non_private: bool,
 ) -> Optimizer:
     lr = check_lr(lr)
-    weight_decay = _validate.non_negative_finite(weight_decay, "weight_decay")
+    weight_decay = validate.non_negative("weight_decay", weight_decay)
     parts = [add_decayed_weights(weight_decay)]
     if decay is not None:
         parts.append(trace(decay, nesterov=nesterov))

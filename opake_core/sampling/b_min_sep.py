@@ -12,22 +12,23 @@ sample_rate / (1 - (b - 1) * sample_rate)``, which needs ``sample_rate <= 1 / mi
 is Poisson; ``p = 1`` is balls-in-bins with ``min_sep`` bins.
 
 Draws: the warm start comes from ``numpy_generator(fold_in(key, TAG, "warm_start"))`` and step ``t`` from
-``numpy_generator(fold_in(key, TAG, t))``. The batch of step ``t`` depends on the whole history, so the sampler
-keeps a memo of the last cooldown vector: consecutive steps cost O(N); a resumed run (or a jump to another step)
-replays from step 0 once, O(N * t). The memo never changes what is drawn. Accounting: Monte Carlo
-(:func:`opake_core.accounting.mf_process`).
+``numpy_generator(fold_in(key, TAG, t))``. The batch of step ``t`` depends on the whole history, so the state carries
+the cooldown vector (``SamplerState.carry``, uint16 little-endian in base64, 2 bytes per example): every step costs
+O(N) and a resumed run continues from its saved state. A state without a carry (built by hand at step ``t``) replays
+from step 0, O(N * t). Accounting: Monte Carlo (:func:`opake_core.accounting.mf_process`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import base64
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from opake_core import accounting as acc
-from opake_core.accounting import _checks
-from opake_core.errors import ConfigurationError
+from opake_core import validate
+from opake_core.errors import ConfigurationError, StateError
 from opake_core.random import Key, fold_in, numpy_generator
 from opake_core.sampling.state import SamplerState, check_state
 
@@ -43,12 +44,12 @@ class BMinSep:
     dataset_size: int
     sample_rate: float
     min_sep: int
-    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        _checks.integer("dataset_size", self.dataset_size, minimum=1)
-        object.__setattr__(self, "sample_rate", _checks.rate("sample_rate", self.sample_rate))
-        _checks.integer("min_sep", self.min_sep, minimum=1)
+        validate.integer("dataset_size", self.dataset_size, minimum=1)
+        object.__setattr__(self, "sample_rate", validate.rate("sample_rate", self.sample_rate))
+        if validate.integer("min_sep", self.min_sep, minimum=1) > 1 << 16:
+            raise ConfigurationError(f"min_sep must be at most {1 << 16}, got {self.min_sep}.")
         if self.sample_rate * self.min_sep > 1.0 + 1e-12:
             raise ConfigurationError(
                 f"b_min_sep with min_sep={self.min_sep} reaches at most sample_rate = 1 / min_sep = "
@@ -92,21 +93,25 @@ class BMinSep:
         )
         return np.flatnonzero(chosen).astype(np.int64), np.where(chosen, self.min_sep - 1, np.maximum(cooldown - 1, 0))
 
-    def _cooldown(self, key: Key, step: int) -> np.ndarray:
-        cached = self._memo.get("last")
-        if cached is not None and cached[0] == (key, step):
-            return cached[1]
+    def _cooldown(self, key: Key, state: SamplerState) -> np.ndarray:
+        if state.carry is not None:
+            cooldown = np.frombuffer(base64.b64decode(state.carry), dtype="<u2").astype(np.int64)
+            if cooldown.shape != (self.dataset_size,):
+                raise StateError(
+                    f"a b-min-sep state carries {cooldown.size} cooldowns for {self.dataset_size} examples."
+                )
+            return cooldown
         cooldown = self._warm_start(key)
-        for t in range(step):
+        for t in range(state.step):
             cooldown = self._step(key, t, cooldown)[1]
         return cooldown
 
     def sample(self, key: Key, state: SamplerState) -> tuple[np.ndarray, SamplerState]:
         """The sorted int64 indices of step ``state.step`` and the state of the next step."""
         state = check_state(state, self.config)
-        indices, cooldown = self._step(key, state.step, self._cooldown(key, state.step))
-        self._memo["last"] = ((key, state.step + 1), cooldown)
-        return indices, SamplerState(state.step + 1, state.config)
+        indices, cooldown = self._step(key, state.step, self._cooldown(key, state))
+        carry = base64.b64encode(cooldown.astype("<u2").tobytes()).decode("ascii")
+        return indices, SamplerState(state.step + 1, state.config, carry)
 
     def process(self, noise_multiplier: float, steps: int, *, strategy: Any, **options: Any) -> Any:
         """The whole-horizon process of ``strategy`` with this sampler (:func:`opake_core.accounting.mf_process`)."""

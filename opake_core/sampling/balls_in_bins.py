@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from opake_core import accounting as acc
-from opake_core.accounting import _checks
+from opake_core import validate
 from opake_core.random import Key, fold_in, numpy_generator
 from opake_core.sampling.state import SamplerState, check_state
 
@@ -36,8 +36,8 @@ class BallsInBins:
     num_bins: int
 
     def __post_init__(self) -> None:
-        _checks.integer("dataset_size", self.dataset_size, minimum=1)
-        _checks.integer("num_bins", self.num_bins, minimum=2)
+        validate.integer("dataset_size", self.dataset_size, minimum=1)
+        validate.integer("num_bins", self.num_bins, minimum=2)
 
     @property
     def sample_rate(self) -> float:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from opake_core import accounting as acc
-from opake_core.accounting import _checks
+from opake_core import validate
 from opake_core.errors import ConfigurationError
 from opake_core.random import Key, fold_in, numpy_generator
 from opake_core.sampling.state import SamplerState, check_state
@@ -45,11 +45,11 @@ class CyclicPoisson:
     rank: int = 0
 
     def __post_init__(self) -> None:
-        _checks.integer("dataset_size", self.dataset_size, minimum=1)
-        object.__setattr__(self, "sample_rate", _checks.rate("sample_rate", self.sample_rate))
-        _checks.integer("bands", self.bands, minimum=1)
-        _checks.integer("world_size", self.world_size, minimum=1)
-        _checks.integer("rank", self.rank, minimum=0)
+        validate.integer("dataset_size", self.dataset_size, minimum=1)
+        object.__setattr__(self, "sample_rate", validate.rate("sample_rate", self.sample_rate))
+        validate.integer("bands", self.bands, minimum=1)
+        validate.integer("world_size", self.world_size, minimum=1)
+        validate.integer("rank", self.rank, minimum=0)
         if self.rank >= self.world_size:
             raise ConfigurationError(f"rank must be in [0, world_size={self.world_size}), got rank={self.rank}.")
         if self.group_size < 1:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from opake_core import accounting as acc
-from opake_core.accounting import _checks
+from opake_core import validate
 from opake_core.errors import ConfigurationError, StateError
 from opake_core.random import Key, fold_in, numpy_generator
 from opake_core.sampling.state import SamplerState, check_state
@@ -39,9 +39,9 @@ class KOutOfT:
     allocation: str
 
     def __post_init__(self) -> None:
-        _checks.integer("dataset_size", self.dataset_size, minimum=1)
-        _checks.integer("t", self.t, minimum=1)
-        _checks.integer("k", self.k, minimum=1)
+        validate.integer("dataset_size", self.dataset_size, minimum=1)
+        validate.integer("t", self.t, minimum=1)
+        validate.integer("k", self.k, minimum=1)
         # The accounting factory validates k <= t, the allocation name and block divisibility.
         acc.k_out_of_t(acc.gaussian(1.0), k=self.k, t=self.t, allocation=self.allocation)
 

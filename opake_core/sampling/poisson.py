@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from opake_core import accounting as acc
-from opake_core.accounting import _checks
+from opake_core import validate
 from opake_core.random import Key, fold_in, numpy_generator
 from opake_core.sampling.state import SamplerState, check_state
 
@@ -32,10 +32,10 @@ class Poisson:
     truncated_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dataset_size", _checks.integer("dataset_size", self.dataset_size, minimum=1))
-        object.__setattr__(self, "sample_rate", _checks.rate("sample_rate", self.sample_rate))
+        object.__setattr__(self, "dataset_size", validate.integer("dataset_size", self.dataset_size, minimum=1))
+        object.__setattr__(self, "sample_rate", validate.rate("sample_rate", self.sample_rate))
         if self.truncated_batch_size is not None:
-            cap = _checks.integer("truncated_batch_size", self.truncated_batch_size, minimum=1)
+            cap = validate.integer("truncated_batch_size", self.truncated_batch_size, minimum=1)
             object.__setattr__(self, "truncated_batch_size", cap)
 
     @property

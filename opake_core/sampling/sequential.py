@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from opake_core import accounting as acc
-from opake_core.accounting import _checks
+from opake_core import validate
 from opake_core.errors import ConfigurationError
 from opake_core.random import Key, fold_in, numpy_generator
 from opake_core.sampling.state import SamplerState, check_state
@@ -35,8 +35,8 @@ class Sequential:
     shuffle: bool = True
 
     def __post_init__(self) -> None:
-        _checks.integer("dataset_size", self.dataset_size, minimum=1)
-        _checks.integer("batch_size", self.batch_size, minimum=1)
+        validate.integer("dataset_size", self.dataset_size, minimum=1)
+        validate.integer("batch_size", self.batch_size, minimum=1)
         if self.batch_size > self.dataset_size:
             raise ConfigurationError(
                 f"batch_size={self.batch_size} exceeds dataset_size={self.dataset_size}; use a smaller batch."
@@ -47,6 +47,11 @@ class Sequential:
     @property
     def steps_per_epoch(self) -> int:
         return self.dataset_size // self.batch_size
+
+    @property
+    def expected_batch_size(self) -> float:
+        """The batch size: every batch holds exactly this many examples."""
+        return float(self.batch_size)
 
     @property
     def config(self) -> tuple[tuple[str, object], ...]:
@@ -73,7 +78,7 @@ class Sequential:
 
     def process(self, noise_multiplier: float, steps: int, *, unamplified: bool = False) -> acc.Process:
         """Unamplified accounting (module docstring); a private run needs ``unamplified=True``."""
-        steps = _checks.integer("steps", steps, minimum=1)
+        steps = validate.integer("steps", steps, minimum=1)
         participations = math.ceil(steps / self.steps_per_epoch)
         if noise_multiplier != 0 and not unamplified:
             raise ConfigurationError(

@@ -1,8 +1,8 @@
 """The explicit state of a sampler: how many steps were drawn, and the configuration that drew them.
 
-A state is a frozen value; ``sample(key, state)`` returns a new one. ``to_json``/``from_json`` give plain
-dicts, and a sampler refuses (StateError) a state made by another configuration or for another dataset size,
-so a resumed run continues the identical sequence or fails loudly.
+A state is a frozen value; ``sample(key, state)`` returns a new one, holding everything the next draw needs.
+``to_json``/``from_json`` give plain dicts, and a sampler refuses (StateError) a state made by another configuration
+or for another dataset size, so a resumed run continues the identical sequence or fails loudly.
 """
 
 from __future__ import annotations
@@ -17,22 +17,33 @@ __all__ = ["SamplerState", "check_state"]
 
 @dataclass(frozen=True)
 class SamplerState:
-    """``step``: the number of batches drawn so far; ``config``: the sampler's public configuration."""
+    """``step``: the number of batches drawn so far; ``config``: the sampler's public configuration; ``carry``: what
+    a sampler with memory needs to draw the next batch (b-min-sep's cooldowns), as a base64 string, else None."""
 
     step: int
     config: tuple[tuple[str, Any], ...]
+    carry: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "config": dict(self.config)}
+        out = {"step": self.step, "config": dict(self.config)}
+        return out if self.carry is None else {**out, "carry": self.carry}
 
     @staticmethod
     def from_json(obj: Any) -> SamplerState:
-        if not isinstance(obj, dict) or set(obj) != {"step", "config"} or not isinstance(obj["config"], dict):
-            raise StateError(f"a sampler state is {{'step': int, 'config': dict}}, got {str(obj)[:200]!r}.")
-        step = obj["step"]
+        if (
+            not isinstance(obj, dict)
+            or not {"step", "config"} <= set(obj) <= {"step", "config", "carry"}
+            or not isinstance(obj["config"], dict)
+        ):
+            raise StateError(
+                f"a sampler state is {{'step': int, 'config': dict[, 'carry': str]}}, got {str(obj)[:200]!r}."
+            )
+        step, carry = obj["step"], obj.get("carry")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise StateError(f"a sampler state needs an int step >= 0, got {step!r}.")
-        return SamplerState(step, tuple(sorted(obj["config"].items())))
+        if carry is not None and not isinstance(carry, str):
+            raise StateError(f"a sampler state's carry is a base64 string, got {type(carry).__name__}.")
+        return SamplerState(step, tuple(sorted(obj["config"].items())), carry)
 
 
 def check_state(state: Any, config: tuple[tuple[str, Any], ...]) -> SamplerState:

@@ -18,6 +18,7 @@ import torch
 
 from opake_core.errors import ConfigurationError, InputTypeError
 from opake_core.noise import compute_dtype_of
+from opake_core.plan import SAMPLERS
 
 __all__ = [
     "as_choice",
@@ -65,15 +66,6 @@ MECHANISM_KWARGS = {
 }
 _INT_MECHANISM_KWARGS = ("bands", "max_buffers", "bandwidth")
 # Samplers each mechanism has an accountant for; the first is what "auto" resolves to.
-SAMPLERS: dict[str, tuple[str, ...]] = {
-    "gaussian": ("poisson", "k_out_of_t", "sequential"),
-    "mf_identity": ("poisson", "balls_in_bins"),
-    "mf_band": ("cyclic_poisson", "b_min_sep"),
-    "mf_blt": ("balls_in_bins",),
-    "mf_bisr": ("balls_in_bins",),
-    "mf_bsr": ("balls_in_bins",),
-    "mf_lambda_cgd": ("balls_in_bins",),
-}
 SAMPLING_KWARGS = {"poisson": ("truncated_batch_size",), "k_out_of_t": ("k", "allocation")}
 CLIPPING_KWARGS = {"fixed": (), "adaptive": ("target_quantile", "clipping_norm_max"), "auto": ("gamma",)}
 CALIBRATION_DEFAULTS = {"min": 0.11, "max": 10.0, "tolerance": 1e-3}
@@ -291,7 +283,7 @@ def mechanism_kwargs(mechanism: str, value: Any) -> dict[str, Any]:
 
 def sampling(mechanism: str, requested: Any, value: Any) -> tuple[str, dict[str, Any]]:
     """``(sampling_mode, sampling_kwargs)``: ``"auto"`` resolved for ``mechanism`` and the pair validated."""
-    allowed = SAMPLERS[mechanism]
+    allowed = SAMPLERS[mechanism]  # opake_core.plan.SAMPLERS: the pairs with an accountant
     mode = plain(requested)
     if mode == "auto":
         mode = allowed[0]

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from opake_core.errors import ConfigurationError, PrivacyBudgetError
+from opake_core.plan import check_combination, is_horizon
 from opake_torch.transformers import _parsing as p
 
 __all__ = ["SECRET_FIELDS", "UNSUPPORTED", "TrainingArguments"]
@@ -320,7 +321,7 @@ class TrainingArguments:
     @property
     def is_complete_horizon(self) -> bool:
         """True when the mechanism or sampler is accounted once over the declared horizon (mf_*, k_out_of_t)."""
-        return self.privacy_noise_mechanism != "gaussian" or self.sampling_mode == "k_out_of_t"
+        return is_horizon(self.privacy_noise_mechanism, self.sampling_mode)
 
     def _resolve_privacy(self) -> None:
         nm, eps, delta = self.privacy_noise_multiplier, self.privacy_target_epsilon, self.privacy_target_delta
@@ -348,23 +349,6 @@ class TrainingArguments:
                 raise PrivacyBudgetError(
                     f"privacy_target_delta must be in (0, 1), got {delta!r}; leave it None for 1 / N**1.1."
                 )
-        if nm == 0.0 and eps is not None:
-            raise PrivacyBudgetError(
-                f"privacy_noise_multiplier=0.0 is the non-private path; privacy_target_epsilon={eps!r} is meaningless "
-                "there. Drop one of them."
-            )
-        if nm is not None and nm > 0 and eps is not None and self.is_complete_horizon:
-            raise PrivacyBudgetError(
-                "privacy_target_epsilon cannot be combined with a fixed privacy_noise_multiplier for whole-horizon "
-                f"mechanisms (privacy_noise_mechanism={self.privacy_noise_mechanism!r}, sampling_mode="
-                f"{self.sampling_mode!r}): stop-at-epsilon needs independent DP-SGD (gaussian with poisson). "
-                "Set only privacy_target_epsilon to calibrate the noise, or only the multiplier."
-            )
-        if self.sampling_mode == "sequential" and nm != 0.0:
-            raise ConfigurationError(
-                f"sampling_mode='sequential' has no privacy amplification and is allowed only with "
-                f"privacy_noise_multiplier=0.0 (got {nm!r}); use 'poisson' for a private run."
-            )
         accounting = self.privacy_accounting
         if accounting is not None and not isinstance(accounting, bool):
             raise ConfigurationError(f"privacy_accounting must be True, False or None, got {accounting!r}.")
@@ -405,18 +389,19 @@ class TrainingArguments:
                 f"clipping_norm=inf disables clipping and is allowed only with privacy_noise_multiplier=0.0 (got "
                 f"{self.privacy_noise_multiplier!r}): infinite sensitivity with noise gives infinite noise."
             )
-        if mode == "adaptive" and self.privacy_noise_mechanism != "gaussian":
-            raise ConfigurationError(
-                f"clipping_mode='adaptive' is not supported with privacy_noise_mechanism="
-                f"{self.privacy_noise_mechanism!r}: matrix-factorization noise needs a constant per-step sensitivity. "
-                "Use clipping_mode='fixed'."
-            )
         if isinstance(self.clipping_norm, dict) and mode != "fixed":
             raise ConfigurationError(
                 f"per-group clipping_norm is supported only with clipping_mode='fixed', got {mode!r}. Use a scalar "
                 "clipping_norm or fixed clipping."
             )
         self.clipping_kwargs = p.clipping_kwargs(mode, self.clipping_kwargs)
+        check_combination(  # the core's rule: sampler, mechanism, clipping and budget have one accountant together
+            mechanism=self.privacy_noise_mechanism,
+            sampler=self.sampling_mode,
+            adaptive_clipping=mode == "adaptive",
+            noise_multiplier=self.privacy_noise_multiplier,
+            target=self.privacy_target_epsilon,
+        )
 
     def _resolve_compile(self) -> None:
         if self.torch_compile_mode is not None:

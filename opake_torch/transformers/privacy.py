@@ -1,15 +1,10 @@
-"""The privacy plan of a trainer run: sampler, mechanism, clipping rule, noise multiplier and accountant, chosen
-together.
+"""The privacy plan of a trainer run: :class:`TrainingArguments` mapped onto the core's
+:func:`opake_core.plan.plan`, which validates sampler, mechanism, clipping, budget and horizon together.
 
-``build_plan(args, dataset_size)`` turns :class:`TrainingArguments` and the (sensitive, so not configuration)
-dataset size into a :class:`PrivacyPlan`. The accounting process always comes from the sampler that runs
-(``sampler.process``), so the epsilon is computed for exactly the sampling, noise and clipping of the run:
-
-* DP-SGD (``gaussian``): Poisson (optionally truncated), k-out-of-t or sequential; adaptive clipping adds its noisy
-  count release to every step (``accounting.adaptive_clipping``).
-* DP-FTRL (``mf_*``): the strategy is optimized once for the horizon and the sampler's participation pattern, and
-  the whole horizon is accounted as one process (``accounting.mf_process``); every reported epsilon is that
-  full-horizon value.
+``build_plan(args, dataset_size)`` turns the arguments and the (sensitive, so not configuration) dataset size into
+the sampler, the strategy specification and the clipping rule, and lets the core resolve the rest: the accounting
+always comes from the sampler that runs, so the epsilon is computed for exactly the sampling, noise and clipping of
+the run, and a combination without a correct accountant is refused there with the fix.
 
 Batch-size contract: ``per_device_train_batch_size`` is the expected batch of one rank; the cluster batch is that
 times the world size, and ``q = cluster batch / N`` is the sampling rate the accountant sees.
@@ -17,6 +12,7 @@ times the world size, and ``q = cluster batch / N`` is the sampling rate the acc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -25,7 +21,8 @@ from typing import Any
 
 from opake_core import accounting, mf, sampling
 from opake_core.clipping import adaptive, auto_s
-from opake_core.errors import CalibrationError, ConfigurationError, PrivacyBudgetError
+from opake_core.errors import ConfigurationError
+from opake_core.plan import Plan, plan
 
 __all__ = ["PrivacyPlan", "build_plan", "clipping_rule", "ledger_epsilon", "resolve_delta", "total_steps"]
 
@@ -41,43 +38,10 @@ STRATEGIES: dict[str, Callable[..., Any]] = {
 
 
 @dataclass(frozen=True)
-class PrivacyPlan:
-    """Everything the trainer needs to run and account a DP run.
+class PrivacyPlan(Plan):
+    """The core :class:`~opake_core.plan.Plan` and whether the trainer computes and reports epsilon."""
 
-    Attributes:
-        sampler: the batch sampler (``init``/``sample``/``process``).
-        release: what the run releases at this multiplier: the process of one step (per-step runs, recorded in the
-            run's :class:`~opake_core.accounting.Ledger` at every step), or the whole horizon (horizon runs,
-            recorded once).
-        noise_multiplier: resolved multiplier (0 for a non-private run).
-        calibration_source: ``"fixed"`` or ``"calibrated"``.
-        delta: the delta every epsilon is reported at.
-        total_steps: the declared number of steps of this ``train()`` call.
-        expected_batch_size: the public normalizer of the clipped sum (cluster-wide).
-        sample_rate: the cluster-wide fraction of the dataset per step.
-        stop_step: with a target epsilon and a fixed multiplier, the last step whose epsilon (history included) is
-            within the target; None otherwise.
-        accounted: whether epsilon is computed and reported.
-        horizon: whether the run is accounted once for its whole declared horizon.
-        strategy: the optimized DP-FTRL strategy (None for DP-SGD).
-    """
-
-    sampler: Any
-    release: Any
-    noise_multiplier: float
-    calibration_source: str
-    delta: float
-    total_steps: int
-    expected_batch_size: float
-    sample_rate: float
-    stop_step: int | None
-    accounted: bool
-    horizon: bool
-    strategy: Any = None
-
-    @property
-    def steps_per_epoch(self) -> float:
-        return 1 / self.sample_rate
+    accounted: bool = True
 
 
 @functools.lru_cache(maxsize=64)
@@ -168,44 +132,6 @@ def _rank_sampler(args: Any, dataset_size: int, rate: float) -> Any:
     )
 
 
-def _strategy(args: Any, sampler: Any, steps: int) -> Any:
-    kwargs = {k: v for k, v in args.privacy_noise_mechanism_kwargs.items() if k != "compute_dtype"}
-    spec = STRATEGIES[args.privacy_noise_mechanism](**kwargs)
-    if args.privacy_noise_mechanism == "mf_band" and kwargs.get("bands", 1) > steps:
-        raise ConfigurationError(
-            f"mf_band needs bands <= total steps, got bands={kwargs['bands']} for {steps} steps; lower bands."
-        )
-    participation = (
-        accounting.sampler_participation(sampler) if args.sampling_mode != "poisson" else mf.SingleParticipation()
-    )
-    return mf.optimize(spec, steps, participation=participation)
-
-
-def _release_maker(args: Any, sampler: Any, strategy: Any, steps: int) -> Callable[[float], Any]:
-    """``z -> process``: one step of a per-step run, or the whole horizon of a horizon run."""
-    if strategy is not None:
-        return lambda z: accounting.mf_process(strategy, sampler=sampler, noise_multiplier=z, n_steps=steps)
-    if args.sampling_mode == "k_out_of_t":
-        return lambda z: sampler.process(z, steps)
-    if args.clipping_mode != "adaptive":
-        return lambda z: sampler.process(z, 1).process  # the single step inside repeat(step, 1)
-    if not isinstance(sampler, sampling.Poisson) or sampler.truncated_batch_size is not None:
-        raise ConfigurationError(
-            "clipping_mode='adaptive' is accounted for plain Poisson sampling only; use sampling_mode='poisson' "
-            "without truncation, or clipping_mode='fixed'."
-        )
-
-    def step(z: float) -> Any:
-        release = accounting.adaptive_clipping(
-            accounting.gaussian(z),
-            count_noise_fraction=ADAPTIVE_COUNT_NOISE,
-            expected_batch_size=sampler.expected_batch_size,
-        )
-        return accounting.poisson(release, sampler.sample_rate)
-
-    return step
-
-
 def resolve_delta(args: Any, dataset_size: int) -> float:
     """``privacy_target_delta`` (or ``1 / N**1.1``), refused at or above ``1/N`` unless explicitly allowed."""
     if args.privacy_target_delta is None:
@@ -216,96 +142,39 @@ def resolve_delta(args: Any, dataset_size: int) -> float:
 
 
 def build_plan(
-    args: Any, dataset_size: int, *, spent: Any = None, done: int = 0, resumed_multiplier: float | None = None
+    args: Any,
+    dataset_size: int,
+    *,
+    spent: accounting.Ledger | None = None,
+    done: int = 0,
+    resumed_multiplier: float | None = None,
 ) -> PrivacyPlan:
-    """Resolve sampler, mechanism, delta, horizon and noise multiplier (calibrating it when a target is given).
-
-    ``spent`` is the :class:`~opake_core.accounting.Ledger` of what the run already released (a resumed checkpoint,
-    or earlier ``train()`` calls) and ``done`` the steps of this call already taken (a resume). A target epsilon is
-    the total for the whole history: the remaining steps are calibrated against what is left of it, and a spent
-    budget is refused with PrivacyBudgetError. ``resumed_multiplier`` is the calibrated multiplier of an unchanged
-    resumed run: it is kept while the whole history at it stays within the target, so the resume replays exactly.
-    """
+    """The plan of a run of ``args`` over ``dataset_size`` records (see :func:`opake_core.plan.plan` for ``spent``,
+    ``done`` and ``resumed_multiplier``: what a resumed or repeated run already released)."""
     if dataset_size < 1:
         raise ConfigurationError("the training dataset is empty.")
-    spent = spent or accounting.Ledger()
     steps = total_steps(args, dataset_size)
-    sampler = _sampler(args, dataset_size, steps)
-    strategy = _strategy(args, sampler, steps) if args.privacy_noise_mechanism != "gaussian" else None
-    release = _release_maker(args, sampler, strategy, steps)
-    delta = resolve_delta(args, dataset_size)
-    horizon = args.is_complete_horizon
-    target, multiplier = args.privacy_target_epsilon, args.privacy_noise_multiplier
-    remaining = max(steps - done, 1)
-    prefix = None if horizon else spent.process()
-
-    def history(z: float) -> Any:
-        """What the whole run releases at multiplier ``z``: the history so far, then the remaining steps."""
-        if horizon:
-            return release(z)
-        rest = accounting.repeat(release(z), remaining)
-        return rest if prefix is None else accounting.compose(prefix, rest)
-
-    if target is not None and prefix is not None:
-        already = ledger_epsilon(spent, delta)
-        if already >= target:
-            raise PrivacyBudgetError(
-                f"the privacy budget is spent: the {spent.releases} steps already taken cost epsilon {already:.4g} "
-                f"of privacy_target_epsilon={target} (the target is the total for the run, resumes and earlier "
-                "train() calls included). Stop here, or raise the target if a larger total is acceptable."
-            )
-    stop, source = None, "fixed"
-    if multiplier is None and resumed_multiplier is not None and not horizon:
-        if accounting.mf_epsilon(history(resumed_multiplier), delta=delta).value <= target:
-            multiplier, source = resumed_multiplier, "calibrated"
-    if multiplier is None:
-        bounds = args.noise_calibration_kwargs
-        try:
-            calibrated = accounting.calibrate_mf_noise_multiplier(
-                history,
-                target_epsilon=target,
-                delta=delta,
-                min=bounds["min"],
-                max=bounds["max"],
-                tolerance=bounds["tolerance"],
-            )
-        except CalibrationError as exc:
-            if prefix is None:
-                raise
-            raise PrivacyBudgetError(
-                f"the privacy budget is spent: the {spent.releases} steps already taken cost epsilon "
-                f"{ledger_epsilon(spent, delta):.4g} of privacy_target_epsilon={target}, and what is left cannot pay "
-                f"for {remaining} more steps even at noise multiplier {bounds['max']} ({exc}). Stop here, or raise "
-                "the target if a larger total is acceptable."
-            ) from exc
-        multiplier, source = float(calibrated.value), "calibrated"
-    elif source == "fixed" and target is not None:
-        stop = done + _steps_within(release(multiplier), prefix, target, delta, remaining, multiplier)
-    expected = float(getattr(sampler, "expected_batch_size", args.train_batch_size))
-    return PrivacyPlan(
-        sampler=sampler,
-        release=release(multiplier),
-        noise_multiplier=multiplier,
-        calibration_source=source,
-        delta=delta,
-        total_steps=steps,
-        expected_batch_size=expected,
-        sample_rate=expected / dataset_size,
-        stop_step=stop,
-        accounted=bool(args.privacy_accounting) or multiplier == 0,
-        horizon=horizon,
-        strategy=strategy,
+    calibration = args.noise_calibration_kwargs
+    resolved = plan(
+        sampler=_sampler(args, dataset_size, steps),
+        steps=steps,
+        delta=resolve_delta(args, dataset_size),
+        strategy=_strategy_spec(args),
+        clipping=clipping_rule(args),
+        noise_multiplier=args.privacy_noise_multiplier,
+        target_epsilon=args.privacy_target_epsilon,
+        calibration=(calibration["min"], calibration["max"], calibration["tolerance"]),
+        spent=spent,
+        done=done,
+        resumed_multiplier=resumed_multiplier,
     )
+    accounted = bool(args.privacy_accounting) or resolved.noise_multiplier == 0
+    return PrivacyPlan(**{f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved)}, accounted=accounted)
 
 
-def _steps_within(step: Any, prefix: Any, target: float, delta: float, remaining: int, multiplier: float) -> int:
-    """How many more steps of ``step`` (after ``prefix``) keep epsilon within ``target``; refuses zero at once."""
-    first = step if prefix is None else accounting.compose(prefix, step)
-    if accounting.epsilon(first, delta=delta).value > target:
-        raise PrivacyBudgetError(
-            f"one more step at privacy_noise_multiplier={multiplier} already exceeds privacy_target_epsilon={target}"
-            f"{'' if prefix is None else ' (with the steps already taken)'}: raise the multiplier or the target."
-        )
-    return int(
-        accounting.calibrate_steps(step, target_epsilon=target, delta=delta, prefix=prefix, max_steps=remaining).value
-    )
+def _strategy_spec(args: Any) -> Any:
+    """The DP-FTRL strategy specification of ``privacy_noise_mechanism`` (None for DP-SGD)."""
+    if args.privacy_noise_mechanism == "gaussian":
+        return None
+    kwargs = {k: v for k, v in args.privacy_noise_mechanism_kwargs.items() if k != "compute_dtype"}
+    return STRATEGIES[args.privacy_noise_mechanism](**kwargs)

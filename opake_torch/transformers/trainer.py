@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.func import vmap
 from transformers.trainer_callback import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -30,13 +29,13 @@ from transformers.trainer_callback import (
     TrainerControl,
     TrainerState,
 )
-from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput
+from transformers.trainer_utils import PredictionOutput, TrainOutput
 
 from opake_core import accounting
-from opake_core.clipping import AdaptiveClipState
+from opake_core.clipping import AdaptiveClipState, Engine, MaterializedGradients, VmapGradients
 from opake_core.errors import CheckpointError, ConfigurationError, OpakeError
 from opake_core.sampling.state import SamplerState
-from opake_core.step import DPFTRLState, DPSGDState, dp_ftrl, dp_sgd
+from opake_core.step import DPState, dp_ftrl, dp_sgd, rekeyed, unkeyed
 from opake_core.tree import per_group
 from opake_torch import distributed
 from opake_torch.functional import functional_model
@@ -44,13 +43,14 @@ from opake_torch.layerwise import LayerwiseGradients, unsupported_parameters
 from opake_torch.patches import apply_compat_patches, check_attention_implementation
 from opake_torch.patches.checkpointing import check_memory_knobs, enable_vmap_checkpointing
 from opake_torch.patches.families import apply_family_patches
-from opake_torch.patches.kernels import clip_and_sum
+from opake_torch.patches.kernels import FusedGradients
 from opake_torch.patches.performance import apply_performance_kernels
 from opake_torch.state_files import write_json
 from opake_torch.transformers import checkpoint as ckpt
 from opake_torch.transformers.arguments import TrainingArguments
 from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
 from opake_torch.transformers.data import collate, fetch, language_modeling_labels, model_input_names
+from opake_torch.transformers.evaluation import prediction_loop
 from opake_torch.transformers.keys import RunKeys, first_keys, next_keys
 from opake_torch.transformers.loss import (
     batch_losses,
@@ -59,7 +59,7 @@ from opake_torch.transformers.loss import (
     infer_task,
     loss_from_logits,
 )
-from opake_torch.transformers.microbatch import retry_eval_batch, run_with_oom_retry
+from opake_torch.transformers.microbatch import run_with_oom_retry
 from opake_torch.transformers.optimizer import build_optimizer, build_schedule
 from opake_torch.transformers.privacy import PrivacyPlan, build_plan, clipping_rule, ledger_epsilon
 from opake_torch.transformers.reporting import RunLogCallback
@@ -88,7 +88,7 @@ class _Run:
     ledger: accounting.Ledger
     params: dict[str, torch.Tensor]
     opt_state: Any
-    dp_state: DPSGDState | DPFTRLState
+    dp_state: DPState
     sampler_state: Any
     schedule: Any
     loss_sum: torch.Tensor
@@ -404,21 +404,21 @@ class DPTrainer:
         keys = self._segment_keys(saved, folder, plan, ledger, unchanged=unchanged)
         optimizer = build_optimizer(args, plan.total_steps)
         self._check_layerwise()
+        transform = self._chunk_transform()  # cuda_graphs / torch_compile: how each chunk is launched
+        # Fused Triton norms and scaled sums on CUDA (the identical torch path where they cannot run), but not inside a
+        # captured or compiled chunk; per-example gradients from one batched pass where the model allows it.
+        fused = args.device.type == "cuda" and transform is None
+        vmapped = VmapGradients(FusedGradients if fused else MaterializedGradients)
         common = {
             "optimizer": optimizer,
             "clipping_norm": self._clipping_norm(),
             "noise_multiplier": plan.noise_multiplier,
+            "key": keys.noise,
             "expected_batch_size": plan.expected_batch_size,
-            "microbatch_size": args.microbatch_size,
             "compute_dtype": args.privacy_noise_mechanism_kwargs.get("compute_dtype", torch.float32),
-            # fused Triton clip-and-sum on CUDA (it falls back to the identical torch path where it cannot run)
-            "clip_backend": clip_and_sum if args.device.type == "cuda" else None,
-            # per-example gradients from one batched pass where the model allows it (see opake_torch.layerwise)
-            "per_example_grads": self._layerwise,
+            "engine": Engine(gradients=vmapped if self._layerwise is None else self._layerwise, transform=transform),
             # DDP: clipped sums are normalized by the cluster expected batch, summed across ranks, then noised once
             "reduce": distributed.sum_gradients if self._distributed else None,
-            # cuda_graphs / torch_compile: how each chunk (per-example gradients, clip, sum) is launched
-            "chunk_transform": self._chunk_transform(),
         }
 
         def make_step(microbatch_size: int | None) -> tuple[Any, Any]:
@@ -528,7 +528,7 @@ class DPTrainer:
             if args.auto_find_microbatch_size and len(indices):
                 step_fn, outputs = self._step_with_oom_retry(step_fn, run, batch, len(indices))
             else:
-                outputs = step_fn(run.params, run.opt_state, run.dp_state, (batch,), run.keys.noise)
+                outputs = step_fn(run.params, run.opt_state, run.dp_state, (batch,))
             run.params, run.opt_state, run.dp_state, metrics = outputs
             if not plan.horizon:  # a horizon run recorded its whole release at the start
                 run.ledger = run.ledger.record(plan.release)
@@ -586,7 +586,7 @@ class DPTrainer:
         )
 
     def _step_with_oom_retry(self, step_fn: Any, run: _Run, batch: dict, batch_size: int) -> tuple[Any, Any]:
-        """Run the step; on out-of-memory, halve the vmap chunk and rerun the same batch, key and step state.
+        """Run the step; on out-of-memory, halve the vmap chunk and rerun the same batch and step state (keys included).
 
         The step functions are pure, so a failed attempt changed nothing: the retried step releases exactly what
         the first attempt would have (privacy-neutral). The converged chunk is kept for the following steps.
@@ -597,7 +597,7 @@ class DPTrainer:
         def attempt(chunk: int) -> Any:
             if chunk not in steps:
                 steps[chunk] = self._make_step(chunk)[0]
-            return steps[chunk](run.params, run.opt_state, run.dp_state, (batch,), run.keys.noise)
+            return steps[chunk](run.params, run.opt_state, run.dp_state, (batch,))
 
         outputs, chunk = run_with_oom_retry(attempt, microbatch_size=current, batch_size=batch_size)
         if chunk < current:
@@ -723,7 +723,7 @@ class DPTrainer:
                 ckpt.write_state(
                     tmp,
                     self._manifest(run),
-                    step_state=run.dp_state,
+                    step_state=unkeyed(run.dp_state),  # the keys are stored in dp_state.json only
                     opt_state=run.opt_state,
                     rng_state=torch.get_rng_state(),
                 )
@@ -833,7 +833,7 @@ class DPTrainer:
                 "so the checkpoint was edited or assembled from different runs. Resume from another checkpoint."
             )
         self._restore_weights(folder, run)
-        run.dp_state = step_state
+        run.dp_state = rekeyed(step_state, run.dp_state)  # the keys of this segment (saved unkeyed)
         torch.set_rng_state(rng_state)
         if self._distributed:  # rank 0 wrote the state; each rank keeps its own sampler configuration
             run.sampler_state = distributed.local_sampler_state(sampler, run.sampler_state)
@@ -903,10 +903,10 @@ class DPTrainer:
 
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval", *, _run: _Run | None = None) -> dict:
         """Mean per-example loss (and ``compute_metrics``) on ``eval_dataset``; fires ``on_evaluate``."""
-        if _run is not None:
+        if _run is not None:  # during training: the model shows the run's current weights
             self._sync_model(_run.params)
-            self._params = _run.params
-        output = self._prediction_loop(eval_dataset or self.eval_dataset, metric_key_prefix)
+        params = _run.params if _run is not None else self._params
+        output = self._prediction_loop(eval_dataset or self.eval_dataset, metric_key_prefix, params)
         self.log(output.metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=output.metrics)
         if self.args.save_strategy == "best" and _run is not None:
@@ -918,64 +918,25 @@ class DPTrainer:
 
     def predict(self, test_dataset: Any, metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions, labels and metrics on ``test_dataset``; fires ``on_predict``."""
-        output = self._prediction_loop(test_dataset, metric_key_prefix)
+        output = self._prediction_loop(test_dataset, metric_key_prefix, self._params)
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, output.metrics)
         return output
 
-    def _prediction_loop(self, dataset: Any, prefix: str) -> PredictionOutput:
-        if dataset is None:
-            raise ConfigurationError("evaluation needs an eval_dataset.")
-        args, was_training = self.args, self.model.training
-        self.model.eval()
-        losses, logits_list, labels_list = [], [], []
-        size = args.per_device_eval_batch_size
-        loss_of = vmap(self._logits_loss)
+    def _prediction_loop(self, dataset: Any, prefix: str, params: dict[str, torch.Tensor]) -> PredictionOutput:
         custom = type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss
-
-        def evaluate_range(lo: int, hi: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-            batch = self._batch(dataset, np.arange(lo, hi))
-            if custom:  # another objective: its per-example losses only, no logits
-                return (
-                    vmap(self.compute_per_example_loss, in_dims=(None, 0))(self._params, batch).float().cpu(),
-                    None,
-                    None,
-                )
-            labels = batch.get(self.label_names[0])
-            inputs = {k: v for k, v in batch.items() if k not in self.label_names}
-            with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16_full_eval):
-                logits = self.model(**inputs).logits
-            loss = loss_of(logits, labels).float().cpu() if labels is not None else None
-            kept = None if args.prediction_loss_only else logits.float().cpu()
-            return loss, kept, (labels.cpu() if labels is not None else None)
-
-        with torch.no_grad():
-            for start in range(0, len(dataset), size):
-                stop = min(start + size, len(dataset))
-                if args.auto_find_microbatch_size:
-                    pieces, size = retry_eval_batch(evaluate_range, start=start, stop=stop, batch_size=size)
-                else:
-                    pieces = [evaluate_range(start, stop)]
-                for loss, logits, labels in pieces:
-                    if loss is not None:
-                        losses.append(loss)
-                    if logits is not None:
-                        logits_list.append(logits)
-                    if labels is not None and not custom:
-                        labels_list.append(labels)
-        self.model.train(was_training)
-        metrics: dict[str, float] = {}
-        if losses:
-            metrics[f"{prefix}_loss"] = torch.cat(losses).mean().item()
-        predictions = _concat_padded(logits_list) if logits_list else None
-        label_ids = _concat_padded(labels_list) if labels_list else None
-        if self.compute_metrics is not None and predictions is not None and label_ids is not None:
-            extra = {"losses": torch.cat(losses).numpy()} if "loss" in args.include_for_metrics else {}
-            for name, value in self.compute_metrics(EvalPrediction(predictions, label_ids, **extra)).items():
-                metrics[name if name.startswith(f"{prefix}_") else f"{prefix}_{name}"] = value
-        return PredictionOutput(predictions, label_ids, metrics)
-
-    def _logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return loss_from_logits(logits, labels, task=self.task, compute_loss_func=self.compute_loss_func)
+        return prediction_loop(
+            self.model,
+            dataset,
+            args=self.args,
+            batch_of=self._batch,
+            label_names=self.label_names,
+            logits_loss=lambda logits, labels: loss_from_logits(
+                logits, labels, task=self.task, compute_loss_func=self.compute_loss_func
+            ),
+            per_example_loss=(lambda example: self.compute_per_example_loss(params, example)) if custom else None,
+            compute_metrics=self.compute_metrics,
+            prefix=prefix,
+        )
 
     # -- callbacks -------------------------------------------------------------------------------------------------
 
@@ -1024,13 +985,3 @@ def _read_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
 def _tied_names(model: nn.Module) -> set[str]:
     all_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return all_names - {name for name, _ in model.named_parameters()}
-
-
-def _concat_padded(chunks: list[torch.Tensor]) -> np.ndarray:
-    """Concatenate along the batch axis, padding a differing sequence axis with -100."""
-    if chunks[0].dim() > 1:
-        length = max(c.shape[1] for c in chunks)
-        chunks = [
-            torch.nn.functional.pad(c, (0, 0) * (c.dim() - 2) + (0, length - c.shape[1]), value=-100) for c in chunks
-        ]
-    return torch.cat(chunks).numpy()

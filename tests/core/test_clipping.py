@@ -332,7 +332,7 @@ def test_batch_loss_is_refused():
     [
         ({"clipping_norm": -1.0}, ConfigurationError, "positive"),
         ({"clipping_norm": 0.0}, ConfigurationError, "positive"),
-        ({"clipping_norm": math.nan}, ConfigurationError, "positive"),
+        ({"clipping_norm": math.nan}, ConfigurationError, "clipping_norm"),
         ({"clipping_norm": "1"}, InputTypeError, "clipping_norm"),
         ({"clipping_norm": 1.0, "normalize_by": 0}, ConfigurationError, "normalize_by"),
         ({"clipping_norm": 1.0, "normalize_by": math.nan}, ConfigurationError, "normalize_by"),

@@ -1,4 +1,4 @@
-"""clipped_grad's chunk_transform: the same clipped sum through a wrapped chunk function, with padded chunks."""
+"""clipped_grad with an engine transform: the same clipped sum through a wrapped chunk function, with padded chunks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from opake_core.clipping import adaptive, auto_s, clipped_grad
+from opake_core.clipping import Engine, adaptive, auto_s, clipped_grad
 from opake_core.tree import per_group
 from tests.core.test_clipping import MODELS, _data, _loss, _median_norm, _reference, _rel_err, _split
 
@@ -42,7 +42,11 @@ def test_one_chunk_through_the_transform_is_bitwise_the_plain_path(name):
     plain_fn, state = clipped_grad(_loss(model), clipping_norm=bound, batch_argnums=(2, 3), return_diagnostics=True)
     recorder = Recorder()
     wrapped_fn, _ = clipped_grad(
-        _loss(model), clipping_norm=bound, batch_argnums=(2, 3), return_diagnostics=True, chunk_transform=recorder
+        _loss(model),
+        clipping_norm=bound,
+        batch_argnums=(2, 3),
+        return_diagnostics=True,
+        engine=Engine(transform=recorder),
     )
     (plain, plain_diag), _ = plain_fn(params, frozen, x, y, state=state)
     (ours, diag), _ = wrapped_fn(params, frozen, x, y, state=state)
@@ -68,7 +72,7 @@ def test_padded_chunks_have_one_shape_and_add_nothing(name):
         normalize_by=5.0,
         microbatch_size=3,
         return_diagnostics=True,
-        chunk_transform=recorder,
+        engine=Engine(transform=recorder),
     )
     (clipped, diag), _ = grad_fn(params, frozen, x, y, state=state)
     assert [call["rows"] for call in recorder.calls] == [{3}, {3}, {3}]
@@ -91,7 +95,7 @@ def test_padding_copies_a_non_finite_last_example_without_adding_it():
 
     params = {"w": torch.ones(3)}
     x = torch.tensor([[0.0, 3.0, 4.0], [1.0, 0.0, 0.0], [math.nan, 1.0, 1.0]])
-    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, microbatch_size=2, chunk_transform=Recorder())
+    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, microbatch_size=2, engine=Engine(transform=Recorder()))
     clipped, _ = grad_fn(params, x, state=state)
     torch.testing.assert_close(clipped.value["w"], torch.tensor([1.0, 0.6, 0.8]), rtol=1e-6, atol=0)
 
@@ -109,7 +113,11 @@ def test_the_other_rules_through_the_transform(rule):
     results = []
     for transform in (None, Recorder()):
         grad_fn, state = clipped_grad(
-            _loss(model), clipping_norm=rule(params), batch_argnums=(2, 3), microbatch_size=2, chunk_transform=transform
+            _loss(model),
+            clipping_norm=rule(params),
+            batch_argnums=(2, 3),
+            microbatch_size=2,
+            engine=Engine(transform=transform),
         )
         results.append(grad_fn(params, frozen, x, y, state=state)[0])
     assert _rel_err(results[1].value, {k: v.double() for k, v in results[0].value.items()}) < 1e-6
@@ -134,7 +142,7 @@ def test_adaptive_bound_reaches_the_chunk_as_a_tensor():
             batch_argnums=(2, 3),
             microbatch_size=4,
             key=random.key(7),
-            chunk_transform=transform,
+            engine=Engine(transform=transform),
         )
         bounds, values = [], []
         for _ in range(3):

@@ -69,11 +69,16 @@ def test_adaptive_step_changes_noise_scale_and_replays():
     params = {"w": torch.zeros(7)}
     opt = optim.sgd(0.1)
     step_fn, dp_state = dp_sgd(
-        _loss, optimizer=opt, clipping_norm=adaptive(1.0), noise_multiplier=1.0, expected_batch_size=8.0
+        _loss,
+        optimizer=opt,
+        clipping_norm=adaptive(1.0),
+        noise_multiplier=1.0,
+        expected_batch_size=8.0,
+        key=random.key(1),
     )
     batch = (_grads(n=8),)
-    p1, _, s1, m1 = step_fn(params, opt.init(params), dp_state, batch, random.key(1))
-    p2, _, s2, _ = step_fn(params, opt.init(params), dp_state, batch, random.key(1))
+    p1, _, s1, m1 = step_fn(params, opt.init(params), dp_state, batch)
+    p2, _, s2, _ = step_fn(params, opt.init(params), dp_state, batch)
     assert torch.equal(p1["w"], p2["w"]) and s1.clip.clipping_norm == s2.clip.clipping_norm
     assert m1.noise_std == pytest.approx(1.0 / 8.0)
     assert s1.clip.clipping_norm != 1.0
@@ -102,6 +107,7 @@ def test_rules_are_validated():
             clipping_norm=adaptive(),
             noise_multiplier=1.0,
             expected_batch_size=2.0,
+            key=random.key(0),
         )
 
 

@@ -107,10 +107,11 @@ def _sgd_step(expected_batch_size):
         noise_multiplier=Z,
         expected_batch_size=expected_batch_size,
         compute_dtype=torch.float64,
+        key=KEY,
     )
 
     def release(params, dp_state, batch):
-        new, _, new_state, _ = step_fn(params, opt.init(params), dp_state, batch, KEY)
+        new, _, new_state, _ = step_fn(params, opt.init(params), dp_state, batch)
         return {k: params[k] - new[k] for k in params}, new_state
 
     return release, dp_state
@@ -149,10 +150,11 @@ def _library_ftrl_step(strategy, expected_batch_size):
         noise_multiplier=Z,
         expected_batch_size=expected_batch_size,
         compute_dtype=torch.float64,
+        key=KEY,
     )
 
     def release(params, state, batch):
-        new, _, new_state, _ = step_fn(params, opt.init(params), state, batch, KEY)
+        new, _, new_state, _ = step_fn(params, opt.init(params), state, batch)
         return {k: params[k] - new[k] for k in params}, new_state
 
     return release, dp_state

@@ -39,7 +39,7 @@ def test_band_mf_defaults_to_cyclic_poisson_and_matches_the_core(capsys):
     sampler = sampling.cyclic_poisson(dataset_size=1000, sample_rate=0.1, bands=4)
     process = acc.mf_process(mf.band_mf(4), sampler=sampler, noise_multiplier=1.0, n_steps=64)
     assert answer["sampler"] == "cyclic_poisson" and answer["bands"] == 4
-    assert answer["epsilon"] == pytest.approx(acc.mf_epsilon(process, delta=1e-4).value, rel=1e-9)
+    assert answer["epsilon"] == pytest.approx(acc.epsilon(process, delta=1e-4).value, rel=1e-9)
 
 
 def test_calibrate_band_mf_and_monte_carlo_bsr(capsys):

@@ -114,9 +114,14 @@ def _batch():
 def test_dp_sgd_state_round_trips(tmp_path, clipping_norm):
     params, opt = _params(), optim.adam(1e-2)
     step_fn, fresh = dp_sgd(
-        _loss, optimizer=opt, clipping_norm=clipping_norm, noise_multiplier=1.0, expected_batch_size=4
+        _loss,
+        optimizer=opt,
+        clipping_norm=clipping_norm,
+        noise_multiplier=1.0,
+        expected_batch_size=4,
+        key=random.key(1),
     )
-    _, opt_state, dp_state, _ = step_fn(params, opt.init(params), fresh, _batch(), random.key(1))
+    _, opt_state, dp_state, _ = step_fn(params, opt.init(params), fresh, _batch())
     assert dp_state.step == 1
     _round_trip(
         tmp_path,
@@ -138,8 +143,9 @@ def test_dp_ftrl_state_round_trips(tmp_path, clipping_norm):
         clipping_norm=bound,
         noise_multiplier=1.0,
         expected_batch_size=4,
+        key=random.key(1),
     )
-    _, _, dp_state, _ = step_fn(params, opt.init(params), fresh, _batch(), random.key(1))
+    _, _, dp_state, _ = step_fn(params, opt.init(params), fresh, _batch())
     assert dp_state.noise.step == 1 and dp_state.noise.buffers and dp_state.noise.sensitivity is not None
     back = _round_trip(tmp_path, dp_state, template=fresh)
     assert isinstance(back.noise.sensitivity, PerGroup if clipping_norm == "per_group" else float)
@@ -197,10 +203,9 @@ def test_template_mismatch_names_the_first_difference(tmp_path):
     _refused(path, template=adam.init(_params(rows=4)), match=r"tree\[0\]\.mu\['w'\] is torch.float32 \[3, 2\]")
     _refused(path, template=adam.init({"w": params["w"]}), match=r"unexpected keys \['b'\]")
     _refused(path, template=adam.init({k: v.double() for k, v in params.items()}), match="float64")
-    _, fixed = dp_sgd(_loss, optimizer=adam, clipping_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
-    _, adaptive_state = dp_sgd(
-        _loss, optimizer=adam, clipping_norm=adaptive(), noise_multiplier=1.0, expected_batch_size=4
-    )
+    common = {"optimizer": adam, "noise_multiplier": 1.0, "expected_batch_size": 4, "key": random.key(0)}
+    _, fixed = dp_sgd(_loss, clipping_norm=1.0, **common)
+    _, adaptive_state = dp_sgd(_loss, clipping_norm=adaptive(), **common)
     save_tree(path, fixed)
     _refused(
         path, template=adaptive_state, match=r"tree\.clip is FixedClipState in the file, AdaptiveClipState expected"

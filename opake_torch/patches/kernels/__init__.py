@@ -7,16 +7,16 @@ layout), so calling them is always safe. :func:`available` says whether the kern
 
 from opake_torch.patches.kernels._triton import available
 from opake_torch.patches.kernels.activation import opake_geglu, opake_swiglu
-from opake_torch.patches.kernels.clip_sum import clip_and_sum
+from opake_torch.patches.kernels.clip_sum import FusedGradients
 from opake_torch.patches.kernels.cross_entropy import opake_cross_entropy_loss, opake_fused_linear_cross_entropy
 from opake_torch.patches.kernels.lora import LoRAProjection, opake_lora_mlp, opake_lora_qkv, opake_lora_w
 from opake_torch.patches.kernels.rms_norm import opake_rms_norm
 from opake_torch.patches.kernels.rope import opake_rope
 
 __all__ = [
+    "FusedGradients",
     "LoRAProjection",
     "available",
-    "clip_and_sum",
     "opake_cross_entropy_loss",
     "opake_fused_linear_cross_entropy",
     "opake_geglu",

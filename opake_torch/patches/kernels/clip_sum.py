@@ -1,36 +1,35 @@
-"""Fused clip-and-sum of per-example gradients: :func:`clip_and_sum`, the Triton backend of the clipping engine.
+"""Fused norms and scaled sums of materialized per-example gradients: :class:`FusedGradients`.
 
-Same result as the torch engine (``opake_core.clipping._ClipRule``, mirrored by
-:func:`~opake_torch.patches.kernels.reference.clip_and_sum`): for examples ``i`` and groups ``k``,
+The two halves of the clipping arithmetic as Triton kernels, for ``vmap(grad)`` gradients (one tensor ``[m, ...]`` per
+leaf): the clipping rule between them (the scales, their margin, the non-finite rule) stays in
+:mod:`opake_core.clipping.rules`, so the result is the torch path's up to float summation order (its reference is
+:class:`~opake_core.clipping.MaterializedGradients`). Use it as ``Engine(gradients=VmapGradients(FusedGradients))``.
 
-    total_l += sum_i  scale_i,k(l) * g_i,l,      scale_i,k = min(1, C_k (1 - 4u) / ||g_i||_k),
-
-squared norms in float64, ``scale = 0`` for an example whose norm is not finite (its NaN/inf entries contribute 0),
-the scale cast to the accumulator dtype (float32, float64 for float64 leaves) before the product, so each stored
-contribution satisfies ``||fl(scale * g_i)|| <= C``. Two passes, and never a clipped copy of the gradients:
-
-1. norms: one launch per gradient dtype over a table of tiles ``(leaf, example, offset)``; each program writes the
-   float64 sum of squares of its tile into a slot ordered by ``(group, example)``; a segment kernel sums the slots
-   (fixed order: the norms are deterministic). The scales are computed from ``[G, m]`` norms with torch.
-2. scale-and-reduce: one launch per gradient dtype over tiles ``(leaf, columns)``; each program walks the ``m``
-   examples of its columns, accumulates ``scale_i * g_i`` in the accumulator dtype and adds it to the accumulator.
+1. :meth:`FusedGradients.squared_norms`: one launch per gradient dtype over a table of tiles ``(leaf, example,
+   offset)``; each program writes the float64 sum of squares of its tile into a slot ordered by ``(leaf, example)``;
+   a segment kernel sums the slots in a fixed order (the norms are deterministic): float64 ``[L, m]``.
+2. :meth:`FusedGradients.add_scaled`: one launch per gradient dtype over tiles ``(leaf, columns)``; each program walks
+   the ``m`` examples of its columns, accumulates ``scale_i * g_i`` in the accumulator dtype (float32, float64 for
+   float64 leaves), drops non-finite products (an example with scale 0 adds nothing) and adds the total to the
+   accumulator. Never a clipped copy of the gradients.
 
 The leaves are reached through a table of base addresses (the multi-tensor pattern), so the launch count does not
-depend on the number of leaves. Tile plans are cached by the shapes (an LRU of 64).
+depend on the number of leaves. Tile plans are cached by the shapes (an LRU of 64). Where the kernels cannot run (CPU,
+no Triton, another dtype or layout, no example) the torch path runs instead.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from opake_core.clipping import clip_scales
-from opake_torch.patches.kernels import reference
+from opake_core.clipping import MaterializedGradients
 from opake_torch.patches.kernels._triton import can_launch, jit, tl
 
-__all__ = ["clip_and_sum", "fused_supported"]
+__all__ = ["FusedGradients", "fused_supported"]
 
 _NORM_BLOCK = 1024
 _NORM_ITERS = 8  # a norm tile is _NORM_BLOCK * _NORM_ITERS elements of one example
@@ -70,73 +69,56 @@ def _segment_sum_kernel(PARTIAL, STARTS, OUT, BLOCK: tl.constexpr):
 
 @jit
 def _scale_sum_kernel(
-    TABLE, PTRS, ACC_PTRS, NUMEL, GROUP, SCALES, m, DTYPE: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr
+    TABLE, PTRS, ACC_PTRS, NUMEL, SCALES, SCALE_STRIDE, m, DTYPE: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr
 ):
     tile = tl.program_id(0).to(tl.int64)
     leaf = tl.load(TABLE + tile * 2)
     start = tl.load(TABLE + tile * 2 + 1)
     n = tl.load(NUMEL + leaf)
-    group = tl.load(GROUP + leaf)
     grads = tl.load(PTRS + leaf).to(tl.pointer_type(DTYPE))
     total_ptr = tl.load(ACC_PTRS + leaf).to(tl.pointer_type(ACC))
     idx = start + tl.arange(0, BLOCK)
     mask = idx < n
     acc = tl.zeros([BLOCK], dtype=ACC)
     for i in range(m):
-        scale = tl.load(SCALES + group * m + i)
+        scale = tl.load(SCALES + leaf * SCALE_STRIDE + i)  # stride 0: one row shared by every leaf
         v = tl.load(grads + i * n + idx, mask=mask, other=0.0).to(ACC) * scale
         acc += tl.where((v == v) & (tl.abs(v) != float("inf")), v, 0.0)
     total = tl.load(total_ptr + idx, mask=mask, other=0.0)
     tl.store(total_ptr + idx, total + acc, mask=mask)
 
 
-def fused_supported(per_example_grads: list[torch.Tensor], accumulators: list[torch.Tensor]) -> bool:
-    """Whether :func:`clip_and_sum` runs the Triton kernels for these tensors (else the torch reference)."""
-    tensors = [*per_example_grads, *accumulators]
-    return (
-        bool(per_example_grads)
-        and can_launch(*tensors)
-        and all(g.dtype in _DTYPES for g in per_example_grads)
-        and all(a.dtype in (torch.float32, torch.float64) and a.is_contiguous() for a in accumulators)
-        and all(a.dtype == (torch.float64 if g.dtype == torch.float64 else torch.float32)
-                for g, a in zip(per_example_grads, accumulators, strict=True))
-    )  # fmt: skip
-
-
-def clip_and_sum(
-    per_example_grads: list[torch.Tensor],
-    *,
-    group_index: list[int],
-    bounds: list[float],
-    accumulators: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip each example's gradient to its bound(s) and add the sum over examples to the accumulators, in place.
-
-    Args:
-        per_example_grads: one tensor ``[m, ...]`` per leaf, ``m`` examples (the same ``m`` for all).
-        group_index: the clipping group of each leaf, an index into ``bounds``.
-        bounds: the L2 bound ``C_k`` of each group (``math.inf``: no clipping for that group).
-        accumulators: one tensor per leaf with the leaf's shape without ``m``: float32 (float64 for float64
-            leaves); updated in place.
-
-    Returns:
-        ``(norms [m], group_norms [G, m])`` in float64: each example's total and per-group L2 norm before clipping
-        (not finite for a non-finite example). Diagnostics only: outside the privacy guarantee.
-
-    The Triton kernels run when every tensor is on one CUDA device (see :func:`fused_supported`); otherwise this is
-    the torch reference, which is also the definition the kernels are tested against.
-    """
-    if len(per_example_grads) != len(accumulators) or len(group_index) != len(per_example_grads):
-        raise ValueError(
-            f"per_example_grads ({len(per_example_grads)}), group_index ({len(group_index)}) and accumulators "
-            f"({len(accumulators)}) must have one entry per leaf."
+def fused_supported(per_example_grads: list[torch.Tensor], accumulators: list[torch.Tensor] | None = None) -> bool:
+    """Whether the Triton kernels run for these gradients ``[m, ...]`` (and accumulators), else the torch path."""
+    grads, sums = per_example_grads, accumulators or []
+    supported = bool(grads) and grads[0].shape[0] > 0 and all(g.dtype in _DTYPES for g in grads)
+    if accumulators is not None:
+        supported = supported and all(
+            a.is_contiguous() and a.dtype == (torch.float64 if g.dtype == torch.float64 else torch.float32)
+            for g, a in zip(grads, sums, strict=True)
         )
-    with torch.profiler.record_function("opake::clip_and_sum"):
-        if not fused_supported(per_example_grads, accumulators) or per_example_grads[0].shape[0] == 0:
-            return reference.clip_and_sum(
-                per_example_grads, group_index=group_index, bounds=bounds, accumulators=accumulators
-            )
-        return _fused(per_example_grads, group_index, bounds, accumulators)
+    return supported and can_launch(*grads, *sums)
+
+
+class FusedGradients(MaterializedGradients):
+    """Materialized per-example gradients whose norms and scaled sums run as Triton kernels (module docstring)."""
+
+    def squared_norms(self) -> torch.Tensor:
+        if not fused_supported(self.leaves):
+            return super().squared_norms()
+        with torch.profiler.record_function("opake::fused_squared_norms"):
+            return _squared_norms(self._layout)
+
+    def add_scaled(self, scales: dict[torch.dtype, torch.Tensor], sums: list[torch.Tensor]) -> None:
+        if not fused_supported(self.leaves, sums):
+            super().add_scaled(scales, sums)
+            return
+        with torch.profiler.record_function("opake::fused_add_scaled"):
+            _add_scaled(self._layout, scales, sums)
+
+    @functools.cached_property
+    def _layout(self) -> _Layout:
+        return _Layout.of(self.leaves)
 
 
 _TL_DTYPES: dict[torch.dtype, Any] = {}
@@ -156,36 +138,27 @@ def _tl_dtype(dtype: torch.dtype) -> Any:
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(m: int, leaves: tuple[tuple[int, torch.dtype, int], ...], groups: int) -> dict[str, Any]:
-    """Tile tables (CPU int64) for leaves ``(numel per example, dtype, group)``; slots ordered by (group, example)."""
+def _plan(m: int, leaves: tuple[tuple[int, torch.dtype], ...]) -> dict[str, Any]:
+    """Tile tables (CPU int64) for leaves ``(numel per example, dtype)``; norm slots ordered by (leaf, example)."""
     tile = _NORM_BLOCK * _NORM_ITERS
     by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, (_, dtype, _) in enumerate(leaves):
+    for index, (_, dtype) in enumerate(leaves):
         by_dtype.setdefault(dtype, []).append(index)
-    # norm tiles of each (group, example) segment, across dtypes, in a fixed order
-    segment_tiles: list[list[tuple[torch.dtype, int, int, int]]] = [[] for _ in range(groups * m)]
-    for dtype, members in by_dtype.items():
-        for local, index in enumerate(members):
-            numel, _, group = leaves[index]
-            for example in range(m):
-                for start in range(0, numel, tile):
-                    segment_tiles[group * m + example].append((dtype, local, example, start))
+    local = {index: i for members in by_dtype.values() for i, index in enumerate(members)}
     norm_tables: dict[torch.dtype, list[list[int]]] = {dtype: [] for dtype in by_dtype}
     starts, slot = [0], 0
-    for tiles in segment_tiles:
-        for dtype, local, example, start in tiles:
-            norm_tables[dtype].append([local, example, start, slot])
-            slot += 1
-        starts.append(slot)
+    for index, (numel, dtype) in enumerate(leaves):
+        for example in range(m):
+            for start in range(0, numel, tile):
+                norm_tables[dtype].append([local[index], example, start, slot])
+                slot += 1
+            starts.append(slot)
     plan: dict[str, Any] = {"slots": slot, "starts": torch.tensor(starts, dtype=torch.int64), "dtypes": {}}
     for dtype, members in by_dtype.items():
-        sum_table = [
-            [local, start] for local, index in enumerate(members) for start in range(0, leaves[index][0], _SUM_BLOCK)
-        ]
+        sum_table = [[i, start] for i, index in enumerate(members) for start in range(0, leaves[index][0], _SUM_BLOCK)]
         plan["dtypes"][dtype] = {
             "members": members,
             "numel": torch.tensor([leaves[i][0] for i in members], dtype=torch.int64),
-            "group": torch.tensor([leaves[i][2] for i in members], dtype=torch.int64),
             "norm_table": torch.tensor(norm_tables[dtype] or [[0, 0, 0, 0]], dtype=torch.int64)[
                 : len(norm_tables[dtype])
             ],
@@ -216,41 +189,58 @@ def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _fused(
-    grads: list[torch.Tensor], group_index: list[int], bounds: list[float], accumulators: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    m, device, groups = grads[0].shape[0], grads[0].device, len(bounds)
-    grads = [g.detach() if g.is_contiguous() else g.detach().contiguous() for g in grads]
-    leaves = tuple((g.numel() // m, g.dtype, k) for g, k in zip(grads, group_index, strict=True))
-    plan = _plan(m, leaves, groups)
-    on_device = _device_plan(plan, device)
+@dataclass
+class _Layout:
+    """The chunk's contiguous gradients, their tile plan on the device and one address table per gradient dtype: made
+    once and shared by both passes."""
+
+    grads: list[torch.Tensor]
+    plan: dict[str, Any]
+    on_device: dict[str, Any]
+    pointers: dict[torch.dtype, torch.Tensor]
+
+    @staticmethod
+    def of(grads: list[torch.Tensor]) -> _Layout:
+        m, device = grads[0].shape[0], grads[0].device
+        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        plan = _plan(m, tuple((g.numel() // m, g.dtype) for g in grads))
+        pointers = {
+            dtype: _on_device([grads[i].data_ptr() for i in entry["members"]], device)
+            for dtype, entry in plan["dtypes"].items()
+        }
+        return _Layout(grads, plan, _device_plan(plan, device), pointers)
+
+
+def _squared_norms(layout: _Layout) -> torch.Tensor:
+    grads, plan, on_device = layout.grads, layout.plan, layout.on_device
+    m, device = grads[0].shape[0], grads[0].device
     partial = torch.empty(plan["slots"], dtype=torch.float64, device=device)
-    pointers = {}
-    for dtype, entry in plan["dtypes"].items():
-        members = entry["members"]
-        pointers[dtype] = _on_device([grads[i].data_ptr() for i in members], device)
+    for dtype in plan["dtypes"]:
         table = on_device["dtypes"][dtype]["norm_table"]
         if table.shape[0]:
             _sq_norm_kernel[(table.shape[0],)](
-                table, pointers[dtype], on_device["dtypes"][dtype]["numel"], partial,
+                table, layout.pointers[dtype], on_device["dtypes"][dtype]["numel"], partial,
                 BLOCK=_NORM_BLOCK, ITERS=_NORM_ITERS, DTYPE=_tl_dtype(dtype),
             )  # fmt: skip
-    group_sq = torch.empty(groups * m, dtype=torch.float64, device=device)
-    _segment_sum_kernel[(groups * m,)](partial, on_device["starts"], group_sq, BLOCK=256)
-    group_sq = group_sq.reshape(groups, m)
-    group_norms = group_sq.sqrt()
-    norms = group_sq.sum(dim=0).sqrt()
-    acc_dtypes = {a.dtype for a in accumulators}
-    scales = {dtype: scale.contiguous() for dtype, scale in clip_scales(group_norms, norms, bounds, acc_dtypes).items()}
+    leaf_sq = torch.empty(len(grads) * m, dtype=torch.float64, device=device)
+    _segment_sum_kernel[(len(grads) * m,)](partial, on_device["starts"], leaf_sq, BLOCK=256)
+    return leaf_sq.reshape(len(grads), m)
+
+
+def _add_scaled(layout: _Layout, scales: dict[torch.dtype, torch.Tensor], sums: list[torch.Tensor]) -> None:
+    grads, plan, on_device = layout.grads, layout.plan, layout.on_device
+    m, device = grads[0].shape[0], grads[0].device
     for dtype, entry in plan["dtypes"].items():
+        table = on_device["dtypes"][dtype]["sum_table"]
+        if not table.shape[0]:
+            continue
         members = entry["members"]
         acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        acc_pointers = _on_device([accumulators[i].data_ptr() for i in members], device)
-        table = on_device["dtypes"][dtype]["sum_table"]
-        if table.shape[0]:
-            _scale_sum_kernel[(table.shape[0],)](
-                table, pointers[dtype], acc_pointers, on_device["dtypes"][dtype]["numel"],
-                on_device["dtypes"][dtype]["group"], scales[acc_dtype], m,
-                DTYPE=_tl_dtype(dtype), ACC=_tl_dtype(acc_dtype), BLOCK=_SUM_BLOCK,
-            )  # fmt: skip
-    return norms, group_norms
+        rows = scales[acc_dtype]
+        if rows.stride(0) != 0:  # per-leaf scales: the rows of this dtype's leaves, in their order
+            rows = torch.stack([rows[i] for i in members])
+        _scale_sum_kernel[(table.shape[0],)](
+            table, layout.pointers[dtype], _on_device([sums[i].data_ptr() for i in members], device),
+            on_device["dtypes"][dtype]["numel"], rows, rows.stride(0), m,
+            DTYPE=_tl_dtype(dtype), ACC=_tl_dtype(acc_dtype), BLOCK=_SUM_BLOCK,
+        )  # fmt: skip

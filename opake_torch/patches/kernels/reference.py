@@ -15,11 +15,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from opake_core.clipping import clip_scales
-
 __all__ = [
     "LoRAProjection",
-    "clip_and_sum",
     "cross_entropy",
     "fused_linear_cross_entropy",
     "geglu",
@@ -146,33 +143,3 @@ def lora_mlp(
     u = lora_w(x, up.weight, up.lora_A, up.lora_B, scaling, up.bias)
     h = swiglu(g, u) if activation == "silu" else geglu(g, u, "tanh" if activation == "gelu_tanh" else "none")
     return lora_w(h, down.weight, down.lora_A, down.lora_B, scaling, down.bias)
-
-
-def clip_and_sum(
-    per_example_grads: list[torch.Tensor],
-    *,
-    group_index: list[int],
-    bounds: list[float],
-    accumulators: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch clip-and-sum (``opake_core.clipping._ClipRule``): adds ``sum_i g_i * scale_i`` to each accumulator.
-
-    ``scale_i = min(1, C_k (1 - 4u) / ||g_i||_k)`` per group ``k`` with ``u`` the unit roundoff of the accumulator's
-    dtype, squared norms in float64, and ``scale_i = 0`` for an example whose norm is not finite.
-
-    Returns:
-        ``(norms [m] float64, group_norms [G, m] float64)``.
-    """
-    m = per_example_grads[0].shape[0]
-    device = per_example_grads[0].device
-    group_sq = torch.zeros(len(bounds), m, dtype=torch.float64, device=device)
-    for index, g in zip(group_index, per_example_grads, strict=True):
-        group_sq[index] += g.detach().to(torch.float64).square().reshape(m, -1).sum(dim=1)
-    group_norms = group_sq.sqrt()
-    norms = group_sq.sum(dim=0).sqrt()
-    scales = clip_scales(group_norms, norms, bounds, {total.dtype for total in accumulators})  # the core's rule
-    for index, (g, total) in zip(group_index, zip(per_example_grads, accumulators, strict=True), strict=True):
-        leaf_scale = scales[total.dtype][index].to(total.dtype).reshape(m, *([1] * (g.dim() - 1)))
-        contribution = torch.nan_to_num(g.detach().to(total.dtype) * leaf_scale, nan=0.0, posinf=0.0, neginf=0.0)
-        total.add_(contribution.sum(dim=0))
-    return norms, group_norms

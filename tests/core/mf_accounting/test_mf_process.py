@@ -15,7 +15,7 @@ import pytest
 
 from opake_core import accounting as acc
 from opake_core import mf, sampling
-from opake_core.accounting import mf as acc_mf
+from opake_core.accounting import mf_monte_carlo as acc_mf
 from opake_core.errors import CalibrationError, ConfigurationError, InputTypeError
 
 N_STEPS, BANDS, RATE, DELTA = 64, 4, 0.1, 1e-3
@@ -33,7 +33,7 @@ def test_identity_with_poisson_is_exactly_dp_sgd():
         assert process == sampler.process(1.1, N_STEPS)
     process = acc.mf_process(mf.identity(), sampler=POISSON, noise_multiplier=1.1, n_steps=N_STEPS)
     dp_sgd = acc.repeat(acc.poisson(acc.gaussian(1.1), RATE), N_STEPS)
-    assert acc.mf_epsilon(process, delta=1e-5).value == acc.epsilon(dp_sgd, delta=1e-5).value
+    assert acc.epsilon(process, delta=1e-5).value == acc.epsilon(dp_sgd, delta=1e-5).value
 
 
 def test_band_mf_with_cyclic_poisson_is_the_amplified_reduction():
@@ -63,11 +63,11 @@ def test_unamplified_is_one_gaussian_with_the_pattern_sensitivity():
 
 def test_amplification_ordering_at_equal_participation_rate():
     # Rate 0.1 per step: cyclic q = 0.4 within a group of 4; b-min-sep p = 0.1 / (1 - 3 * 0.1).
-    cyclic = acc.mf_epsilon(acc.mf_process(BAND, sampler=CYCLIC, noise_multiplier=1.0, n_steps=N_STEPS), delta=DELTA)
+    cyclic = acc.epsilon(acc.mf_process(BAND, sampler=CYCLIC, noise_multiplier=1.0, n_steps=N_STEPS), delta=DELTA)
     unamp = acc.mf_process(BAND, sampler=CYCLIC, noise_multiplier=1.0, n_steps=N_STEPS, amplified=False)
     minsep = acc.mf_process(BAND, sampler=MIN_SEP, noise_multiplier=1.0, n_steps=N_STEPS)
-    sampled = acc.mf_epsilon(minsep, delta=DELTA, monte_carlo=SMALL_MC)
-    unamplified = acc.mf_epsilon(unamp, delta=DELTA).value
+    sampled = acc.epsilon(minsep, delta=DELTA, monte_carlo=SMALL_MC)
+    unamplified = acc.epsilon(unamp, delta=DELTA).value
     # The Monte Carlo value is an upper bound with probability >= 1 - 1e-6 (its failure probability); the seed is
     # fixed, so the assertion is deterministic. Measured: 6.89 <= 7.75 <= 19.62.
     assert sampled.accountant == "monte_carlo"
@@ -115,7 +115,7 @@ def test_documented_constraints_raise_configuration_errors():
         acc.mf_process(BAND, sampler=object(), noise_multiplier=1.0, n_steps=N_STEPS)
     minsep = acc.mf_process(BAND, sampler=MIN_SEP, noise_multiplier=1.0, n_steps=N_STEPS)
     with pytest.raises(ConfigurationError, match="Monte Carlo only"):
-        acc.mf_epsilon(minsep, delta=DELTA, accountant="pld")
+        acc.epsilon(minsep, delta=DELTA, accountant="pld")
 
 
 def test_identity_with_balls_in_bins_is_random_allocation_and_matches_the_gram_sampler():
@@ -154,14 +154,14 @@ def test_b_min_sep_with_p_one_matches_balls_in_bins():
 def test_balls_in_bins_monte_carlo_is_bounded_by_unamplified_and_monotone(strategy):
     config = acc.MonteCarlo(num_samples=20_000, seed=1)
     make = lambda z: acc.mf_process(strategy, sampler=BINS, noise_multiplier=z, n_steps=N_STEPS)  # noqa: E731
-    values = [acc.mf_epsilon(make(z), delta=0.05, monte_carlo=config).value for z in (0.8, 1.2, 2.0)]
+    values = [acc.epsilon(make(z), delta=0.05, monte_carlo=config).value for z in (0.8, 1.2, 2.0)]
     assert values[0] >= values[1] >= values[2]
-    bound = acc.mf_epsilon(
+    bound = acc.epsilon(
         acc.mf_process(strategy, sampler=BINS, noise_multiplier=1.2, n_steps=N_STEPS, amplified=False), delta=0.05
     )
     assert values[1] <= bound.value + 1e-12
-    assert acc.mf_epsilon(make(0.0), delta=0.05).value == math.inf
-    assert acc.mf_delta(make(1.2), epsilon=values[1], monte_carlo=config).value <= 0.05
+    assert acc.epsilon(make(0.0), delta=0.05).value == math.inf
+    assert acc.delta(make(1.2), epsilon=values[1], monte_carlo=config).value <= 0.05
 
 
 def test_default_monte_carlo_sample_count():
@@ -184,12 +184,12 @@ def test_json_round_trip_of_mf_processes():
 
 def test_calibration_analytic_and_monte_carlo():
     make = lambda z: acc.mf_process(BAND, sampler=CYCLIC, noise_multiplier=z, n_steps=N_STEPS)  # noqa: E731
-    found = acc.calibrate_mf_noise_multiplier(make, target_epsilon=4.0, delta=DELTA)
+    found = acc.calibrate_noise_multiplier(make, target_epsilon=4.0, delta=DELTA)
     assert found.accountant == "pld" and 4.0 * (1 - 1e-3) <= found.epsilon <= 4.0
     config = acc.MonteCarlo(num_samples=20_000, seed=2)
     make_mc = lambda z: acc.mf_process(BAND, sampler=MIN_SEP, noise_multiplier=z, n_steps=N_STEPS)  # noqa: E731
-    mc = acc.calibrate_mf_noise_multiplier(make_mc, target_epsilon=4.0, delta=0.05, tolerance=1e-2, monte_carlo=config)
+    mc = acc.calibrate_noise_multiplier(make_mc, target_epsilon=4.0, delta=0.05, tolerance=1e-2, monte_carlo=config)
     assert mc.epsilon <= 4.0
-    assert acc.mf_epsilon(make_mc(mc.value), delta=0.05, monte_carlo=config).value <= 4.0 + 0.5
+    assert acc.epsilon(make_mc(mc.value), delta=0.05, monte_carlo=config).value <= 4.0 + 0.5
     with pytest.raises(CalibrationError):
-        acc.calibrate_mf_noise_multiplier(make_mc, target_epsilon=0.01, delta=0.05, max=1.0, monte_carlo=config)
+        acc.calibrate_noise_multiplier(make_mc, target_epsilon=0.01, delta=0.05, max=1.0, monte_carlo=config)

@@ -55,23 +55,23 @@ def test_accepts_integer_tensor_steps_and_is_pure() -> None:
 @pytest.mark.parametrize(
     ("build", "error", "match"),
     [
-        (lambda: schedules.constant(float("nan")), ConfigurationError, "value must not be NaN"),
+        (lambda: schedules.constant(float("nan")), ConfigurationError, "value must be a number, got nan"),
         (lambda: schedules.constant(-1.0), ConfigurationError, "value must be non-negative"),
-        (lambda: schedules.linear(1.0, 0.0, 0), ConfigurationError, "transition_steps must be at least 1"),
-        (lambda: schedules.cosine(1.0, 0.0, -3), ConfigurationError, "transition_steps must be at least 1"),
-        (lambda: schedules.linear(1.0, 0.0, 2.5), InputTypeError, "transition_steps must be an integer"),
+        (lambda: schedules.linear(1.0, 0.0, 0), ConfigurationError, "transition_steps must be an int >= 1"),
+        (lambda: schedules.cosine(1.0, 0.0, -3), ConfigurationError, "transition_steps must be an int >= 1"),
+        (lambda: schedules.linear(1.0, 0.0, 2.5), InputTypeError, "transition_steps must be an int"),
         (
             lambda: schedules.linear(1.0, 0.0, 4, -1),
             ConfigurationError,
-            "transition_begin must be at least 0",
+            "transition_begin must be an int >= 0",
         ),
         (
             lambda: schedules.cosine(float("inf"), 0.0, 4),
             ConfigurationError,
             "init_value must be non-negative and",
         ),
-        (lambda: schedules.linear(1.0, float("nan"), 4), ConfigurationError, "end_value must not be NaN"),
-        (lambda: schedules.with_warmup(1.0, 0), ConfigurationError, "warmup_steps must be at least 1"),
+        (lambda: schedules.linear(1.0, float("nan"), 4), ConfigurationError, "end_value must be a number, got nan"),
+        (lambda: schedules.with_warmup(1.0, 0), ConfigurationError, "warmup_steps must be an int >= 1"),
         (
             lambda: schedules.with_warmup(1.0, 3, init_value=1.5),
             ConfigurationError,
@@ -79,7 +79,7 @@ def test_accepts_integer_tensor_steps_and_is_pure() -> None:
         ),
         (lambda: schedules.with_warmup(1.0, 3, init_value=-0.1), ConfigurationError, "got -0.1"),
         (lambda: schedules.with_warmup("cosine", 3), InputTypeError, "schedule must be a number"),
-        (lambda: schedules.constant(1.0)(-1), ConfigurationError, "step must be at least 0"),
+        (lambda: schedules.constant(1.0)(-1), ConfigurationError, "step must be an int >= 0"),
     ],
 )
 def test_validation(build, error, match) -> None:

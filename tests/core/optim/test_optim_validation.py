@@ -18,7 +18,7 @@ from opake_core.tree import Noised
         (lambda: optim.sgd(0.0), "lr must be positive and finite, got 0.0"),
         (lambda: optim.sgd(-0.1), "lr must be positive and finite, got -0.1"),
         (lambda: optim.adam(math.inf), "lr must be positive and finite, got inf"),
-        (lambda: optim.adam(math.nan), "lr must not be NaN"),
+        (lambda: optim.adam(math.nan), "lr must be a number, got nan"),
         (
             lambda: optim.sgd(0.1, weight_decay=-1e-4),
             "weight_decay must be non-negative and finite, got -0.0001",

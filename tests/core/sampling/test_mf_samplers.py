@@ -114,8 +114,11 @@ def test_b_min_sep_resume_from_json_continues_the_identical_sequence():
     full, _ = _draw(make(), 30)
     first, state = _draw(make(), 12)
     restored = SamplerState.from_json(json.loads(json.dumps(state.to_json())))
-    rest, _ = _draw(make(), 18, state=restored)  # a fresh sampler: replays the cooldowns from step 0
+    assert restored == state and restored.carry is not None  # the cooldowns travel in the state
+    rest, _ = _draw(make(), 18, state=restored)
     assert all(np.array_equal(a, b) for a, b in zip(full, first + rest, strict=True))
+    replayed, _ = _draw(make(), 18, state=SamplerState(12, state.config))  # no carry: replayed from step 0
+    assert all(np.array_equal(a, b) for a, b in zip(rest, replayed, strict=True))
 
 
 def test_b_min_sep_refuses_a_rate_above_one_over_min_sep():

@@ -139,7 +139,7 @@ def test_k_out_of_t_restores_and_declares_its_accounting():
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"k": 0, "t": 5, "allocation": "block"}, "k must be >= 1"),
+        ({"k": 0, "t": 5, "allocation": "block"}, "k must be an int >= 1"),
         ({"k": 6, "t": 5, "allocation": "total"}, "k must be <= t"),
         ({"k": 2, "t": 5, "allocation": "block"}, "divisible"),
         ({"k": 1, "t": 5, "allocation": "random"}, "random"),

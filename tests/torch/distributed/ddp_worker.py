@@ -47,6 +47,7 @@ def core_step(kind: str, params: dict[str, torch.Tensor], reduce):
         "clipping_norm": 1.0,
         "noise_multiplier": 1.0,
         "expected_batch_size": N * RATE,
+        "key": random.key(8),
         "reduce": reduce,
     }
     if kind == "mf":
@@ -62,14 +63,14 @@ def run_core(kind: str, empty_rank: int | None) -> dict:
     params = core_params()
     step_fn, dp_state, opt_state = core_step(kind, params, distributed.sum_gradients)
     sampler = core_sampler(kind, world, rank)
-    state, key, noise_key = sampler.init(), random.key(7), random.key(8)
+    state, key = sampler.init(), random.key(7)
     sizes = []
     for _ in range(STEPS):
         idx, state = sampler.sample(key, state)
         if rank == empty_rank:
             idx = idx[:0]
         sizes.append(len(idx))
-        params, opt_state, dp_state, _ = step_fn(params, opt_state, dp_state, (x[idx], y[idx]), noise_key)
+        params, opt_state, dp_state, _ = step_fn(params, opt_state, dp_state, (x[idx], y[idx]))
     distributed.check_params_synchronized(params)
     return {"params": params, "sizes": sizes}
 

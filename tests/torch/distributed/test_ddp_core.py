@@ -28,14 +28,14 @@ def _single_process(kind: str, empty_rank: int | None = None) -> dict[str, torch
     step_fn, dp_state, opt_state = w.core_step(kind, params, None)
     samplers = [w.core_sampler(kind, 2, r) for r in range(2)]
     states = [s.init() for s in samplers]
-    key, noise_key = random.key(7), random.key(8)
+    key = random.key(7)
     for _ in range(w.STEPS):
         parts = []
         for r, sampler in enumerate(samplers):
             idx, states[r] = sampler.sample(key, states[r])
             parts.append(idx[:0] if r == empty_rank else idx)
         union = np.sort(np.concatenate(parts))
-        params, opt_state, dp_state, _ = step_fn(params, opt_state, dp_state, (x[union], y[union]), noise_key)
+        params, opt_state, dp_state, _ = step_fn(params, opt_state, dp_state, (x[union], y[union]))
     return params
 
 
@@ -89,8 +89,9 @@ def test_reduce_must_keep_the_sensitivity():
         clipping_norm=1.0,
         noise_multiplier=1.0,
         expected_batch_size=4.0,
+        key=random.key(1),
         reduce=lambda c: Clipped(c.value, c.sensitivity * 2),
     )
     opt_state = opt.init(params)
     with pytest.raises(InputTypeError, match="same sensitivity"):
-        step_fn(params, opt_state, dp_state, (x[:3], y[:3]), random.key(1))
+        step_fn(params, opt_state, dp_state, (x[:3], y[:3]))

@@ -77,9 +77,7 @@ def _single_process(tmp_path, kind):
             parts.append(idx)
         sizes.append([len(p) for p in parts])
         batch = trainer._batch(DATA, np.sort(np.concatenate(parts)))
-        run.params, run.opt_state, run.dp_state, _ = step_fn(
-            run.params, run.opt_state, run.dp_state, (batch,), run.keys.noise
-        )
+        run.params, run.opt_state, run.dp_state, _ = step_fn(run.params, run.opt_state, run.dp_state, (batch,))
         if not run.plan.horizon:
             run.ledger = run.ledger.record(run.plan.release)
     return run.params, ledger_epsilon(run.ledger, run.plan.delta), sizes

@@ -1,6 +1,7 @@
 """CPU tests of the performance kernels: the torch references against plain formulas (also under vmap(grad)), the
-CPU fallback of every public kernel, the LoRA functions (pure torch, so they run here), the torch clip-and-sum against
-the core engine, and the dispatch of the performance patches (a no-op with a logged reason on CPU)."""
+CPU fallback of every public kernel, the LoRA functions (pure torch, so they run here), the CPU path of the fused
+clip-and-sum against the core engine, and the dispatch of the performance patches (a no-op with a logged reason on
+CPU)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad, vmap
 
-from opake_core.clipping import MaterializedGradients, _bounds_on, _ClipRule
+from opake_core.clipping import MaterializedGradients
+from opake_core.clipping.rules import ClipRule, bounds_on
 from opake_core.errors import ConfigurationError, InputTypeError
+from opake_core.tree import per_group as per_group_of
 from opake_torch.patches import kernels as K
 from opake_torch.patches import performance
 from opake_torch.patches.kernels import clip_sum
@@ -224,48 +227,35 @@ def _grads(m):
     return grads
 
 
-@pytest.mark.parametrize("per_group", [False, True])
-def test_clip_and_sum_reference_is_the_core_engine(per_group):
-    grads = _grads(5)
-    params = {
-        "a": torch.zeros(3, 4),
-        "b": torch.zeros(5, dtype=torch.float64),
-        "c": torch.zeros(7, dtype=torch.bfloat16),
-    }
-    bound = 1.5
-    group_index, bounds = ([0, 1, 0], [1.5, 0.25]) if per_group else ([0, 0, 0], [bound])
-    if per_group:
-        from opake_core.tree import per_group as make_groups
+def _clip(form, grads, bound, params):
+    """The core rule's clipped sum of ``grads`` held as ``form``: (sums, norms)."""
+    rule, floats = ClipRule.of(params, bound)
+    sums, norms, _ = rule(form(grads), list(params.values()), bounds_on(floats, torch.device("cpu")), None)
+    return sums, norms
 
-        rule, floats = _ClipRule.of(params, make_groups(params, {"^a$": 1.5, "^b$": 0.25, "^c$": 1.5}), backend=None)
-        group_index, bounds = list(rule.group_index), list(floats)
-    else:
-        rule, floats = _ClipRule.of(params, bound, backend=None)
-    engine_sums, engine_norms, _ = rule(
-        MaterializedGradients(grads), list(params.values()), _bounds_on(floats, "cpu"), None
-    )
-    sums = [torch.zeros(g.shape[1:], dtype=torch.float64 if g.dtype == torch.float64 else torch.float32) for g in grads]
-    norms, _ = clip_sum.clip_and_sum(grads, group_index=group_index, bounds=bounds, accumulators=sums)
+
+_PARAMS = {"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.float64), "c": torch.zeros(7, dtype=torch.bfloat16)}
+
+
+@pytest.mark.parametrize("per_group", [False, True])
+def test_fused_gradients_on_cpu_are_the_core_engine(per_group):
+    grads = _grads(5)
+    bound = per_group_of(_PARAMS, {"^a$": 1.5, "^b$": 0.25, "^c$": 1.5}) if per_group else 1.5
+    engine_sums, engine_norms = _clip(MaterializedGradients, grads, bound, _PARAMS)
+    sums, norms = _clip(clip_sum.FusedGradients, grads, bound, _PARAMS)
     for ours, theirs in zip(sums, engine_sums, strict=True):
         assert torch.equal(ours, theirs)
-    torch.testing.assert_close(norms.float(), engine_norms, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(norms, engine_norms, rtol=0, atol=0, equal_nan=True)
 
 
-def test_clip_and_sum_never_exceeds_the_bound_and_drops_non_finite_examples():
+def test_fused_gradients_never_exceed_the_bound_and_drop_non_finite_examples():
     grads = _grads(5)
     for i in range(5):
-        sums = [torch.zeros(g.shape[1:], dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
-                for g in grads]  # fmt: skip
-        clip_sum.clip_and_sum([g[i : i + 1] for g in grads], group_index=[0, 0, 0], bounds=[0.5], accumulators=sums)
+        sums, _ = _clip(clip_sum.FusedGradients, [g[i : i + 1] for g in grads], 0.5, _PARAMS)
         total = math.sqrt(sum(s.double().square().sum().item() for s in sums))
         assert total <= 0.5
         if i in (1, 2):
             assert total == 0.0
-
-
-def test_clip_and_sum_refuses_mismatched_lists():
-    with pytest.raises(ValueError, match="one entry per leaf"):
-        clip_sum.clip_and_sum([torch.zeros(2, 3)], group_index=[0], bounds=[1.0], accumulators=[])
 
 
 def test_fused_clip_and_sum_is_not_selected_on_cpu():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_hf import tiny_lora, tiny_model, token_data
 
-from opake_core.clipping import clipped_grad
+from opake_core.clipping import VMAP, Engine, clipped_grad
 from opake_torch.functional import functional_model
 from opake_torch.layerwise import LayerwiseGradients
 from opake_torch.patches import apply_compat_patches
@@ -38,10 +38,10 @@ def test_layerwise_equals_vmap_on_cuda(family, lora, dtype):
     def loss(p, example):
         return per_example_loss(apply, p, frozen, example, task=task)
 
-    engine = LayerwiseGradients(model, lambda p, b: batch_losses(apply, p, frozen, b, task=task))
+    engine = Engine(gradients=LayerwiseGradients(model, lambda p, b: batch_losses(apply, p, frozen, b, task=task)))
     sums = []
-    for per_example_grads in (None, engine):
-        grad_fn, state = clipped_grad(loss, clipping_norm=0.1, per_example_grads=per_example_grads)
+    for chosen in (VMAP, engine):
+        grad_fn, state = clipped_grad(loss, clipping_norm=0.1, engine=chosen)
         clipped, _ = grad_fn(params, batch, state=state)
         sums.append(torch.cat([clipped.value[k].reshape(-1) for k in sorted(params)]))
     error = ((sums[0] - sums[1]).norm() / sums[0].norm()).item()

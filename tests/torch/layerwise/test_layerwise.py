@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tiny_hf import tiny_lora, tiny_model, token_data
 from torch import nn
 
-from opake_core.clipping import adaptive, auto_s, clipped_grad
+from opake_core.clipping import VMAP, Engine, adaptive, auto_s, clipped_grad
 from opake_core.errors import ConfigurationError
 from opake_core.random import key
 from opake_core.tree import per_group
@@ -113,7 +113,7 @@ def test_clipped_sum_equals_a_float64_loop(case, bound):
         clipping_norm=bound,
         batch_argnums=argnums,
         return_diagnostics=True,
-        per_example_grads=LayerwiseGradients(model, batch_loss),
+        engine=Engine(gradients=LayerwiseGradients(model, batch_loss)),
     )
     (clipped, diagnostics), _ = grad_fn(params, *batch, state=state)
     expected, norms = _loop_reference(loss, params, batch, bound)
@@ -125,7 +125,7 @@ def test_clipped_sum_equals_a_float64_loop(case, bound):
 
 def test_chunks_do_not_change_the_result_and_the_rules_carry_over():
     model, params, loss, batch_loss, batch = _mixer_case()
-    engine = LayerwiseGradients(model, batch_loss)
+    engine = Engine(gradients=LayerwiseGradients(model, batch_loss))
     rules = {
         "fixed": {"clipping_norm": 0.05},
         "auto_s": {"clipping_norm": auto_s(0.05)},
@@ -134,12 +134,12 @@ def test_chunks_do_not_change_the_result_and_the_rules_carry_over():
     }
     for name, kwargs in rules.items():
         outs = []
-        for per_example_grads, chunk in ((None, None), (engine, None), (engine, 2)):
+        for chosen, chunk in ((VMAP, None), (engine, None), (engine, 2)):
             grad_fn, state = clipped_grad(
                 loss,
                 batch_argnums=(1, 2),
                 microbatch_size=chunk,
-                per_example_grads=per_example_grads,
+                engine=chosen,
                 **kwargs,
             )
             clipped, state = grad_fn(params, *batch, state=state)
@@ -162,7 +162,7 @@ def test_a_non_finite_example_adds_nothing():
         loss,
         clipping_norm=0.05,
         batch_argnums=(1, 2),
-        per_example_grads=LayerwiseGradients(model, poisoned),
+        engine=Engine(gradients=LayerwiseGradients(model, poisoned)),
     )
     clipped, _ = grad_fn(params, ids, labels, state=state)
     expected, _ = _loop_reference(loss, params, (ids[1:], labels[1:]), 0.05)
@@ -195,7 +195,7 @@ def test_models_it_cannot_serve_are_named():
     assert any("mixes examples" in r for r in reasons)
     engine = LayerwiseGradients(bn, lambda p, x: functional_model(bn)[0](p, frozen, x)[:, 0])
     with pytest.raises(ConfigurationError, match="mixes examples"):
-        engine(params, torch.randn(4, 3))
+        engine(None, (params, torch.randn(4, 3)), (1,))
 
 
 class SideUse(nn.Module):

@@ -38,11 +38,12 @@ def make_step(chunk: int, fail_above: int | None, attempts: list[int]):
         noise_multiplier=1.0,
         expected_batch_size=16.0,
         microbatch_size=chunk,
+        key=key,
     )
     attempts.append(chunk)
     if fail_above is not None and chunk > fail_above:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    return step_fn(params, optimizer.init(params), dp_state, batch, key)
+    return step_fn(params, optimizer.init(params), dp_state, batch)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,296 @@
+"""Clipping rules: the bound of every example, the scale that enforces it, and the clipped sum of one chunk.
+
+Notation: ``m`` examples in a chunk, per-example gradients ``g_i`` (one pytree each) whose ``L`` leaves fall into
+``G`` groups (``G = 1`` unless the bound is a :class:`~opake_core.tree.PerGroup`), bounds ``C_k`` and a public
+normalizer ``n`` (the expected batch size in DP-SGD).
+
+* fixed bound (a float, ``math.inf`` for none, or a PerGroup): ``scale_ik = min(1, C_k (1 - 4u) / ||g_i||_k)``;
+  sensitivity ``C / n`` (``sqrt(sum_k C_k^2) / n`` per group).
+* :func:`auto_s` (AUTO-S, Bu et al. 2023, "Automatic clipping", arXiv 2206.07136, eq. 4): ``scale_i = R (1 - 4u) /
+  (||g_i|| + gamma)``, so every contribution has norm below ``R``; sensitivity ``R / n``.
+* :func:`adaptive` (Andrew, Thakkar, McMahan, Ramaswamy 2021, arXiv 1905.03871, Algorithm 1): the fixed rule with a
+  bound that follows a target quantile of the per-example norms, moved after every call by a noisy count
+  (:func:`next_adaptive_state`); account the count with ``accounting.adaptive_clipping``.
+
+``u`` is the unit roundoff of the accumulation dtype (float32, float64 for float64 leaves). Squared norms are float64
+for every dtype, so the scale is exact well below the storage precision, and the margin ``4u`` absorbs the rounding
+of the scale and of the product: every stored contribution satisfies ``||fl(scale * g_i)|| <= C`` in its dtype. An
+example whose norm is not finite (or a padding row) gets scale 0 and adds exactly nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import optree.dataclasses
+import torch
+
+from opake_core import random, validate
+from opake_core.clipping.engine import PerExampleGradients
+from opake_core.errors import ConfigurationError, InputTypeError
+from opake_core.tree import NAMESPACE, PerGroup, leaf_paths
+
+__all__ = [
+    "ADAPTIVE_STREAM",
+    "AdaptiveClipState",
+    "AdaptiveRule",
+    "AutoSRule",
+    "ClipRule",
+    "FixedClipState",
+    "accumulators",
+    "adaptive",
+    "auto_s",
+    "check_rule",
+    "clip_scales",
+    "initial_state",
+    "next_adaptive_state",
+    "sensitivity",
+]
+
+ADAPTIVE_STREAM = "opake.clipping.adaptive"
+
+Rule = float | PerGroup
+"""A fixed bound: a float (``math.inf`` for none) or a PerGroup of per-group bounds."""
+
+
+@optree.dataclasses.dataclass(frozen=True, namespace=NAMESPACE)
+class FixedClipState:
+    """State of fixed-bound clipping: it holds nothing and comes back unchanged from every call."""
+
+
+@dataclass(frozen=True)
+class AutoSRule:
+    """AUTO-S: scale each example by ``bound / (||g|| + gamma)`` (build with :func:`auto_s`)."""
+
+    bound: float
+    gamma: float
+
+
+@dataclass(frozen=True)
+class AdaptiveRule:
+    """Quantile-tracking adaptive clipping (build with :func:`adaptive`)."""
+
+    initial_clipping_norm: float
+    target_quantile: float
+    learning_rate: float
+    count_noise_fraction: float
+    clipping_norm_min: float
+    clipping_norm_max: float
+
+
+@optree.dataclasses.dataclass(frozen=True, namespace=NAMESPACE)
+class AdaptiveClipState:
+    """State of adaptive clipping: the bound for the next call, the number of calls, and the count-noise key."""
+
+    clipping_norm: float = optree.dataclasses.field(pytree_node=False)
+    step: int = optree.dataclasses.field(pytree_node=False)
+    key: random.Key = optree.dataclasses.field(pytree_node=False)
+
+
+def auto_s(bound: float = 1.0, *, gamma: float = 0.01) -> AutoSRule:
+    """AUTO-S normalization with bound ``R = bound`` and stability constant ``gamma`` (both > 0)."""
+    return AutoSRule(validate.positive("bound", bound), validate.positive("gamma", gamma))
+
+
+def adaptive(
+    initial_clipping_norm: float = 1.0,
+    *,
+    target_quantile: float = 0.5,
+    learning_rate: float = 0.2,
+    count_noise_fraction: float = 0.05,
+    clipping_norm_min: float = 1e-3,
+    clipping_norm_max: float = 1e3,
+) -> AdaptiveRule:
+    """Adaptive clipping that tracks the ``target_quantile`` of per-example norms (Andrew et al. 2021).
+
+    Args:
+        initial_clipping_norm: the bound of the first step.
+        target_quantile: the fraction of examples that should stay unclipped, in (0, 1).
+        learning_rate: ``eta`` of the geometric update, > 0.
+        count_noise_fraction: the count's noise std as a fraction of the expected batch size, > 0.
+        clipping_norm_min, clipping_norm_max: the bound stays in this range.
+    """
+    quantile = validate.in_range("target_quantile", target_quantile, 0.0, 1.0, low_open=True, high_open=True)
+    low = validate.positive("clipping_norm_min", clipping_norm_min)
+    high = validate.positive("clipping_norm_max", clipping_norm_max, allow_inf=True)
+    if not high > low:
+        raise ConfigurationError(f"clipping_norm_max ({high}) must exceed clipping_norm_min ({low}).")
+    return AdaptiveRule(
+        validate.positive("initial_clipping_norm", initial_clipping_norm),
+        quantile,
+        validate.positive("learning_rate", learning_rate),
+        validate.positive("count_noise_fraction", count_noise_fraction),
+        low,
+        high,
+    )
+
+
+def check_rule(clipping_norm: Any) -> Rule | AutoSRule | AdaptiveRule:
+    """``clipping_norm`` as a rule: a positive float (``math.inf`` disables clipping), a PerGroup of positive
+    bounds, or an :class:`AutoSRule` / :class:`AdaptiveRule`."""
+    if isinstance(clipping_norm, AutoSRule | AdaptiveRule):
+        return clipping_norm
+    if isinstance(clipping_norm, PerGroup):
+        for group, bound in clipping_norm.values:
+            validate.positive(f"clipping_norm for group {group!r}", bound, allow_inf=True)
+        return clipping_norm
+    return validate.positive("clipping_norm", clipping_norm, allow_inf=True)
+
+
+def initial_state(rule: Rule | AutoSRule | AdaptiveRule, key: random.Key | None) -> FixedClipState | AdaptiveClipState:
+    """The state of a rule's first call; ``key`` (adaptive clipping's count noise) is required for
+    :func:`adaptive` and refused for the others."""
+    is_adaptive = isinstance(rule, AdaptiveRule)
+    if is_adaptive != (key is not None):
+        raise ConfigurationError(
+            "adaptive clipping needs key=opake_core.random.key(...) for its count noise"
+            if is_adaptive
+            else "key= is only used by adaptive clipping; drop it."
+        )
+    if not is_adaptive:
+        return FixedClipState()
+    if not isinstance(key, random.Key):
+        raise InputTypeError(f"key must be an opake_core.random.Key, got {type(key).__name__}.")
+    return AdaptiveClipState(rule.initial_clipping_norm, 0, key)
+
+
+def sensitivity(bound: Rule | AutoSRule, normalize_by: float) -> float | PerGroup:
+    """The L2 sensitivity of the clipped sum divided by ``normalize_by``: ``C / n``, per group for a PerGroup."""
+    if isinstance(bound, PerGroup):
+        return bound.map(lambda c: c / normalize_by)
+    return (bound.bound if isinstance(bound, AutoSRule) else bound) / normalize_by
+
+
+def next_adaptive_state(
+    rule: AdaptiveRule, state: AdaptiveClipState, counts: torch.Tensor, normalize_by: float
+) -> AdaptiveClipState:
+    """Andrew et al. 2021, Algorithm 1: a noisy centred count of unclipped examples moves the bound geometrically.
+
+    ``counts`` is the float64 tensor ``[clipped, batch size]`` (summed across ranks under data parallelism). The
+    centred count ``sum_i (1[||g_i|| <= C] - 1/2)`` has sensitivity 1/2 under adding or removing an example; it is
+    released with Gaussian noise of std ``count_noise_fraction * n`` (``n`` the expected batch size), drawn from
+    ``fold_in(state.key, ADAPTIVE_STREAM, state.step)``.
+    """
+    num_clipped, batch_size = (float(c) for c in counts.tolist())
+    unclipped = batch_size - num_clipped
+    noise = random.numpy_generator(random.fold_in(state.key, ADAPTIVE_STREAM, state.step)).normal()
+    centred = unclipped - batch_size / 2 + noise * rule.count_noise_fraction * normalize_by
+    fraction = centred / normalize_by + 0.5
+    bound = state.clipping_norm * math.exp(-rule.learning_rate * (fraction - rule.target_quantile))
+    bound = min(max(bound, rule.clipping_norm_min), rule.clipping_norm_max)
+    return AdaptiveClipState(bound, state.step + 1, state.key)
+
+
+def clip_scales(
+    group_norms: torch.Tensor,
+    norms: torch.Tensor,
+    bounds: Sequence[float] | torch.Tensor,
+    dtypes: set[torch.dtype],
+    *,
+    gamma: float | None = None,
+) -> dict[torch.dtype, torch.Tensor]:
+    """The per-example scales ``[G, m]``, one tensor per accumulation dtype (in that dtype).
+
+    ``scale = min(1, C_k (1 - 4u) / ||g||_k)`` with ``u`` the unit roundoff of the dtype (AUTO-S with ``gamma``:
+    ``C_k (1 - 4u) / (||g||_k + gamma)``), and 0 for an example whose total norm ``norms`` is not finite.
+    ``group_norms`` ``[G, m]`` and ``norms`` ``[m]`` are float64; ``bounds`` are the ``G`` bounds ``C_k`` (floats, or a
+    float64 tensor ``[G, 1]`` on the device).
+    """
+    bound = bounds if isinstance(bounds, torch.Tensor) else bounds_on(tuple(bounds), group_norms.device)
+    scales = {}
+    for dtype in dtypes:
+        u = torch.finfo(dtype).eps / 2
+        if gamma is None:
+            scale = torch.clamp(bound * (1 - 4 * u) / group_norms, max=1.0)
+        else:  # AUTO-S: bound * ||g|| / (||g|| + gamma) < bound, no clamp
+            scale = bound * (1 - 4 * u) / (group_norms + gamma)
+        scales[dtype] = torch.where(torch.isfinite(norms), scale, torch.zeros_like(scale)).to(dtype)
+    return scales
+
+
+@functools.lru_cache(maxsize=64)
+def bounds_on(bounds: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """The bounds as a float64 ``[G, 1]`` tensor on ``device``, made once per value: a copy from host memory to a
+    GPU waits for the device to finish its queued work, which would stall every step. Never modified."""
+    return torch.tensor(bounds, dtype=torch.float64).unsqueeze(1).to(device)
+
+
+def accumulators(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Zero sums shaped like ``leaves`` in their accumulation dtype (float64 for float64 leaves, else float32):
+    views of one buffer per dtype and device (one allocation and one fill instead of one per leaf)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for index, leaf in enumerate(leaves):
+        dtype = torch.float64 if leaf.dtype == torch.float64 else torch.float32
+        groups.setdefault((dtype, leaf.device), []).append(index)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(leaves)
+    for (dtype, device), indices in groups.items():
+        flat = torch.zeros(sum(leaves[i].numel() for i in indices), dtype=dtype, device=device)
+        for i, view in zip(indices, flat.split([leaves[i].numel() for i in indices]), strict=True):
+            out[i] = view.view(leaves[i].shape)
+    return out
+
+
+@dataclass(frozen=True)
+class ClipRule:
+    """The static part of one call's rule as hashable data: each leaf's group and AUTO-S's ``gamma``.
+
+    The bounds reach a chunk as a float64 tensor ``[G, 1]``, so that a captured or compiled chunk follows a moving
+    (adaptive) bound without a new capture.
+    """
+
+    group_index: tuple[int, ...]
+    groups: int
+    gamma: float | None = None
+
+    @staticmethod
+    def of(params: Any, bound: Rule | AutoSRule) -> tuple[ClipRule, tuple[float, ...]]:
+        """The rule for the parameter tree ``params`` and the bound ``C_k`` of each group."""
+        gamma = bound.gamma if isinstance(bound, AutoSRule) else None
+        bound = bound.bound if isinstance(bound, AutoSRule) else bound
+        leaves = optree.tree_leaves(params)
+        paths = leaf_paths(params)
+        for path, leaf in zip(paths, leaves, strict=True):
+            if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
+                raise InputTypeError(f"parameter {path!r} must be a floating-point tensor, got {leaf!r:.80}.")
+        if not isinstance(bound, PerGroup):
+            return ClipRule((0,) * len(leaves), 1, gamma), (bound,)
+        unknown = [p for p in paths if p not in bound.group_of]
+        if unknown:
+            raise ConfigurationError(
+                f"per-group clipping_norm has no group for parameters {unknown[:5]}; build it with "
+                "per_group(params, ...) on the same parameter tree."
+            )
+        names = [name for name, _ in bound.values]
+        group_index = tuple(names.index(bound.group_of[p]) for p in paths)
+        return ClipRule(group_index, len(names), gamma), tuple(value for _, value in bound.values)
+
+    def __call__(
+        self, grads: PerExampleGradients, params: list[torch.Tensor], bounds: torch.Tensor, live: torch.Tensor | None
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """``(sums, norms [m] float32, clipped [m] bool)``: the clipped sum of the chunk in fresh accumulators
+        shaped like ``params``, each example's norm, and whether any of its groups exceeded its bound. Examples with
+        ``live`` False (padding rows) add nothing."""
+        sums = accumulators(params)
+        leaf_sq = grads.squared_norms()  # float64 [L, m]
+        if self.groups == 1:
+            group_sq = leaf_sq.sum(dim=0, keepdim=True)
+        else:
+            members = [[leaf_sq[i] for i, k in enumerate(self.group_index) if k == g] for g in range(self.groups)]
+            group_sq = torch.stack([torch.stack(rows).sum(dim=0) for rows in members])
+        group_norms = group_sq.sqrt()
+        norms = group_sq.sum(dim=0).sqrt()
+        if live is not None:  # a dead (padding) row counts as non-finite: scale 0
+            norms = torch.where(live, norms, torch.full_like(norms, math.nan))
+        scales = clip_scales(group_norms, norms, bounds, {total.dtype for total in sums}, gamma=self.gamma)
+        leaves = len(self.group_index)
+        if self.groups == 1:  # one view, no copy: the fused path then reads a single row
+            per_leaf = {dtype: s.expand(leaves, -1) for dtype, s in scales.items()}
+        else:
+            per_leaf = {dtype: torch.stack([s[k] for k in self.group_index]) for dtype, s in scales.items()}
+        grads.add_scaled(per_leaf, sums)
+        return sums, norms.float(), (group_norms > bounds).any(dim=0)

@@ -1,0 +1,98 @@
+"""Evaluation and prediction of a :class:`DPTrainer`: mean per-example losses, logits, labels and metrics.
+
+Evaluation runs on data the caller chooses and releases exact statistics of it: when that data is private, its
+metrics are **outside** the privacy guarantee (as the trainer's logged training loss is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.func import vmap
+from transformers.trainer_utils import EvalPrediction, PredictionOutput
+
+from opake_core.errors import ConfigurationError
+from opake_torch.transformers.microbatch import retry_eval_batch
+
+__all__ = ["prediction_loop"]
+
+_Piece = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def prediction_loop(
+    model: torch.nn.Module,
+    dataset: Any,
+    *,
+    args: Any,
+    batch_of: Callable[[Any, np.ndarray], dict[str, torch.Tensor]],
+    label_names: tuple[str, ...],
+    logits_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    per_example_loss: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None,
+    compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None,
+    prefix: str,
+) -> PredictionOutput:
+    """Losses, predictions, labels and ``<prefix>_*`` metrics of ``model`` on ``dataset``.
+
+    ``batch_of(dataset, indices)`` collates a batch on the device; ``logits_loss(logits, labels)`` is one example's
+    loss (vmapped here). ``per_example_loss(example)``, when given, replaces the model's logits with another objective
+    (SFT variants, DPO): only its per-example losses are reported. Batches of ``per_device_eval_batch_size``; with
+    ``auto_find_microbatch_size`` an out-of-memory batch is halved and retried without losing an example.
+    """
+    if dataset is None:
+        raise ConfigurationError("evaluation needs an eval_dataset.")
+    was_training = model.training
+    model.eval()
+    losses, logits_list, labels_list = [], [], []
+    size = args.per_device_eval_batch_size
+    loss_of = vmap(logits_loss)
+
+    def evaluate_range(lo: int, hi: int) -> _Piece:
+        batch = batch_of(dataset, np.arange(lo, hi))
+        if per_example_loss is not None:  # another objective: its per-example losses only, no logits
+            return vmap(per_example_loss)(batch).float().cpu(), None, None
+        labels = batch.get(label_names[0])
+        inputs = {k: v for k, v in batch.items() if k not in label_names}
+        with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16_full_eval):
+            logits = model(**inputs).logits
+        loss = loss_of(logits, labels).float().cpu() if labels is not None else None
+        kept = None if args.prediction_loss_only else logits.float().cpu()
+        return loss, kept, (labels.cpu() if labels is not None else None)
+
+    with torch.no_grad():
+        for start in range(0, len(dataset), size):
+            stop = min(start + size, len(dataset))
+            if args.auto_find_microbatch_size:
+                pieces, size = retry_eval_batch(evaluate_range, start=start, stop=stop, batch_size=size)
+            else:
+                pieces = [evaluate_range(start, stop)]
+            for loss, logits, labels in pieces:
+                if loss is not None:
+                    losses.append(loss)
+                if logits is not None:
+                    logits_list.append(logits)
+                if labels is not None:
+                    labels_list.append(labels)
+    model.train(was_training)
+    metrics: dict[str, float] = {}
+    if losses:
+        metrics[f"{prefix}_loss"] = torch.cat(losses).mean().item()
+    predictions = _concat_padded(logits_list) if logits_list else None
+    label_ids = _concat_padded(labels_list) if labels_list else None
+    if compute_metrics is not None and predictions is not None and label_ids is not None:
+        extra = {"losses": torch.cat(losses).numpy()} if "loss" in args.include_for_metrics else {}
+        for name, value in compute_metrics(EvalPrediction(predictions, label_ids, **extra)).items():
+            metrics[name if name.startswith(f"{prefix}_") else f"{prefix}_{name}"] = value
+    return PredictionOutput(predictions, label_ids, metrics)
+
+
+def _concat_padded(chunks: list[torch.Tensor]) -> np.ndarray:
+    """Concatenate along the batch axis, padding a differing sequence axis with -100."""
+    if chunks[0].dim() > 1:
+        length = max(c.shape[1] for c in chunks)
+        chunks = [
+            torch.nn.functional.pad(c, (0, 0) * (c.dim() - 2) + (0, length - c.shape[1]), value=-100) for c in chunks
+        ]
+    return torch.cat(chunks).numpy()
