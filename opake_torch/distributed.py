@@ -14,10 +14,12 @@ One logical step on ``W`` ranks:
   across ranks is not supported. :func:`check_synchronized` verifies at start (and after a resume) that keys, step
   counters and the privacy configuration agree on every rank; it raises ConfigurationError otherwise.
 * Every rank runs every step, even with an empty local batch: the all-reduce happens anyway, so no rank waits.
-* Sampling (:class:`RankPoisson`): rank ``r`` owns the strided shard ``r, r + W, r + 2W, ...`` and samples it with
-  Poisson at the global rate ``q`` from the key ``fold_in(sampler_key, "rank", r)``. The union over ranks is exactly
-  Poisson(q) over the whole dataset, so the accountant sees the cluster-wide rate ``q`` and the epsilon equals the
-  single-process epsilon for the cluster batch. Cyclic Poisson (BandMF) uses its own per-rank shards and streams.
+* Sampling is a core option: ``opake_core.sampling.poisson(..., world_size=W, rank=r)`` gives rank ``r`` the strided
+  shard ``r, r + W, r + 2W, ...``, sampled with Poisson at the global rate ``q`` from the key
+  ``fold_in(sampler_key, "rank", r)``. The union over ranks is exactly Poisson(q) over the whole dataset, so the
+  accountant sees the cluster-wide rate ``q`` and the epsilon equals the single-process epsilon for the cluster
+  batch. Cyclic Poisson (BandMF) takes the same ``world_size``/``rank`` options, with its own per-rank shards and
+  streams. :func:`local_sampler_state` makes rank 0's saved sampler state this rank's on resume.
 
 This module is the only place the adapter touches ``torch.distributed``; the core stays free of it.
 """
@@ -29,22 +31,18 @@ import datetime
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import optree
 import torch
 import torch.distributed as dist
 
 from opake_core.errors import ConfigurationError, StateError
-from opake_core.random import Key, fold_in
-from opake_core.sampling import Poisson
-from opake_core.sampling.state import SamplerState, check_state
+from opake_core.random import Key
+from opake_core.sampling.state import SamplerState
 from opake_core.tree import Clipped, Noised
 
 __all__ = [
-    "RankPoisson",
     "barrier",
     "broadcast_key",
     "broadcast_params",
@@ -55,12 +53,9 @@ __all__ = [
     "init_process_group",
     "is_distributed",
     "local_sampler_state",
-    "rank_poisson",
     "reduce_mean",
     "sum_gradients",
 ]
-
-RANK_TAG = "rank"
 
 
 def is_distributed() -> bool:
@@ -226,59 +221,6 @@ def broadcast_params(params: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name in sorted(params):
             dist.broadcast(params[name].data, src=0)
-
-
-@dataclass(frozen=True)
-class RankPoisson(Poisson):
-    """Per-rank Poisson: rank ``r`` of ``world_size`` samples its strided shard ``r, r + W, ...`` at the global rate.
-
-    ``dataset_size``, ``sample_rate``, :attr:`expected_batch_size` and :meth:`process` are the global ones (the
-    union over ranks is Poisson(q) over the whole dataset). The draws of rank ``r`` come from the key
-    ``fold_in(key, "rank", r)``. The state records the step and the global configuration (not the rank), so every
-    rank resumes from rank 0's checkpoint.
-    """
-
-    world_size: int = 1
-    rank: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.truncated_batch_size is not None:
-            raise ConfigurationError(
-                "truncated Poisson is not supported under DDP (a per-rank cap is not the global cap the accountant "
-                "analyses); drop sampling_kwargs['truncated_batch_size']."
-            )
-        if not 0 <= self.rank < self.world_size:
-            raise ConfigurationError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}.")
-
-    @property
-    def config(self) -> tuple[tuple[str, object], ...]:
-        return tuple(sorted((*super().config, ("world_size", self.world_size))))
-
-    def rank_key(self, key: Key, rank: int | None = None) -> Key:
-        return fold_in(key, RANK_TAG, self.rank if rank is None else rank)
-
-    def shard(self, rank: int | None = None) -> np.ndarray:
-        r = self.rank if rank is None else rank
-        return np.arange(r, self.dataset_size, self.world_size, dtype=np.int64)
-
-    def sample(self, key: Key, state: SamplerState) -> tuple[np.ndarray, SamplerState]:
-        """This rank's sorted int64 dataset indices of step ``state.step`` and the next state."""
-        return self.sample_rank(key, state, self.rank)
-
-    def sample_rank(self, key: Key, state: SamplerState, rank: int) -> tuple[np.ndarray, SamplerState]:
-        """Rank ``rank``'s draw (any rank can be replayed, e.g. to rebuild the union batch in a test)."""
-        state = check_state(state, self.config)
-        shard = self.shard(rank)
-        local = Poisson(len(shard), self.sample_rate)
-        picked, _ = local.sample(self.rank_key(key, rank), SamplerState(state.step, local.config))
-        return shard[picked], SamplerState(state.step + 1, state.config)
-
-
-def rank_poisson(*, dataset_size: int, sample_rate: float, world_size: int, rank: int) -> RankPoisson:
-    if dataset_size < world_size:
-        raise ConfigurationError(f"dataset_size={dataset_size} is smaller than world_size={world_size}.")
-    return RankPoisson(dataset_size, sample_rate, None, world_size, rank)
 
 
 def local_sampler_state(saved: Any, fresh: SamplerState) -> SamplerState:

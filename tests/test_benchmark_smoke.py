@@ -1,4 +1,5 @@
-"""The benchmark harness on its tiny CPU suite: well-formed outputs and a passing same-batch clipped-sum check.
+"""The benchmark harness on its tiny CPU suite: well-formed outputs and a passing same-batch clipped-sum check; the
+end-to-end trainer benchmark (``benchmarks/e2e_trainer.py``) on its tiny workloads.
 
 Timings are not asserted: they depend on the machine and its load.
 """
@@ -6,6 +7,8 @@ Timings are not asserted: they depend on the machine and its load.
 from __future__ import annotations
 
 import json
+import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +19,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 HARNESS = Path(__file__).resolve().parents[1] / "benchmarks" / "harness.py"
+E2E_TRAINER = HARNESS.with_name("e2e_trainer.py")
 MODES = (
     "nonprivate",
     "opacus_hooks",
@@ -100,3 +104,30 @@ def test_meta_and_markdown(report: tuple[dict, str]) -> None:
     for workload in WORKLOADS:
         assert f"| {workload} | opake_core" in text
     assert "Same-batch clipped sum" in text and "Phase breakdown" in text
+
+
+def test_e2e_trainer_tiny_in_process(tmp_path: Path) -> None:
+    """``trainer.train()`` of HF's Trainer and DPTrainer on the tiny workloads: every row runs and has a finite step
+    time and a finite ratio to its ``hf`` row (memory is not measured on CPU)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny CPU ops: threads only add contention
+    modes = ("hf", "dp", "dp_q1")
+    command = [sys.executable, str(E2E_TRAINER), "--tiny", "--in-process", "--modes", *modes, "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    records = results["records"]
+    assert [(r["workload"], r["mode"]) for r in records] == [(w, m) for w in WORKLOADS for m in modes]
+    for r in records:
+        assert r["ok"], r
+        assert r["steps_timed"] == results["settings"]["steps"]
+        for key in ("step_s_mean", "step_s_median", "time_vs_baseline", "median_time_vs_baseline"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert r["baseline"] == "hf" and r["peak_gib"] is None  # CPU: no CUDA allocator statistics
+        if r["mode"] == "hf":
+            assert r["time_vs_baseline"] == 1.0 and r["sampling_rate"] is None
+        else:
+            assert r["engine"] in ("layerwise", "vmap") and r["sampling_mode"] == "poisson"
+            assert r["sampling_rate"] == (1.0 if r["mode"] == "dp_q1" else 0.01)
+            assert r["diagnostic"] == (r["mode"] == "dp_q1")
+    text = (tmp_path / "results.md").read_text()
+    assert text.count("| ok |") == len(records) and "dp_q1 (diagnostic)" in text

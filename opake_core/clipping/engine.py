@@ -106,10 +106,18 @@ class Engine:
             is padded to exactly ``microbatch_size`` rows (copies of its last example, marked dead by ``live`` so that
             they add exactly nothing), so that every chunk has one shape. The wrapped function must return tensors of
             its own: the sums are accumulated and divided in place.
+        row_multiple: without a transform, each chunk's rows are rounded up to a multiple of this (at most the
+            ``microbatch_size``) with dead rows, so that Poisson batches of varying size meet a few shapes (the
+            allocator and the kernels see them again); 1 runs the real rows only.
     """
 
     gradients: Callable[..., tuple[PerExampleGradients, Any]] = VmapGradients()
     transform: Callable[[Chunk], Chunk] | None = None
+    row_multiple: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.row_multiple, bool) or not isinstance(self.row_multiple, int) or self.row_multiple < 1:
+            raise ConfigurationError(f"row_multiple must be an int >= 1, got {self.row_multiple!r}.")
 
 
 VMAP = Engine()

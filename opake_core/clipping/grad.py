@@ -78,7 +78,9 @@ def clipped_grad(
             positions of the call (``slice(1, None)``: every argument after the first, however many).
         normalize_by: public normalizer ``n`` the sum is divided by (the expected batch size for DP-SGD), never the
             realized batch size.
-        microbatch_size: examples per chunk (memory/speed trade-off only; ``None`` = the whole batch at once).
+        microbatch_size: the most examples per chunk (memory/speed trade-off only; ``None`` = the whole batch at once);
+            a batch of ``B`` runs as ``ceil(B / microbatch_size)`` chunks of equal size (see
+            :mod:`~opake_core.clipping.microbatching`).
         has_aux: ``loss_fn`` returns ``(loss, aux)``; per-example ``aux`` values are returned stacked ``[B, ...]``.
             They are **not** covered by the privacy guarantee. The engine must return them (``VmapGradients`` does).
         return_diagnostics: also return :class:`ClipDiagnostics` (outside the guarantee).
@@ -147,6 +149,7 @@ def clipped_grad(
                 microbatch_size=microbatch_size,
                 pad=engine.transform is not None,
                 device=device,
+                row_multiple=engine.row_multiple,
             )
             sums = rules.accumulators(leaves) if chunks.sums is None else chunks.sums
             torch._foreach_div_(sums, normalize_by)  # the accumulators are this call's own

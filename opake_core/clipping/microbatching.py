@@ -1,10 +1,15 @@
 """Microbatching: a batch of ``B`` examples as chunks of at most ``microbatch_size``, each clipped and summed at once.
 
 Per-example gradients never exist for more than one chunk; the chunks' clipped sums are added into the first chunk's
-accumulators (float32, float64 for float64 parameters), so the result does not depend on the chunk size beyond float
-summation order. With ``pad`` (a chunk transform that wants one shape), the last chunk is padded to the full chunk
-size with copies of its last example, marked dead (``live`` False) so that they add exactly nothing; their norms,
-flags and values are dropped.
+accumulators (float32, float64 for float64 parameters), so the result does not depend on the chunking beyond float
+summation order.
+
+A batch of ``B`` rows runs as ``k = ceil(B / microbatch_size)`` chunks of as equal a size as possible (a Poisson draw
+a little above the chunk size runs as two half chunks, not a full one and a sliver). Each chunk's rows are then
+rounded up to a shape: to the full ``microbatch_size`` with ``pad`` (a chunk transform that wants one shape), else to
+a multiple of ``row_multiple`` (capped at ``microbatch_size``), so that a varying batch size meets a few shapes only.
+The extra rows are copies of the chunk's last example, marked dead (``live`` False) so that they add exactly
+nothing; their norms, flags and values are dropped.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 
 from opake_core.errors import ConfigurationError, InputTypeError
 
-__all__ = ["Chunked", "batch_size", "run_chunks"]
+__all__ = ["Chunked", "batch_size", "chunk_sizes", "run_chunks"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,20 @@ def batch_size(batch: Sequence[Any]) -> int:
     return sizes.pop()
 
 
+def chunk_sizes(n: int, microbatch_size: int | None, *, pad: bool, row_multiple: int = 1) -> list[tuple[int, int]]:
+    """``(real rows, rows run)`` of each chunk of a batch of ``n`` examples (module docstring); ``[]`` for ``n=0``."""
+    if n == 0:
+        return []
+    if microbatch_size is None:
+        return [(n, n)]
+    count = -(-n // microbatch_size)
+    base, extra = divmod(n, count)
+    reals = [base + 1] * extra + [base] * (count - extra)
+    if pad:
+        return [(real, microbatch_size) for real in reals]
+    return [(real, min(microbatch_size, -(-real // row_multiple) * row_multiple)) for real in reals]
+
+
 def run_chunks(
     chunk: Callable[..., tuple[Any, ...]],
     head: tuple[Any, ...],
@@ -63,25 +82,23 @@ def run_chunks(
     microbatch_size: int | None,
     pad: bool,
     device: torch.device,
+    row_multiple: int = 1,
 ) -> Chunked:
-    """Run ``chunk(*head, live, *chunk_args)`` on consecutive chunks of ``microbatch_size`` rows (the whole batch for
-    None) of the batched arguments, the others passed whole, and put the results together.
+    """Run ``chunk(*head, live, *chunk_args)`` on the chunks of :func:`chunk_sizes` (the whole batch for a None
+    ``microbatch_size``) of the batched arguments, the others passed whole, and put the results together.
 
-    ``chunk`` returns ``(sums, norms [m], clipped [m], values)`` with fresh sums. ``live`` is None without ``pad``;
-    with it, every chunk has ``microbatch_size`` rows and ``live`` (bool ``[microbatch_size]``) marks the real ones.
+    ``chunk`` returns ``(sums, norms [m], clipped [m], values)`` with fresh sums for the ``m`` rows it ran. ``live``
+    (bool ``[m]``) marks the real rows of a chunk that has dead ones, and is an all-true tensor with ``pad`` and a
+    ``microbatch_size`` (one shape, one captured graph); otherwise None.
     """
     n = batch_size([args[i] for i in batch_argnums])
-    chunk_size = microbatch_size or max(n, 1)
     pad = pad and microbatch_size is not None
-    all_live = torch.ones(chunk_size, dtype=torch.bool, device=device) if pad else None
-    sums, norms, clipped, values = None, [], [], []
-    for start in range(0, n, chunk_size):
-        real = min(chunk_size, n - start)
-        rows = _rows(start, real, chunk_size if pad else real, device)
+    sizes = chunk_sizes(n, microbatch_size, pad=pad, row_multiple=row_multiple)
+    sums, norms, clipped, values, start = None, [], [], [], 0
+    for real, size in sizes:
+        rows = _rows(start, real, size, device)
         sliced = [_take(a, rows) if i in batch_argnums else a for i, a in enumerate(args)]
-        live = all_live
-        if pad and real < chunk_size:
-            live = torch.arange(chunk_size, device=device) < real
+        live = torch.arange(size, device=device) < real if (pad or real < size) else None
         part, chunk_norms, chunk_clipped, chunk_values = chunk(*head, live, *sliced)
         if sums is None:
             sums = part
@@ -90,6 +107,7 @@ def run_chunks(
         norms.append(chunk_norms[:real])
         clipped.append(chunk_clipped[:real])
         values.append(optree.tree_map(lambda x, real=real: x[:real], chunk_values))
+        start += real
     if not norms:
         return Chunked(0, None, None, None, [])
     return Chunked(n, sums, torch.cat(norms), torch.cat(clipped), values)

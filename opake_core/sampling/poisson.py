@@ -1,10 +1,19 @@
-"""Poisson sampling, optionally truncated: each example is in a step's batch independently with rate q.
+"""Poisson sampling, optionally truncated, optionally sharded over data-parallel ranks: each example is in a step's
+batch independently with rate q.
 
 Step ``s`` draws from ``numpy_generator(fold_in(key, "opake.sampling.poisson", s))`` only, so a batch depends
 on (key, step) alone and replays exactly on resume. Empty batches are returned (and count as steps), never
 skipped. With ``truncated_batch_size`` B, a draw larger than B keeps a uniform subset of exactly B; it is
 accounted with dp-accounting's truncated analysis (Ganesh 2025, arXiv 2508.15089), never as plain Poisson.
 Cost: O(N) per step.
+
+With ``world_size`` W > 1 (data-parallel training), rank ``r`` owns the strided shard ``r, r + W, r + 2W, ...`` and
+samples it at the same global rate q from the key ``fold_in(key, RANK_TAG, r)`` (then per step as above, over the
+shard). The shards are disjoint and cover the dataset and the ranks' keys differ, so the union over ranks is exactly
+Poisson(q) over the whole dataset: ``dataset_size``, ``sample_rate``, :attr:`Poisson.expected_batch_size` and
+:meth:`Poisson.process` are the global ones, and the accountant sees the cluster-wide rate. Cost: O(N / W) per step
+and rank. The configuration records ``world_size`` but not ``rank``, so every rank resumes from rank 0's checkpoint.
+Truncation is refused there: a per-rank cap is not the global cap the truncated analysis assumes.
 """
 
 from __future__ import annotations
@@ -15,21 +24,30 @@ import numpy as np
 
 from opake_core import accounting as acc
 from opake_core import validate
+from opake_core.errors import ConfigurationError
 from opake_core.random import Key, fold_in, numpy_generator
 from opake_core.sampling.state import SamplerState, check_state
 
 __all__ = ["Poisson", "poisson"]
 
 TAG = "opake.sampling.poisson"
+RANK_TAG = "rank"
+"""Rank ``r`` of ``world_size > 1`` draws from ``fold_in(key, RANK_TAG, r)``."""
 
 
 @dataclass(frozen=True)
 class Poisson:
-    """Poisson sampler over ``dataset_size`` examples at ``sample_rate`` (build it with :func:`poisson`)."""
+    """Poisson sampler over ``dataset_size`` examples at ``sample_rate`` (build it with :func:`poisson`).
+
+    With ``world_size > 1`` it is rank ``rank``'s sampler of its strided shard (see the module docstring);
+    ``dataset_size``, ``sample_rate``, :attr:`expected_batch_size` and :meth:`process` stay the global ones.
+    """
 
     dataset_size: int
     sample_rate: float
     truncated_batch_size: int | None = None
+    world_size: int = 1
+    rank: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dataset_size", validate.integer("dataset_size", self.dataset_size, minimum=1))
@@ -37,36 +55,70 @@ class Poisson:
         if self.truncated_batch_size is not None:
             cap = validate.integer("truncated_batch_size", self.truncated_batch_size, minimum=1)
             object.__setattr__(self, "truncated_batch_size", cap)
+        world = validate.integer("world_size", self.world_size, minimum=1)
+        rank = validate.integer("rank", self.rank, minimum=0)
+        object.__setattr__(self, "world_size", world)
+        object.__setattr__(self, "rank", rank)
+        if rank >= world:
+            raise ConfigurationError(f"rank must be in [0, world_size={world}), got rank={rank}.")
+        if world == 1:
+            return
+        if self.truncated_batch_size is not None:
+            raise ConfigurationError(
+                f"truncated Poisson sampling is not supported with world_size={world} > 1 (DDP): a per-rank cap is "
+                "not the global cap the accountant analyses. Drop truncated_batch_size (the trainer's "
+                "sampling_kwargs['truncated_batch_size'])."
+            )
+        if self.dataset_size < world:
+            raise ConfigurationError(
+                f"dataset_size={self.dataset_size} is smaller than world_size={world}: some rank would own no "
+                "example. Use fewer ranks."
+            )
 
     @property
     def expected_batch_size(self) -> float:
-        """N * q before truncation: the public normalizer of the clipped sum."""
+        """N * q before truncation (the global N under ``world_size > 1``): the public normalizer of the clipped sum."""
         return self.dataset_size * self.sample_rate
 
     @property
     def config(self) -> tuple[tuple[str, object], ...]:
-        return (
+        """The configuration a state is checked against; ``world_size`` only when > 1, never ``rank``."""
+        config = (
             ("dataset_size", self.dataset_size),
             ("sample_rate", self.sample_rate),
             ("sampler", "poisson"),
             ("truncated_batch_size", self.truncated_batch_size),
         )
+        return config if self.world_size == 1 else (*config, ("world_size", self.world_size))
 
     def init(self) -> SamplerState:
         return SamplerState(0, self.config)
 
+    def shard(self, rank: int | None = None) -> np.ndarray:
+        """The int64 dataset indices owned by ``rank`` (default: this sampler's rank): ``rank, rank + W, ...``."""
+        r = self._rank(rank)
+        return np.arange(r, self.dataset_size, self.world_size, dtype=np.int64)
+
     def sample(self, key: Key, state: SamplerState) -> tuple[np.ndarray, SamplerState]:
-        """The sorted int64 indices of step ``state.step`` and the state of the next step."""
+        """The sorted int64 indices of step ``state.step`` (this rank's when ``world_size > 1``) and the next state."""
+        return self.sample_rank(key, state, self.rank)
+
+    def sample_rank(self, key: Key, state: SamplerState, rank: int) -> tuple[np.ndarray, SamplerState]:
+        """Rank ``rank``'s draw of step ``state.step`` (any rank can be replayed, e.g. to rebuild the union batch)."""
         state = check_state(state, self.config)
+        r = self._rank(rank)
+        if self.world_size > 1:
+            key = fold_in(key, RANK_TAG, r)
+        shard = self.shard(r)
         gen = numpy_generator(fold_in(key, TAG, state.step))
-        indices = np.flatnonzero(gen.random(self.dataset_size) < self.sample_rate).astype(np.int64)
+        picked = np.flatnonzero(gen.random(len(shard)) < self.sample_rate)
         cap = self.truncated_batch_size
-        if cap is not None and len(indices) > cap:
-            indices = np.sort(gen.choice(indices, size=cap, replace=False))
-        return indices, SamplerState(state.step + 1, state.config)
+        if cap is not None and len(picked) > cap:
+            picked = np.sort(gen.choice(picked, size=cap, replace=False))
+        return shard[picked], SamplerState(state.step + 1, state.config)
 
     def process(self, noise_multiplier: float, steps: int) -> acc.Process:
-        """The accounting process of ``steps`` steps of DP-SGD with this sampler."""
+        """The accounting process of ``steps`` steps of DP-SGD with this sampler (the union over ranks)."""
         mechanism = acc.gaussian(noise_multiplier)
         if self.truncated_batch_size is None:
             step = acc.poisson(mechanism, self.sample_rate)
@@ -79,7 +131,26 @@ class Poisson:
             )
         return acc.repeat(step, steps)
 
+    def _rank(self, rank: int | None) -> int:
+        if rank is None:
+            return self.rank
+        rank = validate.integer("rank", rank, minimum=0)
+        if rank >= self.world_size:
+            raise ConfigurationError(f"rank must be in [0, world_size={self.world_size}), got rank={rank}.")
+        return rank
 
-def poisson(*, dataset_size: int, sample_rate: float, truncated_batch_size: int | None = None) -> Poisson:
-    """A Poisson sampler (truncated at ``truncated_batch_size`` when given)."""
-    return Poisson(dataset_size, sample_rate, truncated_batch_size)
+
+def poisson(
+    *,
+    dataset_size: int,
+    sample_rate: float,
+    truncated_batch_size: int | None = None,
+    world_size: int = 1,
+    rank: int = 0,
+) -> Poisson:
+    """A Poisson sampler (truncated at ``truncated_batch_size`` when given).
+
+    With ``world_size > 1``: rank ``rank``'s sampler of the strided shard ``rank, rank + world_size, ...`` at the
+    global rate; the union over ranks is Poisson(``sample_rate``) over all ``dataset_size`` examples.
+    """
+    return Poisson(dataset_size, sample_rate, truncated_batch_size, world_size, rank)

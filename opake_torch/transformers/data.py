@@ -14,7 +14,7 @@ import torch
 
 from opake_core.errors import ConfigurationError, InputTypeError
 
-__all__ = ["collate", "fetch", "language_modeling_labels", "model_input_names"]
+__all__ = ["collate", "fetch", "language_modeling_labels", "model_input_names", "on_device"]
 
 _PAD_VALUES = {"attention_mask": 0, "labels": -100, "token_type_ids": 0, "position_ids": 0}
 
@@ -89,3 +89,12 @@ def language_modeling_labels(batch: dict[str, torch.Tensor]) -> dict[str, torch.
         return batch
     mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))
     return {**batch, "labels": torch.where(mask.bool(), batch["input_ids"], torch.full_like(batch["input_ids"], -100))}
+
+
+def on_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch's tensors on ``device`` (other values dropped); on CUDA through pinned memory, so that the copy
+    does not wait for the GPU work already queued."""
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    if device.type == "cuda":
+        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
+    return {k: v.to(device) for k, v in tensors.items()}

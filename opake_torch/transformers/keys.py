@@ -17,12 +17,12 @@ sampler key knows which records were in each batch, which removes the amplificat
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from opake_core import random
 from opake_core.errors import CheckpointError, OpakeError
-from opake_torch import distributed
 
 __all__ = ["NOISE_STREAM", "SAMPLER_STREAM", "RunKeys", "first_keys", "next_keys"]
 
@@ -61,27 +61,26 @@ def _root(args: Any) -> random.Key:
     return random.key(args.privacy_noise_seed, impl=args.privacy_noise_generator)
 
 
-def _shared(keys: RunKeys, is_distributed: bool) -> RunKeys:
-    """Rank 0's keys on every rank (each rank drew its own secret root)."""
-    if not is_distributed:
-        return keys
-    return RunKeys(distributed.broadcast_key(keys.noise), distributed.broadcast_key(keys.sampler))
+def _shared(keys: RunKeys, share: Callable[[random.Key], random.Key]) -> RunKeys:
+    """Rank 0's keys on every rank (each rank drew its own secret root); ``share`` broadcasts one key."""
+    return RunKeys(share(keys.noise), share(keys.sampler))
 
 
-def first_keys(args: Any, *, is_distributed: bool) -> RunKeys:
-    """The keys of a new run: from the operating system, or from ``privacy_noise_seed`` with a warning."""
+def first_keys(args: Any, *, share: Callable[[random.Key], random.Key]) -> RunKeys:
+    """The keys of a new run: from the operating system, or from ``privacy_noise_seed`` with a warning. ``share``
+    makes a key the same on every rank (the identity in one process)."""
     if args.privacy_noise_seed is not None:
         logger.warning(
             "privacy_noise_seed is set: the noise and the batches of this run can be recomputed by anyone who knows "
             "the seed, who can then remove the noise from the released weights. Use it for tests and debugging, "
             "never for a model you release; leave it unset for secret keys."
         )
-    return _shared(_from_root(_root(args)), is_distributed)
+    return _shared(_from_root(_root(args)), share)
 
 
-def next_keys(args: Any, *, released: int, is_distributed: bool) -> RunKeys:
+def next_keys(args: Any, *, released: int, share: Callable[[random.Key], random.Key]) -> RunKeys:
     """The keys of a new segment that starts after ``released`` releases: fresh secret ones, or (with
     ``privacy_noise_seed``) derived from the seed and ``released``, so that a seeded experiment replays."""
     if args.privacy_noise_seed is None:
-        return _shared(_from_root(random.random_key(impl=args.privacy_noise_generator)), is_distributed)
+        return _shared(_from_root(random.random_key(impl=args.privacy_noise_generator)), share)
     return _from_root(random.fold_in(_root(args), SEGMENT_STREAM, released))

@@ -18,7 +18,7 @@ import torch
 
 from opake_core.errors import ConfigurationError
 
-__all__ = ["choose_microbatch_size", "is_out_of_memory", "retry_eval_batch", "run_with_oom_retry"]
+__all__ = ["ShrinkingStep", "choose_microbatch_size", "is_out_of_memory", "retry_eval_batch", "run_with_oom_retry"]
 
 T = TypeVar("T")
 
@@ -40,6 +40,36 @@ def _check_size(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}.")
     return value
+
+
+class ShrinkingStep:
+    """A DP step function whose vmap chunk halves after an out-of-memory error, rerunning the same inputs (batch,
+    step state, keys: privacy-neutral, see the module docstring); the chunk that fit is kept for later steps.
+
+    ``make_step(microbatch_size) -> (step_fn, dp_state)`` builds the step for a chunk size; ``step_fn`` is the one
+    already built for ``microbatch_size`` (None: the whole batch as one chunk).
+    """
+
+    def __init__(self, make_step: Callable[[int | None], tuple[Any, Any]], step_fn: Any, microbatch_size: int | None):
+        self.microbatch_size = microbatch_size
+        self._make_step, self._first, self._steps = make_step, step_fn, {}
+
+    def __call__(self, inputs: tuple[Any, ...], batch_size: int) -> tuple[Any, int | None]:
+        """``(step_fn(*inputs), the smaller chunk it converged to or None)`` for a batch of ``batch_size``."""
+        current = self.microbatch_size or batch_size
+
+        def attempt(chunk: int) -> Any:
+            if chunk == current and self._first is not None:
+                return self._first(*inputs)
+            if chunk not in self._steps:
+                self._steps[chunk] = self._make_step(chunk)[0]
+            return self._steps[chunk](*inputs)
+
+        outputs, chunk = run_with_oom_retry(attempt, microbatch_size=current, batch_size=batch_size)
+        if chunk >= current:
+            return outputs, None
+        self.microbatch_size, self._first = chunk, self._steps[chunk]
+        return outputs, chunk
 
 
 def run_with_oom_retry(

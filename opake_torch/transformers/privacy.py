@@ -23,8 +23,17 @@ from opake_core import accounting, mf, sampling
 from opake_core.clipping import adaptive, auto_s
 from opake_core.errors import ConfigurationError
 from opake_core.plan import Plan, plan
+from opake_core.tree import per_group
 
-__all__ = ["PrivacyPlan", "build_plan", "clipping_rule", "ledger_epsilon", "resolve_delta", "total_steps"]
+__all__ = [
+    "PrivacyPlan",
+    "build_plan",
+    "check_next_segment",
+    "clipping_rule",
+    "ledger_epsilon",
+    "resolve_delta",
+    "total_steps",
+]
 
 ADAPTIVE_COUNT_NOISE = 0.05  # Andrew et al. 2021: count noise std = expected batch / 20
 STRATEGIES: dict[str, Callable[..., Any]] = {
@@ -57,9 +66,24 @@ def total_steps(args: Any, dataset_size: int) -> int:
     return max(1, math.ceil(args.num_train_epochs * dataset_size / args.train_batch_size))
 
 
-def clipping_rule(args: Any) -> Any:
-    """The core clipping rule for ``clipping_mode``: the bound, ``auto_s`` or ``adaptive`` (per-group: a dict)."""
+def check_next_segment(args: Any) -> None:
+    """ConfigurationError for a second ``train()`` of a trainer whose run is accounted as one whole horizon."""
+    if args.is_complete_horizon:
+        raise ConfigurationError(
+            f"this trainer already ran its {args.privacy_noise_mechanism!r} / {args.sampling_mode!r} horizon, "
+            "which is accounted once as a whole; a second train() would start another horizon with noise the "
+            "accountant does not cover. To continue an interrupted run, resume from its checkpoint "
+            "(train(resume_from_checkpoint=True)); to train further, start a new DPTrainer."
+        )
+
+
+def clipping_rule(args: Any, params: dict[str, Any] | None = None) -> Any:
+    """The core clipping rule for ``clipping_mode``: the bound, ``auto_s`` or ``adaptive``. A per-group bound (a
+    dict of name patterns and a ``fallback``) is a dict without ``params``, its :class:`PerGroup` with them."""
     kwargs = args.clipping_kwargs
+    bound = args.clipping_norm
+    if isinstance(bound, dict) and params is not None:
+        return per_group(params, {k: v for k, v in bound.items() if k != "fallback"}, fallback=bound["fallback"])
     if args.clipping_mode == "auto":
         return auto_s(args.clipping_norm, gamma=kwargs.get("gamma", 0.01))
     if args.clipping_mode == "adaptive":
@@ -110,17 +134,15 @@ DDP_SAMPLING_MODES = ("poisson", "cyclic_poisson")
 
 
 def _rank_sampler(args: Any, dataset_size: int, rate: float) -> Any:
-    """Under DDP: this rank's sampler at the global rate (the accountant sees the cluster-wide rate)."""
-    from opake_torch.distributed import rank_poisson
+    """Under DDP: this rank's sampler at the global rate (the accountant sees the cluster-wide rate).
 
+    The core refuses what has no per-rank form (truncated Poisson, fewer examples than ranks)."""
     mode, world, rank = args.sampling_mode, args.world_size, args.process_index
     if mode == "poisson":
-        if args.sampling_kwargs.get("truncated_batch_size") is not None:
-            raise ConfigurationError(
-                "truncated Poisson sampling is not supported under DDP (world_size > 1): a per-rank cap is not the "
-                "global cap the accountant analyses. Drop sampling_kwargs['truncated_batch_size']."
-            )
-        return rank_poisson(dataset_size=dataset_size, sample_rate=rate, world_size=world, rank=rank)
+        cap = args.sampling_kwargs.get("truncated_batch_size")
+        return sampling.poisson(
+            dataset_size=dataset_size, sample_rate=rate, truncated_batch_size=cap, world_size=world, rank=rank
+        )
     if mode == "cyclic_poisson":
         bands = args.privacy_noise_mechanism_kwargs["bands"]
         return sampling.cyclic_poisson(

@@ -24,7 +24,7 @@ __all__ = ["DataParallel", "SingleProcess", "topology"]
 class SingleProcess:
     """One process: collectives are the identity."""
 
-    distributed = False
+    is_distributed = False
     reduce: Callable[..., Any] | None = None  # the cross-rank sum of the clipped sums (none here)
     reduce_count: Callable[..., Any] | None = None  # the cross-rank sum of adaptive clipping's counts
 
@@ -59,7 +59,7 @@ class SingleProcess:
 class DataParallel(SingleProcess):
     """DDP ranks under torchrun on ``torch.distributed``."""
 
-    distributed = True
+    is_distributed = True
     reduce = staticmethod(distributed.sum_gradients)
     reduce_count = staticmethod(distributed.sum_counts)
 

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from opake_core.clipping import Engine, adaptive, auto_s, clipped_grad
+from opake_core.clipping import Engine, MaterializedGradients, adaptive, auto_s, clipped_grad
+from opake_core.clipping.microbatching import chunk_sizes
+from opake_core.clipping.rules import ClipRule, bounds_on
 from opake_core.tree import per_group
 from tests.core.test_clipping import MODELS, _data, _loss, _median_norm, _reference, _rel_err, _split
 
@@ -58,7 +60,8 @@ def test_one_chunk_through_the_transform_is_bitwise_the_plain_path(name):
 
 @pytest.mark.parametrize("name", ["mlp", "attention", "tied"])
 def test_padded_chunks_have_one_shape_and_add_nothing(name):
-    """Batch 7 in chunks of 3: the last chunk is padded to 3 rows; the sum equals the float64 loop over the 7."""
+    """Batch 7 in chunks of at most 3: three equal chunks (3, 2, 2 rows), each padded to 3; the sum equals the float64
+    loop over the 7."""
     torch.manual_seed(0)
     model = MODELS[name]()
     x, y = _data(name, 7, torch.Generator().manual_seed(3))
@@ -76,7 +79,7 @@ def test_padded_chunks_have_one_shape_and_add_nothing(name):
     )
     (clipped, diag), _ = grad_fn(params, frozen, x, y, state=state)
     assert [call["rows"] for call in recorder.calls] == [{3}, {3}, {3}]
-    assert [call["live"].tolist() for call in recorder.calls] == [[True] * 3, [True] * 3, [True, False, False]]
+    assert [call["live"].tolist() for call in recorder.calls] == [[True] * 3, [True, True, False], [True, True, False]]
     assert diag.norms.shape == (7,) and diag.losses.shape == (7,) and diag.batch_size == 7
     assert torch.isfinite(diag.norms).all()
     assert _rel_err(clipped.value, _reference(model, x, y, bound, 5.0)) < 1e-6
@@ -156,3 +159,84 @@ def test_adaptive_bound_reaches_the_chunk_as_a_tensor():
     assert len({call["rule"] for call in recorder.calls}) == 1
     seen = [call["bounds"].item() for call in recorder.calls[::2]]
     assert seen == [1.0, *runs[0][0][:2]]
+
+
+# --- Poisson batches of varying size: equal chunks, rounded up to a few shapes ---------------------------------------
+
+
+@pytest.mark.parametrize("microbatch", [1, 3, 16])
+@pytest.mark.parametrize("multiple", [1, 2, 4, 5])
+def test_chunk_sizes_split_evenly_within_the_bound(microbatch, multiple):
+    for n in range(0, 4 * microbatch + 3):
+        sizes = chunk_sizes(n, microbatch, pad=False, row_multiple=multiple)
+        reals = [real for real, _ in sizes]
+        assert sum(reals) == n and len(sizes) == -(-n // microbatch)  # every row once, in the fewest chunks
+        assert not reals or max(reals) - min(reals) <= 1  # as equal as possible
+        for real, rows in sizes:
+            assert real <= rows <= microbatch  # never above the memory bound
+            assert rows == microbatch or rows % multiple == 0  # a multiple, or the bound itself
+            assert rows - real < multiple  # the fewest dead rows that reach a multiple
+        padded = chunk_sizes(n, microbatch, pad=True)
+        assert [real for real, _ in padded] == reals and all(rows == microbatch for _, rows in padded)
+    assert chunk_sizes(9, None, pad=False) == [(9, 9)] and chunk_sizes(0, 4, pad=False) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_dead_rows_add_exactly_nothing_whatever_they_hold(dtype):
+    """The clipped sum, norms and flags of a chunk do not depend, bit for bit, on what its dead rows hold: zeros,
+    NaN, infinities, huge values, or copies of the last example."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (300,), (4, 3, 2)]
+    m, dead = 5, 3
+    real = [(torch.randn(m, *shape, generator=gen) * 3).to(dtype) for shape in shapes]
+    params = [torch.zeros(shape, dtype=dtype) for shape in shapes]
+    rule, bounds = ClipRule((0, 1, 0), 2), bounds_on((1.0, 2.0), torch.device("cpu"))
+    live = torch.arange(m + dead) < m
+    results = []
+    for fill in (0.0, math.nan, math.inf, -1e30, "copy"):
+        tails = [
+            g[-1:].expand(dead, *g.shape[1:]) if fill == "copy" else torch.full((dead, *g.shape[1:]), fill, dtype=dtype)
+            for g in real
+        ]
+        grads = [torch.cat([g, tail]) for g, tail in zip(real, tails, strict=True)]
+        sums, norms, clipped = rule(MaterializedGradients(grads), params, bounds, live)
+        results.append((sums, norms[:m], clipped[:m]))
+    for sums, norms, clipped in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(sums, results[0][0], strict=True))
+        assert torch.equal(norms, results[0][1]) and torch.equal(clipped, results[0][2])
+    assert torch.isfinite(results[0][1]).all()
+
+
+@pytest.mark.parametrize("name", ["mlp", "attention", "tied"])
+def test_padded_equal_and_unchunked_sums_agree_with_the_float64_loop(name):
+    """A draw of 11 with chunks of at most 4: unchunked, equal chunks (4, 4, 3), and equal chunks rounded up to
+    multiples of 4 with dead rows. In float64 the three agree to 1e-12 (summation order only) and each equals the
+    float64 loop over the 11 examples; the padded run's diagnostics cover the 11 real rows only."""
+    torch.manual_seed(0)
+    model = MODELS[name]().double()
+    x, y = _data(name, 11, torch.Generator().manual_seed(5))
+    x = x.double() if x.is_floating_point() else x
+    params, frozen = _split(model)
+    bound = _median_norm(model, params, frozen, x, y)
+    reference = _reference(model, x, y, bound, 9.0)
+    runs = {}
+    for label, microbatch, engine in (
+        ("unchunked", None, Engine()),
+        ("equal", 4, Engine()),
+        ("padded", 4, Engine(row_multiple=4)),
+    ):
+        grad_fn, state = clipped_grad(
+            _loss(model),
+            clipping_norm=bound,
+            batch_argnums=(2, 3),
+            normalize_by=9.0,
+            microbatch_size=microbatch,
+            return_diagnostics=True,
+            engine=engine,
+        )
+        runs[label] = grad_fn(params, frozen, x, y, state=state)[0]
+    for label, (clipped, diag) in runs.items():
+        assert _rel_err(clipped.value, reference) < 1e-12, label
+        assert diag.norms.shape == (11,) and diag.losses.shape == (11,) and diag.batch_size == 11
+        torch.testing.assert_close(diag.norms, runs["unchunked"][1].norms, rtol=1e-6, atol=0)
+    assert 0 < runs["padded"][1].clip_rate.item() < 1

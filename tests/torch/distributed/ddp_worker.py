@@ -37,7 +37,7 @@ def core_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor)
 def core_sampler(kind: str, world: int, rank: int):
     if kind == "mf":
         return sampling.cyclic_poisson(dataset_size=N, sample_rate=RATE, bands=2, world_size=world, rank=rank)
-    return distributed.rank_poisson(dataset_size=N, sample_rate=RATE, world_size=world, rank=rank)
+    return sampling.poisson(dataset_size=N, sample_rate=RATE, world_size=world, rank=rank)
 
 
 def core_step(kind: str, params: dict[str, torch.Tensor], reduce):

@@ -18,7 +18,6 @@ from opake_core import random
 from opake_core.errors import InputTypeError
 from opake_core.step import dp_sgd
 from opake_core.tree import Clipped
-from opake_torch import distributed
 
 
 def _single_process(kind: str, empty_rank: int | None = None) -> dict[str, torch.Tensor]:
@@ -64,16 +63,6 @@ def test_check_synchronized_refuses_different_keys(tmp_path):
     ranks = launch("mismatch", tmp_path, timeout=90)
     for rank in ranks:
         assert rank["error"] is not None and "noise_key" in rank["error"] and "step" not in rank["error"].split("[")[1]
-
-
-def test_rank_poisson_union_is_the_global_poisson_rate():
-    samplers = [distributed.rank_poisson(dataset_size=10, sample_rate=0.5, world_size=2, rank=r) for r in range(2)]
-    shards = [set(s.shard().tolist()) for s in samplers]
-    assert shards[0] | shards[1] == set(range(10)) and not shards[0] & shards[1]
-    assert samplers[1].expected_batch_size == 5.0 and samplers[0].config == samplers[1].config
-    key = random.key(0)
-    idx, _ = samplers[1].sample(key, samplers[1].init())
-    assert set(idx.tolist()) <= shards[1]
 
 
 def test_reduce_must_keep_the_sensitivity():

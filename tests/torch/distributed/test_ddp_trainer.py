@@ -60,7 +60,7 @@ def _rank_samplers(kind, rate):
         return [
             sampling.cyclic_poisson(dataset_size=40, sample_rate=rate, bands=2, world_size=2, rank=r) for r in (0, 1)
         ]
-    return [distributed.rank_poisson(dataset_size=40, sample_rate=rate, world_size=2, rank=r) for r in (0, 1)]
+    return [sampling.poisson(dataset_size=40, sample_rate=rate, world_size=2, rank=r) for r in (0, 1)]
 
 
 def _single_process(tmp_path, kind):
@@ -108,7 +108,11 @@ def test_ddp_refuses_what_it_cannot_synchronize(tmp_path, monkeypatch):
     with pytest.raises(ConfigurationError, match="not supported under DDP"):
         build_plan(_args(tmp_path, sampling_mode="sequential", privacy_noise_multiplier=0.0), len(DATA))
     plan = build_plan(_args(tmp_path, per_device_train_batch_size=PER_DEVICE), len(DATA))
-    assert isinstance(plan.sampler, distributed.RankPoisson) and plan.sample_rate == 2 * PER_DEVICE / len(DATA)
+    assert isinstance(plan.sampler, sampling.Poisson) and plan.sample_rate == 2 * PER_DEVICE / len(DATA)
+    assert (plan.sampler.world_size, plan.sampler.rank) == (2, 0)
+    truncated = _args(tmp_path, per_device_train_batch_size=PER_DEVICE, sampling_kwargs={"truncated_batch_size": 4})
+    with pytest.raises(ConfigurationError, match=r"truncated Poisson.*world_size=2.*truncated_batch_size"):
+        build_plan(truncated, len(DATA))
 
 
 def test_resumed_sampler_state_keeps_this_ranks_configuration():

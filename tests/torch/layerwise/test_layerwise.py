@@ -105,15 +105,19 @@ def _loop_reference(loss, params, batch, bound):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("bound", [math.inf, 0.05])
-def test_clipped_sum_equals_a_float64_loop(case, bound):
+@pytest.mark.parametrize(("microbatch", "multiple"), [(None, 1), (4, 1), (4, 4)], ids=["whole", "equal", "padded"])
+def test_clipped_sum_equals_a_float64_loop(case, bound, microbatch, multiple):
+    """Whole, in equal chunks of at most 4, and in chunks rounded up to 4 rows with dead rows (Poisson draws of
+    varying size meeting a few shapes): each equals the float64 loop."""
     model, params, loss, batch_loss, batch = CASES[case]()
     argnums = tuple(range(1, 1 + len(batch)))
     grad_fn, state = clipped_grad(
         loss,
         clipping_norm=bound,
         batch_argnums=argnums,
+        microbatch_size=microbatch,
         return_diagnostics=True,
-        engine=Engine(gradients=LayerwiseGradients(model, batch_loss)),
+        engine=Engine(gradients=LayerwiseGradients(model, batch_loss), row_multiple=multiple),
     )
     (clipped, diagnostics), _ = grad_fn(params, *batch, state=state)
     expected, norms = _loop_reference(loss, params, batch, bound)

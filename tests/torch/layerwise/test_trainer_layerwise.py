@@ -59,7 +59,7 @@ def test_layerwise_and_vmap_train_the_same_model(tmp_path, build, data, mechanis
 def test_auto_picks_layerwise_where_it_serves_and_vmap_elsewhere(tmp_path, caplog):
     assert DPTrainer(tiny_lora(), _args(tmp_path), train_dataset=DATA)._layerwise is not None
     assert DPTrainer(tiny_model("llama"), _args(tmp_path), train_dataset=DATA)._layerwise is not None
-    with caplog.at_level(logging.INFO, logger="opake_torch.transformers.trainer"):
+    with caplog.at_level(logging.INFO, logger="opake_torch.transformers.engines"):
         trainer = DPTrainer(tiny_model("llama"), _args(tmp_path, gradient_checkpointing=True), train_dataset=DATA)
     assert trainer._layerwise is None
     assert "gradient_checkpointing" in caplog.text

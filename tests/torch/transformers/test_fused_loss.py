@@ -62,7 +62,9 @@ def _assert_same(a, b, rtol=1e-5, atol=1e-6):
 def _forced_patches(monkeypatch, patches):
     """On CPU the kernels are off; this makes the trainer see ``patches`` applied (the loss kernels then run their
     torch references)."""
-    monkeypatch.setattr("opake_torch.transformers.trainer.apply_performance_kernels", lambda model, **kwargs: patches)
+    monkeypatch.setattr(
+        "opake_torch.transformers.model_setup.apply_performance_kernels", lambda model, **kwargs: patches
+    )
 
 
 @pytest.mark.parametrize("engine", ["layerwise", "vmap"])

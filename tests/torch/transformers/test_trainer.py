@@ -65,7 +65,13 @@ def test_one_step_equals_core_composition(tmp_path):
     opt = optim.sgd(0.05)
     noise_key = random.fold_in(root, "opake.trainer.noise")
     step_fn, dp_state = dp_sgd(
-        loss, optimizer=opt, clipping_norm=1.0, noise_multiplier=1.0, expected_batch_size=8.0, key=noise_key
+        loss,
+        optimizer=opt,
+        clipping_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=8.0,
+        microbatch_size=8,  # the trainer's default chunk: the expected batch
+        key=noise_key,
     )
     expected, *_ = step_fn(params, opt.init(params), dp_state, (batch,))
     for name, value in trainer.model.named_parameters():

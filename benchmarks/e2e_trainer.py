@@ -1,0 +1,481 @@
+"""``trainer.train()`` as a user runs it: Hugging Face's ``Trainer`` against ``DPTrainer``, end to end.
+
+Each row is one ``train()`` call (or, for Opacus, the loop its tutorials show) on the same model, the same dataset and
+AdamW at the same learning rate. The private rows sample Poisson batches at rate q = 0.01 from a dataset of
+100 x the batch (about 100 expected batches), so sampling, collation and the host-to-device copy are part of each
+step, as in a real run. The arguments are the trainers' defaults except what the comparison needs:
+``per_device_train_batch_size`` (the expected batch of DPTrainer), ``learning_rate``, ``max_steps`` and, for
+DPTrainer, ``privacy_noise_multiplier=1.0`` (fixed noise; the default clipping norm 1, Poisson sampling, no
+accounting during the run).
+
+Modes (per workload):
+
+* ``hf``: ``transformers.Trainer`` with its own defaults (fused AdamW, shuffled fixed batches); the reference.
+* ``dp``: ``DPTrainer`` with its defaults (engine picked by ``per_example_gradients="auto"``).
+* ``dp_q1``: diagnostic. The dataset is one batch and q = 1, so every draw is that full batch: the cost of a DP
+  step without the variable batch sizes of Poisson sampling. Not a configuration anyone trains with.
+* ``dp_kernels``: ``DPTrainer`` with ``use_performance_kernels=True``; its ratios are against ``hf_kernels``.
+* ``hf_kernels``: ``transformers.Trainer`` on a model patched by ``apply_performance_kernels`` with the switches
+  DPTrainer uses under ``per_example_gradients="auto"`` (the LoRA kernel off), so that both kernel rows run the same
+  patched modules. The loss-level kernels are taken only by DPTrainer's loss; HF keeps the model's loss. Its ratios
+  are against ``hf``.
+* ``opacus``: Opacus ``PrivacyEngine.make_private`` (per-sample hooks, its Poisson data loader at the same q, noise
+  multiplier 1, max grad norm 1) and the plain ``zero_grad / model(**batch).loss.backward() / step`` loop; explicit
+  per-example ``position_ids``, and an empty draw (which HF models cannot run) gets zero-length per-sample gradients,
+  a noise-only step. Skipped when opacus cannot be imported.
+
+Measured: the wall time between consecutive step ends (a ``TrainerCallback.on_step_end`` that synchronizes CUDA first)
+after ``--warmup`` steps, its mean and median over ``--steps`` steps; the peaks of ``torch.cuda.max_memory_allocated``
+and ``max_memory_reserved`` over those steps (reset at the end of the warm-up, so weights and optimizer state are
+included). Each (workload, mode) runs in a fresh subprocess (``--in-process`` runs them one after the other here:
+quicker on CPU, but process-wide state carries over). A failing row, OOM included, is recorded with its error; rows
+not started when ``--budget-s`` is spent are recorded as skipped.
+
+    python benchmarks/e2e_trainer.py --out e2e_results                  # one GPU, the four workloads, every mode
+    python benchmarks/e2e_trainer.py --workloads bert_base_s128_b32 --modes hf dp --out e2e_bert
+    python benchmarks/e2e_trainer.py --tiny --in-process --out e2e_tiny   # tiny CPU configuration (smoke)
+
+Writes ``results.json`` and ``results.md`` to ``--out`` after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from environment import environment
+from modes import LR, opacus_available, trainable
+from settings import Settings
+from timing import failure, fmt, free, peak_gib, reserved_gib, rope_restored, sync, table, tf32
+from workloads import SUITES, Workload, build_model, make_batch
+
+MODES = ("hf", "dp", "dp_q1", "dp_kernels", "hf_kernels", "opacus")
+BASELINES = {"dp_kernels": "hf_kernels"}  # every other mode is compared with "hf"
+DIAGNOSTIC = ("dp_q1",)
+SAMPLING_RATE = 0.01
+NOISE_MULTIPLIER = 1.0
+CLIPPING_NORM = 1.0  # DPTrainer's default; Opacus gets the same bound
+EAGER_FAMILIES = ("gpt2",)  # run with eager attention (the workload builder picks SDPA)
+# DPTrainer turns the LoRA kernel off unless per_example_gradients="vmap" (the layerwise engine reads the adapter
+# layers); hf_kernels patches with the same switches so that the two kernel rows run the same modules.
+HF_KERNELS_CONFIG = {"lora": False}
+
+
+# -- the measured run of one (workload, mode) --------------------------------------------------------------------
+
+
+class StepClock:
+    """Host timestamps of step ends (after a device synchronize) and the memory peaks over the timed steps."""
+
+    def __init__(self, device: torch.device, warmup: int, total: int) -> None:
+        self.device, self.warmup, self.total = device, warmup, total
+        self.stamps: list[float] = []
+        self.peak: float | None = None
+        self.reserved: float | None = None
+
+    def tick(self) -> None:
+        sync(self.device)
+        self.stamps.append(time.perf_counter())
+        if len(self.stamps) == self.warmup and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if len(self.stamps) == self.total:
+            self.peak, self.reserved = peak_gib(self.device), reserved_gib(self.device)
+
+    def callback(self) -> Any:
+        """A ``TrainerCallback`` that ticks at every step end (both trainers accept it)."""
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class StepEnds(TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                clock.tick()
+
+        return StepEnds()
+
+    def summary(self) -> dict[str, Any]:
+        if len(self.stamps) < self.total:
+            raise RuntimeError(f"only {len(self.stamps)} of {self.total} steps ran")
+        gaps = [end - start for start, end in itertools.pairwise(self.stamps[self.warmup - 1 :])]
+        ordered = sorted(gaps)
+        return {
+            "steps_timed": len(gaps),
+            "step_s_mean": statistics.fmean(gaps),
+            "step_s_median": statistics.median(gaps),
+            "step_s_p90": ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)],
+            "peak_gib": self.peak,
+            "reserved_gib": self.reserved,
+        }
+
+
+def model_for(workload: Workload, device: torch.device) -> torch.nn.Module:
+    """The workload's model (random weights, seed 0), with eager attention for the families that ask for it."""
+    model = build_model(workload, device)
+    if workload.family in EAGER_FAMILIES:
+        model.set_attn_implementation("eager")
+    return model
+
+
+def dataset(workload: Workload, size: int) -> list[dict[str, torch.Tensor]]:
+    """``size`` examples (the workload's synthetic tokens, with an all-ones attention mask), as a list of dicts."""
+    columns = make_batch(workload, size, torch.device("cpu"))
+    columns["attention_mask"] = torch.ones_like(columns["input_ids"])
+    return [{name: values[i] for name, values in columns.items()} for i in range(size)]
+
+
+def dataset_size(workload: Workload, mode: str) -> int:
+    return workload.batch if mode == "dp_q1" else round(workload.batch / SAMPLING_RATE)
+
+
+def run_hf(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, kernels: bool) -> dict[str, Any]:
+    from transformers import Trainer, TrainingArguments
+
+    model = model_for(workload, opts.device)
+    applied = None
+    if kernels:
+        from opake_torch.patches.performance import apply_performance_kernels
+
+        applied = apply_performance_kernels(
+            model, use_performance_kernels=True, performance_kernels_config=HF_KERNELS_CONFIG
+        )
+    data = dataset(workload, dataset_size(workload, "hf"))
+    with tempfile.TemporaryDirectory() as folder:
+        args = TrainingArguments(
+            folder,
+            per_device_train_batch_size=workload.batch,
+            learning_rate=LR,
+            max_steps=clock.total,
+            use_cpu=opts.device.type == "cpu",
+        )
+        if args.n_gpu > 1:  # HF's Trainer would wrap the model in DataParallel over every visible GPU
+            raise RuntimeError(f"{args.n_gpu} GPUs are visible; set CUDA_VISIBLE_DEVICES to one GPU")
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[clock.callback()])
+        trainer.train()
+    return {"engine": "autograd", "optim": getattr(args.optim, "value", args.optim), "kernels_applied": applied}
+
+
+def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mode: str) -> dict[str, Any]:
+    from opake_torch.transformers import DPTrainer, TrainingArguments
+
+    extra = {"use_performance_kernels": True} if mode == "dp_kernels" else {}
+    data = dataset(workload, dataset_size(workload, mode))
+    with tempfile.TemporaryDirectory() as folder:
+        args = TrainingArguments(
+            folder,
+            per_device_train_batch_size=workload.batch,
+            learning_rate=LR,
+            max_steps=clock.total,
+            privacy_noise_multiplier=NOISE_MULTIPLIER,
+            use_cpu=opts.device.type == "cpu",
+            **extra,
+        )
+        trainer = DPTrainer(model_for(workload, opts.device), args, train_dataset=data, callbacks=[clock.callback()])
+        trainer.train()
+    layerwise = getattr(trainer, "_layerwise", ...)  # private: the engine after the trainer's check, None for vmap
+    return {
+        "engine": "unknown" if layerwise is ... else "vmap" if layerwise is None else "layerwise",
+        "optim": args.optim,
+        "sampling_mode": args.sampling_mode,
+        "clipping_norm": args.clipping_norm,
+        "microbatch_size": args.microbatch_size,
+        "kernels_applied": trainer.performance_patches if mode == "dp_kernels" else None,
+    }
+
+
+def run_opacus(workload: Workload, opts: argparse.Namespace, clock: StepClock) -> dict[str, Any]:
+    from opacus import PrivacyEngine
+
+    model = model_for(workload, opts.device)
+    data = dataset(workload, dataset_size(workload, "opacus"))
+    for example in data:  # a broadcast [1, T] position tensor breaks the hooks of a trained position embedding
+        example.setdefault("position_ids", torch.arange(workload.seq))
+    loader = torch.utils.data.DataLoader(data, batch_size=workload.batch)
+    optimizer = torch.optim.AdamW(trainable(model), lr=LR, weight_decay=0.0)  # the trainers' default weight decay
+    model, optimizer, loader = PrivacyEngine().make_private(
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        noise_multiplier=NOISE_MULTIPLIER,
+        max_grad_norm=CLIPPING_NORM,
+        poisson_sampling=True,
+    )
+    model.train()
+    empty = 0
+    while len(clock.stamps) < clock.total:
+        for batch in loader:
+            batch = {k: v.to(opts.device, non_blocking=True) for k, v in batch.items()}
+            optimizer.zero_grad()
+            if batch["input_ids"].shape[0]:
+                model(**batch).loss.backward()
+            else:  # HF models cannot run an empty batch: zero-length per-sample gradients, so the step is noise only
+                empty += 1
+                for param in optimizer.params:
+                    param.grad_sample = param.new_zeros((0, *param.shape))
+            optimizer.step()
+            clock.tick()
+            if len(clock.stamps) == clock.total:
+                break
+    return {"engine": "opacus hooks", "optim": "torch AdamW", "sampling_mode": "poisson", "empty_draws": empty}
+
+
+RUNNERS: dict[str, Callable[[Workload, argparse.Namespace, StepClock], dict[str, Any]]] = {
+    "hf": lambda w, o, c: run_hf(w, o, c, kernels=False),
+    "hf_kernels": lambda w, o, c: run_hf(w, o, c, kernels=True),
+    "dp": lambda w, o, c: run_dp(w, o, c, mode="dp"),
+    "dp_q1": lambda w, o, c: run_dp(w, o, c, mode="dp_q1"),
+    "dp_kernels": lambda w, o, c: run_dp(w, o, c, mode="dp_kernels"),
+    "opacus": run_opacus,
+}
+
+
+def record_for(workload: Workload, mode: str) -> dict[str, Any]:
+    size = dataset_size(workload, mode)
+    return {
+        "workload": workload.name,
+        "mode": mode,
+        "diagnostic": mode in DIAGNOSTIC,
+        "batch": workload.batch,
+        "seq": workload.seq,
+        "dtype": workload.dtype,
+        "dataset_size": size,
+        "sampling_rate": None if mode.startswith("hf") else workload.batch / size,
+        "ok": False,
+    }
+
+
+def measure_row(workload: Workload, mode: str, opts: argparse.Namespace) -> dict[str, Any]:
+    """One row, in this process: never raises (a failure, OOM included, is recorded in the row)."""
+    record = record_for(workload, mode)
+    if mode == "opacus" and not opacus_available():
+        return {**record, "skipped": True, "error": "opacus is not importable"}
+    free(opts.device)
+    begin = time.perf_counter()
+    clock = StepClock(opts.device, opts.warmup, opts.warmup + opts.steps)
+    try:
+        with tf32(opts.tf32), rope_restored():  # the kernels' RoPE patch is process-wide: undo it after the row
+            record.update(RUNNERS[mode](workload, opts, clock))
+        summary = clock.summary()
+    except ImportError as exc:
+        record.update(skipped=mode == "opacus", error=failure(exc))
+    except Exception as exc:  # a failing row is a result, not the end of the run
+        record["error"] = failure(exc)
+    else:
+        record.update(
+            ok=True,
+            **summary,
+            examples_per_s=workload.batch / summary["step_s_mean"],
+            tokens_per_s=workload.batch * workload.seq / summary["step_s_mean"],
+            first_steps_s=clock.stamps[opts.warmup - 1] - begin,  # model build, setup and the warm-up steps
+        )
+    record["wall_s"] = round(time.perf_counter() - begin, 2)
+    free(opts.device)
+    return record
+
+
+# -- orchestration: one subprocess per row, the time budget, the outputs -----------------------------------------
+
+
+def child_command(opts: argparse.Namespace, workload: Workload, mode: str, result: Path) -> list[str]:
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", str(result)]
+    command += ["--workloads", workload.name, "--modes", mode, "--device", str(opts.device)]
+    command += ["--steps", str(opts.steps), "--warmup", str(opts.warmup)]
+    return command + ["--tiny"] * opts.tiny + ["--no-tf32"] * (not opts.tf32)
+
+
+def child_environment() -> dict[str, str]:
+    """This environment, with only the first visible GPU left visible (the benchmark is of one GPU)."""
+    env = dict(os.environ)
+    if torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    return env
+
+
+def run_in_subprocess(workload: Workload, mode: str, opts: argparse.Namespace, timeout: float) -> dict[str, Any]:
+    """The row measured by a fresh ``python e2e_trainer.py --child`` process; its output goes to ``logs/``."""
+    logs = opts.out / "logs"
+    logs.mkdir(exist_ok=True)
+    log = logs / f"{workload.name}.{mode}.log"
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder) / "row.json"
+        try:
+            with log.open("w") as sink:
+                command = child_command(opts, workload, mode, result)
+                done = subprocess.run(
+                    command, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout, env=child_environment()
+                )
+        except subprocess.TimeoutExpired:
+            return {**record_for(workload, mode), "error": f"timed out after {timeout:.0f} s (see {log})"}
+        if result.exists():
+            return json.loads(result.read_text())
+    tail = log.read_text(errors="replace")[-600:]
+    return {**record_for(workload, mode), "error": f"the process exited with {done.returncode}: {tail}"}
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    return value / base if value is not None and base else None
+
+
+def add_ratios(records: list[dict[str, Any]]) -> None:
+    """Each row over its baseline row of the same workload (``hf``, or ``hf_kernels`` for ``dp_kernels``), and over
+    ``hf``."""
+    done = {(r["workload"], r["mode"]): r for r in records if r["ok"]}
+    for r in records:
+        r["baseline"] = BASELINES.get(r["mode"], "hf")
+        for suffix, base_mode in (("baseline", r["baseline"]), ("hf", "hf")):
+            base = done.get((r["workload"], base_mode), {}) if r["ok"] else {}
+            r[f"time_vs_{suffix}"] = ratio(r.get("step_s_mean"), base.get("step_s_mean"))
+            r[f"median_time_vs_{suffix}"] = ratio(r.get("step_s_median"), base.get("step_s_median"))
+            r[f"peak_vs_{suffix}"] = ratio(r.get("peak_gib"), base.get("peak_gib"))
+            r[f"reserved_vs_{suffix}"] = ratio(r.get("reserved_gib"), base.get("reserved_gib"))
+
+
+COLUMNS = (  # (header, key, format)
+    ("step s (mean)", "step_s_mean", ".4f"),
+    ("step s (median)", "step_s_median", ".4f"),
+    ("peak GiB", "peak_gib", ".2f"),
+    ("reserved GiB", "reserved_gib", ".2f"),
+    ("time x (mean)", "time_vs_baseline", ".2f"),
+    ("time x (median)", "median_time_vs_baseline", ".2f"),
+    ("peak x", "peak_vs_baseline", ".2f"),
+    ("reserved x", "reserved_vs_baseline", ".2f"),
+)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v)
+    rows = []
+    for r in report["records"]:
+        status = "ok" if r["ok"] else ("skipped: " if r.get("skipped") else "failed: ") + r.get("error", "")[:100]
+        mode = r["mode"] + (" (diagnostic)" if r["diagnostic"] else "")
+        q = "fixed batches" if r["sampling_rate"] is None else f"q = {r['sampling_rate']:g}"
+        data = f"{q}, N = {r['dataset_size']}"
+        cells = [r["workload"], mode, r.get("engine") or "", f"{r['batch']} x {r['seq']}", data]
+        numbers = [fmt(r.get(key), spec) for _, key, spec in COLUMNS]
+        rows.append([*cells, *numbers, r["baseline"], status.replace("|", "/").replace("\n", " ")])
+    header = ["workload", "mode", "engine", "batch x seq", "data", *(h for h, _, _ in COLUMNS), "vs", "status"]
+    lines = [
+        f"# trainer.train() end to end ({meta['date_utc']})",
+        "",
+        f"Device: {meta['device']}; CUDA {meta['cuda']}; {versions}; commit {meta['git_commit']}.",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Wall time between step ends over {report['settings']['steps']} steps after {report['settings']['warmup']} "
+        "warm-up steps; peak memory over those steps. Ratios (x) are over the row named in `vs`, same workload.",
+        "",
+        *table(header, rows),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_results(report: dict[str, Any], out: Path) -> None:
+    add_ratios(report["records"])
+    (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "results.md").write_text(markdown(report))
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="folder for results.json, results.md and the rows' logs")
+    parser.add_argument("--workloads", nargs="+", help="workload names (default: all of the suite)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), help=f"subset of {' '.join(MODES)}")
+    parser.add_argument("--steps", type=int, help="timed steps per row (default 30; 4 with --tiny)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first (default 5; 1 with --tiny)")
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), help="default: cuda (the first visible GPU; cpu with --tiny)"
+    )
+    parser.add_argument("--tiny", action="store_true", help="the tiny CPU workloads of the smoke suite")
+    parser.add_argument("--in-process", action="store_true", help="run every row in this process, not a subprocess")
+    parser.add_argument("--budget-s", type=float, default=1800.0, help="rows not started after this are skipped")
+    parser.add_argument("--row-timeout-s", type=float, default=600.0, help="kill a row's subprocess after this")
+    parser.add_argument("--no-tf32", dest="tf32", action="store_false", help="fp32 matmuls without TF32 (default on)")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: measure one row, write it here
+    opts = parser.parse_args(argv)
+    suite = SUITES["smoke" if opts.tiny else "gpu"]
+    names = [n for item in opts.workloads or [w.name for w in suite] for n in item.split(",")]
+    unknown = sorted(set(names) - {w.name for w in suite})
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {[w.name for w in suite]}")
+    opts.workloads = [w for w in suite if w.name in names]
+    opts.modes = [m for item in opts.modes for m in item.split(",")]
+    if set(opts.modes) - set(MODES):
+        parser.error(f"unknown modes {sorted(set(opts.modes) - set(MODES))}; choose from {list(MODES)}")
+    opts.steps = (4 if opts.tiny else 30) if opts.steps is None else opts.steps
+    opts.warmup = (1 if opts.tiny else 5) if opts.warmup is None else opts.warmup
+    if opts.steps < 1 or opts.warmup < 1:
+        parser.error("--steps and --warmup must be at least 1 (the first timed gap starts at the last warm-up step)")
+    opts.device = torch.device(opts.device or ("cpu" if opts.tiny else "cuda"))
+    if opts.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: pass --tiny (or --device cpu)")
+    if opts.child is None and opts.out is None:
+        parser.error("--out is required")
+    return opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    opts = parse(argv)
+    if opts.child is not None:  # one row, in this fresh process
+        (workload,), (mode,) = opts.workloads, opts.modes
+        opts.child.write_text(json.dumps(measure_row(workload, mode, opts), default=str))
+        return 0
+    opts.out.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "steps": opts.steps,
+        "warmup": opts.warmup,
+        "tf32": opts.tf32,
+        "sampling_rate": SAMPLING_RATE,
+        "noise_multiplier": NOISE_MULTIPLIER,
+        "learning_rate": LR,
+        "isolation": "in-process" if opts.in_process else "subprocess per row",
+        "budget_s": opts.budget_s,
+    }
+    shared = Settings(  # the harness's run-wide settings, for its environment capture; the unused ones zero
+        device=opts.device,
+        steps=opts.steps,
+        warmup=opts.warmup,
+        noise_multiplier=NOISE_MULTIPLIER,
+        clipping_norm=CLIPPING_NORM,
+        microbatch=None,
+        tf32=opts.tf32,
+        profile_steps=0,
+        max_batch_cap=0,
+        max_batch_budget_s=0.0,
+    )
+    command = "python benchmarks/e2e_trainer.py " + " ".join(argv)
+    meta = {**environment(shared, argv), "command": command, "settings": settings}
+    report: dict[str, Any] = {"meta": meta, "settings": settings, "records": []}
+    begin = time.perf_counter()
+    for workload in opts.workloads:
+        for mode in opts.modes:
+            if time.perf_counter() - begin >= opts.budget_s:
+                record = {**record_for(workload, mode), "skipped": True, "error": "time budget spent"}
+            elif opts.in_process or (mode == "opacus" and not opacus_available()):  # the latter: a skipped row
+                record = measure_row(workload, mode, opts)
+            else:
+                record = run_in_subprocess(workload, mode, opts, timeout=opts.row_timeout_s)
+            report["records"].append(record)
+            print(json.dumps(record, default=str), file=sys.stderr, flush=True)
+            write_results(report, opts.out)
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""What a trainer's checkpoint holds and how a resume restores it (the files themselves: :mod:`.checkpoint`).
+
+A checkpoint folder holds the weights (``model.safetensors`` or the PEFT adapter), the tokenizer, Hugging Face's
+``trainer_state.json`` and ``training_args.json``, the public ``accountant.json``, and (unless ``save_only_model``)
+the private DP state: ``dp_state.json`` (counters, keys, ledger, configuration) with the step and optimizer tensors.
+A resume checks that the counters agree and that a horizon run's configuration is unchanged before it loads anything
+into the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from opake_core import accounting
+from opake_core.errors import CheckpointError, OpakeError
+from opake_core.sampling.state import SamplerState
+from opake_core.step import rekeyed, unkeyed
+from opake_torch.state_files import write_json
+from opake_torch.transformers import checkpoint as ckpt
+from opake_torch.transformers.keys import RunKeys
+from opake_torch.transformers.privacy import PrivacyPlan, ledger_epsilon
+from opake_torch.transformers.run import Run
+
+__all__ = [
+    "check_same_run",
+    "copy_into",
+    "restore",
+    "restore_weights",
+    "resume_point",
+    "resumed_keys",
+    "save",
+    "save_weights",
+    "saved_ledger",
+    "update_best",
+    "write_accountant",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def resume_point(resume_from_checkpoint: str | bool | None, output_dir: str) -> tuple[Path | None, dict | None]:
+    """``(folder, its dp_state.json)`` for ``train(resume_from_checkpoint=...)``: a folder, True for the latest
+    checkpoint under ``output_dir``, or nothing (``(None, None)``); CheckpointError when it cannot be resumed."""
+    if resume_from_checkpoint is True:
+        folder = ckpt.latest_checkpoint(output_dir)
+        if folder is None:
+            raise CheckpointError(f"resume_from_checkpoint=True but {output_dir} holds no checkpoint.")
+    elif not resume_from_checkpoint:
+        return None, None
+    else:
+        folder = Path(resume_from_checkpoint)
+    ckpt.require_resumable(folder)
+    return folder, ckpt.read_manifest(folder)
+
+
+def resumed_keys(
+    args: Any, saved: dict[str, Any], folder: Path, plan: PrivacyPlan, *, unchanged: bool, fresh: Callable[[], RunKeys]
+) -> RunKeys:
+    """The keys of a resumed run: the checkpoint's for an unchanged resume (same arguments, same multiplier), else
+    ``fresh()`` (a new segment), after refusing a resume that :func:`check_same_run` refuses."""
+    check_same_run(args, saved, plan, folder)
+    keys = RunKeys.from_json(saved, f"{folder}/{ckpt.DP_STATE}")  # read even when unused: a damaged file is refused
+    if unchanged and plan.noise_multiplier == saved["noise_multiplier"]:
+        return keys
+    logger.info("the configuration changed since %s: the run continues with new noise and sampler keys", folder)
+    return fresh()
+
+
+def copy_into(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+    """The trainable parameters ``params`` copied into ``model`` (which the step functions never modify)."""
+    with torch.no_grad():
+        own = dict(model.named_parameters())
+        for name, value in params.items():
+            own[name].copy_(value)
+
+
+def save(
+    run: Run,
+    *,
+    args: Any,
+    state: Any,
+    model: nn.Module,
+    processing_class: Any,
+    topology: Any,
+    metrics: dict[str, float] | None,
+) -> Path:
+    """Write ``checkpoint-<step>`` under ``output_dir`` atomically (on the writing rank), then rotate old ones."""
+    folder = Path(args.output_dir) / f"{ckpt.PREFIX}-{state.global_step}"
+    copy_into(model, run.params)
+    update_best(args, state, folder, metrics)
+
+    def write(tmp: Path) -> None:
+        save_weights(model, processing_class, tmp, safe=args.save_safetensors)
+        if run.plan.accounted:
+            write_accountant(tmp, args, run.plan, run.ledger)
+        state.save_to_json(str(tmp / ckpt.TRAINER_STATE))
+        (tmp / ckpt.TRAINING_ARGS).write_text(json.dumps(args.to_dict(), indent=2, default=str))
+        if not args.save_only_model:
+            ckpt.write_state(
+                tmp,
+                _manifest(args, state.global_step, run),
+                step_state=unkeyed(run.dp_state),  # the keys are stored in dp_state.json only
+                opt_state=run.opt_state,
+                rng_state=torch.get_rng_state(),
+            )
+
+    def write_and_rotate() -> None:
+        ckpt.write_atomically(folder, write)
+        protect = (Path(state.best_model_checkpoint),) if state.best_model_checkpoint else ()
+        ckpt.rotate(args.output_dir, args.save_total_limit, protect=protect)
+
+    topology.write(args.should_save, write_and_rotate, "checkpoint save")
+    return folder
+
+
+def restore(
+    folder: Path, saved: dict[str, Any], run: Run, *, args: Any, state: Any, model: nn.Module, topology: Any
+) -> None:
+    """Load the checkpoint's tensors, weights and trainer state into ``run`` and ``state``, after checking that its
+    step counters agree (CheckpointError otherwise)."""
+    step_state, run.opt_state, rng_state = ckpt.read_tensors(
+        folder, step_template=run.dp_state, opt_template=run.opt_state, device=args.device
+    )
+    try:
+        loaded = type(state).load_from_json(str(folder / ckpt.TRAINER_STATE))
+    except (OSError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{folder / ckpt.TRAINER_STATE} is unreadable: {exc}") from exc
+    sampler = SamplerState.from_json(saved["sampler_state"])
+    counters = {
+        f"{ckpt.DP_STATE} global_step": saved["global_step"],
+        f"{ckpt.TRAINER_STATE} global_step": loaded.global_step,
+        "step state": step_state.step,
+        "sampler state": sampler.step,
+    }
+    if len(set(counters.values())) != 1 or (not run.plan.horizon and run.ledger.releases < sampler.step):
+        raise CheckpointError(
+            f"{folder}: the step counters disagree ({counters}; {run.ledger.releases} releases in the ledger), "
+            "so the checkpoint was edited or assembled from different runs. Resume from another checkpoint."
+        )
+    run.params = restore_weights(model, folder, args.device, set(run.params))
+    run.dp_state = rekeyed(step_state, run.dp_state)  # the keys of this segment (saved unkeyed)
+    torch.set_rng_state(rng_state)
+    run.sampler_state = topology.sampler_state(sampler, run.sampler_state)
+    for name in ("global_step", "epoch", "log_history", "best_metric", "best_global_step", "best_model_checkpoint"):
+        setattr(state, name, getattr(loaded, name))
+
+
+def saved_ledger(saved: dict[str, Any], folder: Path | None) -> accounting.Ledger:
+    """The privacy ledger of a checkpoint's ``dp_state.json``; CheckpointError when it is invalid."""
+    try:
+        return accounting.Ledger.from_json(saved["ledger"])
+    except OpakeError as exc:
+        raise CheckpointError(f"{folder}/{ckpt.DP_STATE}: its privacy ledger is invalid ({exc}).") from exc
+
+
+def check_same_run(args: Any, saved: dict[str, Any], plan: PrivacyPlan, folder: Path | None) -> None:
+    """Refuse a resume whose world size changed, or a horizon resume whose mechanism, horizon, multiplier, rate or
+    clipping changed: a horizon is accounted as a whole and its noise is correlated across steps."""
+    if saved["world_size"] != args.world_size:
+        raise CheckpointError(
+            f"{folder} was written with world size {saved['world_size']}, this run has {args.world_size}: "
+            "per-rank sampling and accounting depend on it. Resume with the same number of processes."
+        )
+    if not plan.horizon:
+        return
+    changed = {k: (saved[k], v) for k, v in _mechanism_fields(args, plan).items() if saved[k] != v}
+    if changed:
+        raise CheckpointError(
+            f"{folder} belongs to another run configuration; (saved, now) values differ: {changed}. A horizon "
+            "mechanism (DP-FTRL, k-out-of-t) is accounted for its whole horizon with correlated noise, so its "
+            "mechanism, multiplier, horizon, batch and clipping cannot change on resume."
+        )
+
+
+def write_accountant(folder: Path, args: Any, plan: PrivacyPlan, ledger: accounting.Ledger) -> None:
+    """``accountant.json``: the public record of what was released and the epsilon it costs (no keys; epsilon is
+    the string ``"inf"`` for a non-private run)."""
+    epsilon = ledger_epsilon(ledger, plan.delta)
+    record = {
+        "epsilon": epsilon if math.isfinite(epsilon) else "inf",
+        "delta": plan.delta,
+        "steps": plan.total_steps if plan.horizon else ledger.releases,
+        "ledger": ledger.to_json(),
+        "noise_multiplier": plan.noise_multiplier,
+        "sample_rate": plan.sample_rate,
+        "sampling_mode": args.sampling_mode,
+        "mechanism": args.privacy_noise_mechanism,
+        "horizon": plan.horizon,
+    }
+    write_json(folder / ckpt.ACCOUNTANT, record)
+
+
+def update_best(args: Any, state: Any, folder: Path, metrics: dict[str, float] | None) -> None:
+    """Record ``folder`` as the best checkpoint in ``state`` when ``metrics`` improve ``metric_for_best_model``."""
+    name = args.metric_for_best_model
+    if not metrics or name is None or name not in metrics:
+        return
+    value, best = metrics[name], state.best_metric
+    if best is None or (value > best if args.greater_is_better else value < best):
+        state.best_metric = value
+        state.best_global_step = state.global_step
+        state.best_model_checkpoint = str(folder)
+
+
+def save_weights(model: nn.Module, processing_class: Any, folder: Path, *, safe: bool = True) -> None:
+    """The model (``save_pretrained``, or ``model.safetensors``) and the tokenizer, into ``folder``."""
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(folder, safe_serialization=safe)
+    else:
+        from safetensors.torch import save_model
+
+        save_model(model, str(folder / "model.safetensors"))
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(folder)
+
+
+def restore_weights(model: nn.Module, folder: Path, device: torch.device, trainable: set[str]) -> dict:
+    """Load ``folder``'s weights (PEFT adapter or full model) into ``model``; returns copies of the ``trainable``
+    parameters. CheckpointError when a file is damaged, has other shapes, or lacks a trainable parameter."""
+    adapter = folder / "adapter_model.safetensors"
+    if adapter.is_file():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, _read_weights(adapter, device))
+    else:
+        weights = folder / "model.safetensors"
+        if not weights.is_file():
+            raise CheckpointError(f"{folder} holds no model.safetensors or adapter_model.safetensors.")
+        state = _read_weights(weights, device)
+        own = dict(model.named_parameters())
+        wrong = [k for k, v in state.items() if k in own and v.shape != own[k].shape]
+        if wrong:
+            raise CheckpointError(f"{weights} has tensors of other shapes than the model: {wrong[:5]}.")
+        copy_into(model, {k: v for k, v in state.items() if k in own})
+        missing = trainable - set(state) - _tied_names(model)
+        if missing:
+            raise CheckpointError(f"{weights} lacks trainable parameters {sorted(missing)[:5]}.")
+    return {name: p.detach().clone() for name, p in model.named_parameters() if name in trainable}
+
+
+def _manifest(args: Any, global_step: int, run: Run) -> dict[str, Any]:
+    """The JSON part of the private DP state (``dp_state.json``): counters, keys, ledger, configuration."""
+    plan = run.plan
+    return {
+        "global_step": global_step,
+        **run.keys.to_json(),
+        "ledger": run.ledger.to_json(),
+        "sampler_state": run.sampler_state.to_json(),
+        "configuration": ckpt.configuration(args),
+        "calibration_source": plan.calibration_source,
+        "delta": plan.delta,
+        "world_size": args.world_size,
+        "versions": accounting.library_versions(),
+        **_mechanism_fields(args, plan),
+    }
+
+
+def _mechanism_fields(args: Any, plan: PrivacyPlan) -> dict[str, Any]:
+    """What a horizon run cannot change on resume (saved in ``dp_state.json``)."""
+    return {
+        "mechanism": args.privacy_noise_mechanism,
+        "mechanism_kwargs": {k: str(v) for k, v in args.privacy_noise_mechanism_kwargs.items()},
+        "sampling_mode": args.sampling_mode,
+        "noise_multiplier": plan.noise_multiplier,
+        "total_steps": plan.total_steps,
+        "expected_batch_size": plan.expected_batch_size,
+        "clipping_norm": str(args.to_dict()["clipping_norm"]),
+    }
+
+
+def _read_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors weights file; CheckpointError when it is damaged or not safetensors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {exc}") from exc
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    all_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return all_names - {name for name, _ in model.named_parameters()}

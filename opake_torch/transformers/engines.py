@@ -1,0 +1,160 @@
+"""The clipping engine of a trainer's step (:class:`~opake_core.clipping.Engine`), chosen from the arguments.
+
+* Per-example gradients: the layerwise engine (one batched forward and backward, :mod:`opake_torch.layerwise`) where
+  ``per_example_gradients`` allows it and the model is served by it, checked once against ``grad`` of the
+  per-example loss; otherwise ``vmap(grad)``, with the fused Triton norms and scaled sums on CUDA.
+* How each chunk runs: captured as CUDA graphs (``cuda_graphs``), compiled (``torch_compile``), or as it is.
+
+:func:`step_factory` builds the run's core step (``dp_sgd``, or ``dp_ftrl`` for a correlated-noise plan) on that
+engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from opake_core.clipping import Engine, MaterializedGradients, VmapGradients
+from opake_core.errors import ConfigurationError
+from opake_core.step import dp_ftrl, dp_sgd
+from opake_torch.layerwise import LayerwiseGradients, unsupported_parameters
+from opake_torch.patches.kernels import FusedGradients
+from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
+
+__all__ = ["chunk_transform", "engine", "layerwise_engine", "step_factory", "verified"]
+
+logger = logging.getLogger(__name__)
+
+
+def layerwise_engine(
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    args: Any,
+    batch_losses: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor],
+    *,
+    reasons: list[str],
+) -> LayerwiseGradients | None:
+    """The layerwise engine on ``batch_losses(params, batch) -> [m]`` (run under bf16 autocast with ``args.bf16``),
+    or None when ``per_example_gradients`` is ``'vmap'`` or the run cannot use it (``reasons``: the caller's own,
+    such as an overridden loss). ``'layerwise'`` raises instead of falling back."""
+    mode = args.per_example_gradients
+    if mode == "vmap":
+        return None
+    reasons = unsupported_parameters(model, params) + reasons
+    if args.gradient_checkpointing:
+        reasons.append("gradient_checkpointing is on")
+    if reasons:
+        if mode == "layerwise":
+            raise ConfigurationError(
+                f"per_example_gradients='layerwise' cannot serve this run: {'; '.join(reasons[:5])}. Use "
+                "per_example_gradients='vmap' (or 'auto', which picks it)."
+            )
+        logger.info("per-example gradients by vmap(grad): %s", "; ".join(reasons[:5]))
+        return None
+
+    def loss(p: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+            return batch_losses(p, batch)
+
+    return LayerwiseGradients(model, loss)
+
+
+def verified(
+    layerwise: LayerwiseGradients | None,
+    *,
+    args: Any,
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    loss_fn: Callable[..., torch.Tensor],
+    batch: dict[str, torch.Tensor],
+) -> LayerwiseGradients | None:
+    """``layerwise`` after comparing it with ``grad`` of the per-example loss ``loss_fn`` on ``batch`` (two training
+    examples). On a mismatch, or any error of the layerwise pass, ``'auto'`` falls back to
+    ``vmap(grad)`` (returns None) with a warning and ``'layerwise'`` raises."""
+    if layerwise is None:
+        return None
+    low = (torch.bfloat16, torch.float16)
+    low_precision = args.bf16 or any(p.dtype in low for p in model.parameters())
+    try:
+        layerwise.check(params, loss_fn, batch, rtol=5e-2 if low_precision else 1e-2)
+    except Exception as exc:  # a mismatch, or a model the batched pass cannot run: auto falls back
+        if args.per_example_gradients == "layerwise":
+            raise
+        logger.warning("per-example gradients fall back to vmap(grad): %s: %s", type(exc).__name__, exc)
+        return None
+    return layerwise
+
+
+def chunk_transform(args: Any, keep: Callable[[CudaGraphChunk], None]) -> Callable[[Any], Any] | None:
+    """The wrapper of the per-chunk clip function that ``cuda_graphs`` or ``torch_compile`` ask for, else None.
+
+    Every chunk is padded to the microbatch size (dead rows add nothing), so that Poisson batches of any size replay
+    the same graphs. ``keep`` receives the
+    :class:`~opake_torch.transformers.compile.CudaGraphChunk` holding the captures.
+    """
+    if args.cuda_graphs:
+
+        def capture(chunk: Any) -> CudaGraphChunk:
+            graphs = CudaGraphChunk(chunk, args.cuda_graphs)
+            keep(graphs)
+            return graphs
+
+        return capture
+    if args.torch_compile:
+        return lambda chunk: compile_chunk(chunk, backend=args.torch_compile_backend, mode=args.torch_compile_mode)
+    return None
+
+
+def engine(args: Any, layerwise: LayerwiseGradients | None, transform: Callable[[Any], Any] | None) -> Engine:
+    """The step's engine: layerwise gradients when available, else ``vmap(grad)`` with the fused Triton norms and
+    scaled sums on CUDA (the identical torch path where they cannot run), but not inside a captured or compiled
+    chunk."""
+    if layerwise is not None:
+        return Engine(gradients=layerwise, transform=transform)
+    fused = args.device.type == "cuda" and transform is None
+    return Engine(gradients=VmapGradients(FusedGradients if fused else MaterializedGradients), transform=transform)
+
+
+def step_factory(
+    plan: Any,
+    args: Any,
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    params: dict[str, torch.Tensor],
+    optimizer: Any,
+    clipping: Any,
+    key: Any,
+    engine: Engine,
+    topology: Any,
+) -> Callable[[int | None], tuple[Any, Any]]:
+    """``make_step(microbatch_size) -> (step_fn, dp_state)``: the plan's core step on ``engine``, with the noise
+    key ``key``. Under DDP the clipped sums, normalized by the cluster's expected batch, are summed across ranks and
+    noised once (``topology.reduce``)."""
+    common = {
+        "optimizer": optimizer,
+        "clipping_norm": clipping,
+        "noise_multiplier": plan.noise_multiplier,
+        "key": key,
+        "expected_batch_size": plan.expected_batch_size,
+        "compute_dtype": args.privacy_noise_mechanism_kwargs.get("compute_dtype", torch.float32),
+        "engine": engine,
+        "reduce": topology.reduce,
+    }
+
+    def make_step(microbatch_size: int | None) -> tuple[Any, Any]:
+        if plan.strategy is None:
+            return dp_sgd(loss_fn, reduce_count=topology.reduce_count, microbatch_size=microbatch_size, **common)
+        return dp_ftrl(
+            loss_fn,
+            params=params,
+            strategy=plan.strategy,
+            n_steps=plan.total_steps,
+            microbatch_size=microbatch_size,
+            **common,
+        )
+
+    return make_step

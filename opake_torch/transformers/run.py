@@ -1,0 +1,214 @@
+"""The mutable state of one ``DPTrainer.train()`` call, and the logs read from it.
+
+A :class:`Run` holds what the step functions thread through (parameters, optimizer, DP and sampler states), the
+secrets of the segment (its keys), what was released (the ledger), and the running sums of the step metrics between
+two log rows. The sums stay on the device and are read only when a row is logged, so a step never waits for the host.
+
+Logged values other than the privacy parameters (epsilon, delta, noise multiplier, noise std, clipping bound) are
+exact statistics of the private data and are **outside** the privacy guarantee.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.trainer_callback import TrainerState
+
+from opake_core import accounting
+from opake_core.clipping import AdaptiveClipState
+from opake_core.step import DPState, StepMetrics
+from opake_core.tree import PerGroup
+from opake_torch.transformers.keys import RunKeys
+from opake_torch.transformers.privacy import PrivacyPlan, ledger_epsilon
+
+__all__ = ["DPTrainerState", "Run", "privacy_logs"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DPTrainerState(TrainerState):
+    """Hugging Face's ``TrainerState`` plus the resolved privacy parameters of the run."""
+
+    privacy_resolved_delta: float | None = None
+    privacy_resolved_noise_multiplier: float | None = None
+    privacy_calibration_source: str | None = None
+    privacy_target_epsilon_reached: bool = False
+
+
+@dataclass
+class Run:
+    """The state of one ``train()`` call (module docstring)."""
+
+    plan: PrivacyPlan
+    keys: RunKeys
+    ledger: accounting.Ledger
+    params: dict[str, torch.Tensor]
+    opt_state: Any
+    dp_state: DPState
+    sampler_state: Any
+    schedule: Any
+    loss_sum: torch.Tensor
+    clip_sum: torch.Tensor
+    nonfinite: torch.Tensor
+    noise_std: float | PerGroup = 0.0  # of the last step, from its metrics
+    count: int = 0
+    total_loss: float = 0.0
+    total_count: int = 0
+    total_nonfinite: int = 0
+
+    @staticmethod
+    def start(
+        plan: PrivacyPlan,
+        keys: RunKeys,
+        ledger: accounting.Ledger,
+        *,
+        params: dict[str, torch.Tensor],
+        opt_state: Any,
+        dp_state: DPState,
+        schedule: Any,
+        device: torch.device,
+    ) -> Run:
+        """A run before its first step; the sums are zeros on ``device``."""
+        zero = torch.zeros((), device=device)
+        return Run(
+            plan=plan,
+            keys=keys,
+            ledger=ledger,
+            params=dict(params),
+            opt_state=opt_state,
+            dp_state=dp_state,
+            sampler_state=plan.sampler.init(),
+            schedule=schedule,
+            loss_sum=zero.clone(),
+            clip_sum=zero.clone(),
+            nonfinite=torch.zeros((), dtype=torch.int64, device=device),
+        )
+
+    def trainer_state(self, args: Any) -> DPTrainerState:
+        """The trainer state at the start of the run: its horizon, intervals and resolved privacy parameters."""
+        plan = self.plan
+        return DPTrainerState(
+            max_steps=plan.total_steps,
+            num_train_epochs=math.ceil(plan.total_steps / plan.steps_per_epoch),
+            logging_steps=_as_count(args.logging_steps, plan.total_steps),
+            eval_steps=_as_count(args.eval_steps or args.logging_steps, plan.total_steps),
+            save_steps=_as_count(args.save_steps, plan.total_steps),
+            train_batch_size=args.train_batch_size,
+            is_world_process_zero=args.process_index == 0,
+            privacy_resolved_delta=plan.delta,
+            privacy_resolved_noise_multiplier=plan.noise_multiplier,
+            privacy_calibration_source=plan.calibration_source,
+        )
+
+    def add(self, metrics: StepMetrics) -> None:
+        """Add one step's metrics to the sums (no host sync: a non-finite loss is counted, not added)."""
+        finite = torch.isfinite(metrics.loss)
+        self.loss_sum += torch.where(finite, metrics.loss, 0.0)
+        self.nonfinite += ~finite
+        self.clip_sum += metrics.clip_rate
+        self.noise_std = metrics.noise_std
+        self.count += 1
+
+    def clipping_bound(self, configured: float | dict[str, float]) -> float:
+        """The clipping bound in effect: adaptive clipping's current one, else the configured (per-group: the norm
+        of the group bounds)."""
+        clip = self.dp_state.clip
+        if isinstance(clip, AdaptiveClipState):
+            return clip.clipping_norm
+        if isinstance(configured, dict):
+            return math.sqrt(sum(v * v for v in configured.values()))
+        return float(configured)
+
+    def drain(self, *, learning_rate: float, clipping_norm: float | dict[str, float], mean: Any) -> dict[str, float]:
+        """The log row of the steps since the last one, and the sums reset. ``mean`` averages a value over ranks
+        (the identity in one process)."""
+        nonfinite = int(self.nonfinite.item())
+        finite = self.count - nonfinite
+        loss_sum, clip_sum = mean(self.loss_sum), mean(self.clip_sum)
+        loss = (loss_sum / finite).item() if finite else math.nan
+        if nonfinite:
+            logger.warning(
+                "%d of the last %d steps had examples with a non-finite loss (NaN or inf). Those examples added "
+                "nothing to the clipped sum, but the steps still released noise and are charged to epsilon. Check "
+                "the learning rate, the data, and bf16 overflow.",
+                nonfinite,
+                self.count,
+            )
+        self.total_nonfinite += nonfinite
+        logs = {
+            "loss": loss,
+            "learning_rate": learning_rate,
+            "privacy_clip_rate": (clip_sum / self.count).item(),
+            "privacy_clipping_norm": self.clipping_bound(clipping_norm),
+            **_noise_std_logs(self.noise_std),
+            "nonfinite_loss_steps": self.total_nonfinite,
+            **privacy_logs(self.plan, self.ledger),
+        }
+        if finite:
+            self.total_loss += loss * finite
+            self.total_count += finite
+        for total in (self.loss_sum, self.clip_sum, self.nonfinite):
+            total.zero_()
+        self.count = 0
+        return logs
+
+    def final_metrics(self, steps: int, seconds: float) -> dict[str, float]:
+        """``TrainOutput.metrics`` of a run of ``steps`` steps that took ``seconds``."""
+        return {
+            "train_runtime": seconds,
+            "train_steps": float(steps),
+            "train_steps_per_second": steps / max(seconds, 1e-9),
+            "train_loss": self.total_loss / max(self.total_count, 1),
+            "nonfinite_loss_steps": self.total_nonfinite,
+            **privacy_logs(self.plan, self.ledger),
+        }
+
+    def agreement(self, args: Any, global_step: int) -> dict[str, Any]:
+        """What every DDP rank must hold identically: keys, step counters and the privacy configuration."""
+        plan = self.plan
+        return {
+            "noise_key": self.keys.noise,
+            "sampler_key": self.keys.sampler,
+            "global_step": global_step,
+            "dp_step": self.dp_state.step,
+            "sampler_step": self.sampler_state.step,
+            "noise_multiplier": plan.noise_multiplier,
+            "expected_batch_size": plan.expected_batch_size,
+            "sample_rate": plan.sample_rate,
+            "total_steps": plan.total_steps,
+            "delta": plan.delta,
+            "mechanism": args.privacy_noise_mechanism,
+            "mechanism_kwargs": {k: str(v) for k, v in args.privacy_noise_mechanism_kwargs.items()},
+            "clipping_norm": args.clipping_norm,
+            "clipping_mode": args.clipping_mode,
+            "optim": args.optim,
+            "learning_rate": args.learning_rate,
+            "parameters": sorted(self.params),
+        }
+
+
+def privacy_logs(plan: PrivacyPlan, ledger: accounting.Ledger) -> dict[str, float]:
+    """The public privacy parameters; epsilon is that of the whole ledger (earlier calls and resumes too)."""
+    logs = {"privacy_noise_multiplier": plan.noise_multiplier}
+    if plan.accounted:
+        logs["privacy_epsilon"] = ledger_epsilon(ledger, plan.delta)
+        logs["privacy_delta"] = plan.delta
+    return logs
+
+
+def _noise_std_logs(std: float | PerGroup) -> dict[str, float]:
+    """``privacy_noise_std``: the per-coordinate standard deviation of the noise the last step added to the
+    normalized update (per group: ``privacy_noise_std_<group>``)."""
+    if isinstance(std, PerGroup):
+        return {f"privacy_noise_std_{name}": float(value) for name, value in std.values}
+    return {"privacy_noise_std": float(std)}
+
+
+def _as_count(value: int | float, total: int) -> int:
+    """A step interval: an int count, or a float fraction of the run (rounded up, at least 1)."""
+    return max(1, math.ceil(value * total)) if isinstance(value, float) and value < 1 else max(1, int(value))
