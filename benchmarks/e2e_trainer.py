@@ -14,6 +14,10 @@ Modes (per workload):
 * ``dp``: ``DPTrainer`` with its defaults (engine picked by ``per_example_gradients="auto"``).
 * ``dp_q1``: diagnostic. The dataset is one batch and q = 1, so every draw is that full batch: the cost of a DP
   step without the variable batch sizes of Poisson sampling. Not a configuration anyone trains with.
+* ``dp_graphs``: ``DPTrainer`` with ``cuda_graphs=1`` (one knob set): each chunk, padded to the microbatch size,
+  captured once and replayed.
+* ``dp_rows4``, ``dp_expandable``: diagnostics of ``dp`` with each chunk's rows rounded up to a multiple of 4 (dead
+  rows; ``opake_torch.transformers.engines.ROW_MULTIPLE``), or with the CUDA allocator's expandable segments.
 * ``dp_kernels``: ``DPTrainer`` with ``use_performance_kernels=True``; its ratios are against ``hf_kernels``.
 * ``hf_kernels``: ``transformers.Trainer`` on a model patched by ``apply_performance_kernels`` with the switches
   DPTrainer uses under ``per_example_gradients="auto"`` (the LoRA kernel off), so that both kernel rows run the same
@@ -63,9 +67,9 @@ from settings import Settings
 from timing import failure, fmt, free, peak_gib, reserved_gib, rope_restored, sync, table, tf32
 from workloads import SUITES, Workload, build_model, make_batch
 
-MODES = ("hf", "dp", "dp_q1", "dp_kernels", "hf_kernels", "opacus")
+MODES = ("hf", "dp", "dp_q1", "dp_graphs", "dp_rows4", "dp_expandable", "dp_kernels", "hf_kernels", "opacus")
 BASELINES = {"dp_kernels": "hf_kernels"}  # every other mode is compared with "hf"
-DIAGNOSTIC = ("dp_q1",)
+DIAGNOSTIC = ("dp_q1", "dp_rows4", "dp_expandable")
 SAMPLING_RATE = 0.01
 NOISE_MULTIPLIER = 1.0
 CLIPPING_NORM = 1.0  # DPTrainer's default; Opacus gets the same bound
@@ -169,9 +173,12 @@ def run_hf(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, ke
 
 
 def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mode: str) -> dict[str, Any]:
-    from opake_torch.transformers import DPTrainer, TrainingArguments
+    from opake_torch.transformers import DPTrainer, TrainingArguments, engines
 
-    extra = {"use_performance_kernels": True} if mode == "dp_kernels" else {}
+    engines.ROW_MULTIPLE = 4 if mode == "dp_rows4" else 1  # reset: --in-process runs the rows in one process
+    if mode == "dp_expandable" and opts.device.type == "cuda":
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    extra = {"dp_kernels": {"use_performance_kernels": True}, "dp_graphs": {"cuda_graphs": 1}}.get(mode, {})
     data = dataset(workload, dataset_size(workload, mode))
     with tempfile.TemporaryDirectory() as folder:
         args = TrainingArguments(
@@ -237,6 +244,9 @@ RUNNERS: dict[str, Callable[[Workload, argparse.Namespace, StepClock], dict[str,
     "hf_kernels": lambda w, o, c: run_hf(w, o, c, kernels=True),
     "dp": lambda w, o, c: run_dp(w, o, c, mode="dp"),
     "dp_q1": lambda w, o, c: run_dp(w, o, c, mode="dp_q1"),
+    "dp_graphs": lambda w, o, c: run_dp(w, o, c, mode="dp_graphs"),
+    "dp_rows4": lambda w, o, c: run_dp(w, o, c, mode="dp_rows4"),
+    "dp_expandable": lambda w, o, c: run_dp(w, o, c, mode="dp_expandable"),
     "dp_kernels": lambda w, o, c: run_dp(w, o, c, mode="dp_kernels"),
     "opacus": run_opacus,
 }

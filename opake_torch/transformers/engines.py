@@ -25,7 +25,11 @@ from opake_torch.layerwise import LayerwiseGradients, unsupported_parameters
 from opake_torch.patches.kernels import FusedGradients
 from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
 
-__all__ = ["chunk_transform", "engine", "layerwise_engine", "step_factory", "verified"]
+__all__ = ["ROW_MULTIPLE", "chunk_transform", "engine", "layerwise_engine", "step_factory", "verified"]
+
+ROW_MULTIPLE = 1
+"""Each chunk's rows, without a chunk transform, are rounded up to a multiple of this with dead rows
+(:class:`~opake_core.clipping.Engine`); 1 runs the real rows only."""
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +118,10 @@ def engine(args: Any, layerwise: LayerwiseGradients | None, transform: Callable[
     scaled sums on CUDA (the identical torch path where they cannot run), but not inside a captured or compiled
     chunk."""
     if layerwise is not None:
-        return Engine(gradients=layerwise, transform=transform)
+        return Engine(gradients=layerwise, transform=transform, row_multiple=ROW_MULTIPLE)
     fused = args.device.type == "cuda" and transform is None
-    return Engine(gradients=VmapGradients(FusedGradients if fused else MaterializedGradients), transform=transform)
+    gradients = VmapGradients(FusedGradients if fused else MaterializedGradients)
+    return Engine(gradients=gradients, transform=transform, row_multiple=ROW_MULTIPLE)
 
 
 def step_factory(
