@@ -30,7 +30,7 @@ import copy
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -612,7 +612,8 @@ def check_sampling_rate(
 
     With ``N = sampler.dataset_size`` there are ``N * steps`` (example, step) trials. A 10% rate error is detected
     with near certainty once ``N * steps * rate`` reaches a few thousand inclusions. ``accounted`` overrides the rate
-    read by :func:`accounted_rate`.
+    read by :func:`accounted_rate`. A sampler sharded over ``world_size`` ranks is drawn on every rank (the same
+    sampler with each ``rank``): the union of the ranks' batches is what the accountant analyses.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigurationError(f"steps must be an int >= 1, got {steps!r}.")
@@ -620,10 +621,13 @@ def check_sampling_rate(
     if accounted is None:
         accounted, source = accounted_rate(sampler, steps)
     size = int(sampler.dataset_size)
-    state, total = sampler.init(), 0
+    world = getattr(sampler, "world_size", 1)
+    ranks = [sampler] if world == 1 else [replace(sampler, rank=r) for r in range(world)]
+    states, total = [rank.init() for rank in ranks], 0
     for _ in range(steps):
-        indices, state = sampler.sample(key, state)
-        total += len(indices)
+        for r, rank in enumerate(ranks):
+            indices, states[r] = rank.sample(key, states[r])
+            total += len(indices)
     trials = size * steps
     p = float(stats.binomtest(total, trials, min(max(accounted, 0.0), 1.0)).pvalue)
     return SamplingReport(total / trials, float(accounted), source, total, trials, p, alpha, p >= alpha)

@@ -249,6 +249,21 @@ def test_k_out_of_t_rate_agrees():
     assert t.assert_sampling_rate(sampler, key=KEY, steps=10).passed
 
 
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        sampling.poisson(dataset_size=1000, sample_rate=0.05, world_size=4, rank=2),
+        sampling.cyclic_poisson(dataset_size=1200, sample_rate=0.05, bands=2, world_size=3, rank=1),
+    ],
+    ids=["poisson", "cyclic_poisson"],
+)
+def test_a_sharded_sampler_is_tested_on_the_union_of_its_ranks(sampler):
+    """One rank alone includes about q / world_size of the dataset per step; the union of the ranks is the global
+    rate the accountant analyses (binomial test at alpha = 1e-3, its false-alarm rate)."""
+    report = t.assert_sampling_rate(sampler, key=KEY, steps=200)
+    assert report.accounted_rate == pytest.approx(0.05) and report.empirical_rate == pytest.approx(0.05, rel=0.1)
+
+
 def test_planted_ten_percent_rate_error_is_flagged():
     report = t.check_sampling_rate(_OffRateSampler(1000, 0.05), key=KEY, steps=200)
     assert not report.passed and report.empirical_rate == pytest.approx(0.055, rel=0.03)
