@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[dev,docs,demo,hf]"
+	$(PY) -m pip install --quiet -e ".[dev,docs,demo,hf,trl]"
 	touch $(STAMP)
 
 install: $(STAMP)

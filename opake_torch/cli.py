@@ -2,7 +2,8 @@
 
 ``opake privacy epsilon|calibrate|steps`` wraps :mod:`opake_core.accounting`. Every command prints one line
 for people, or one JSON object with ``--json`` holding the answer and every input it used. Defaults match the
-trainer: PLD accountant, Poisson sampler, ``delta = 1 / N**1.1`` when a dataset size is given.
+trainer: PLD accountant, Poisson sampler, ``delta = 1 / N**1.1`` when a dataset size is given. ``opake --version``
+prints the installed version.
 
 ``--mechanism mf_*`` accounts a DP-FTRL run for its whole horizon through
 :func:`opake_core.accounting.mf_process`; the sampler defaults to the mechanism's usual one (mf_band:
@@ -26,6 +27,7 @@ from typing import Any
 from opake_core import accounting as acc
 from opake_core import mf, sampling
 from opake_core.errors import ConfigurationError, OpakeError
+from opake_torch import __version__
 from opake_torch.demo import add_demo_command
 
 __all__ = ["build_parser", "main"]
@@ -379,6 +381,7 @@ def _add_privacy(subparsers: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``opake`` parser; each subcommand sets ``run(args) -> dict``."""
     parser = argparse.ArgumentParser(prog="opake", description="Opake: differentially private training tools.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_privacy(subparsers)
     add_demo_command(subparsers)

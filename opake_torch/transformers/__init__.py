@@ -5,9 +5,9 @@
 
 from typing import Any
 
-from opake_torch.transformers.arguments import TrainingArguments
+from opake_torch.transformers.arguments import TrainingArguments, as_training_arguments
 
-__all__ = ["DPTrainer", "DPTrainerState", "TrainingArguments"]
+__all__ = ["DPTrainer", "DPTrainerState", "TrainingArguments", "as_training_arguments"]
 
 
 def __getattr__(name: str) -> Any:

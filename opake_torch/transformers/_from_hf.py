@@ -1,10 +1,21 @@
-"""Conversion of a ``transformers.TrainingArguments`` into Opake's :class:`TrainingArguments`.
+"""The Hugging Face names of training arguments, and the conversion of a ``transformers.TrainingArguments``.
 
-Every init field of the HF dataclass falls in one bucket: copied (``DIRECT``), renamed (``RENAME``), transformed
-(batch, optimizer, clipping, kernels), refused when set (``REJECT_IF_SET``, a ``ValueError`` with the reason), or
-dropped (``DROP``, a ``RuntimeWarning`` when set and ``strict``). A field this module does not know (a newer
-transformers) is dropped with a warning too. Legacy names (``per_gpu_*``, ``evaluation_strategy``, ``adafactor``,
-``push_to_hub_*``) are read with ``getattr`` so that older transformers versions convert as well.
+The tables below are the one place that says what Opake does with a Hugging Face (or Opacus) argument name. Every
+field of the installed ``transformers.TrainingArguments`` is in exactly one of them, and a test enforces it, so that a
+new upstream field fails a test rather than a user:
+
+- ``HONOURED``: a field of Opake's ``TrainingArguments`` with the same name and Hugging Face's meaning.
+- ``ALIASES``: another name for one of Opake's fields (``lr_scheduler_type`` is ``lr_scheduler``).
+- ``INERT``: accepted, with no effect on a private run, and harmless; setting it to a non-default value warns once.
+- ``REFUSED``: a non-default value has no meaning under DP (or is not implemented); refused with the reason and what
+  to use instead. The Hugging Face default is accepted (``gradient_accumulation_steps=1``, ``fp16=False``).
+
+``TrainingArguments(...)`` accepts all of these names (see :mod:`opake_torch.transformers.arguments`);
+:func:`from_hf` applies the same tables to a ``transformers.TrainingArguments`` object, with three differences:
+it folds ``gradient_accumulation_steps`` into the batch (``TRANSFORMED``), drops the refused names that only
+concern batching or evaluation with a warning instead of refusing them (``DROPPED_BY_FROM_HF``), and warns about
+non-default fields it does not know (a newer transformers). Legacy names (``per_gpu_*``, ``evaluation_strategy``,
+``adafactor``, ``push_to_hub_*``) are read with ``getattr`` so that older transformers versions convert as well.
 
 The conversion is one-way. Upstream configs carry no privacy budget, so a DP knob must come in ``overrides``.
 """
@@ -15,71 +26,200 @@ import dataclasses
 import warnings
 from typing import Any
 
-from opake_core.errors import PrivacyBudgetError
+from opake_core.errors import ConfigurationError, PrivacyBudgetError
 from opake_torch.transformers._parsing import plain
 
-__all__ = ["DIRECT", "DROP", "REJECT_IF_SET", "RENAME", "TRANSFORMED", "from_hf"]
+__all__ = [
+    "ALIASES",
+    "DROPPED_BY_FROM_HF",
+    "HONOURED",
+    "INERT",
+    "REFUSED",
+    "TRANSFORMED",
+    "from_hf",
+    "refusal",
+]
 
-DIRECT = (
-    "output_dir", "overwrite_output_dir", "per_device_eval_batch_size", "num_train_epochs", "max_steps",
-    "learning_rate", "lr_scheduler_kwargs", "warmup_steps", "optim_args", "weight_decay", "adam_beta1", "adam_beta2",
-    "adam_epsilon", "average_tokens_across_devices", "label_smoothing_factor", "bf16", "bf16_full_eval",
-    "gradient_checkpointing", "torch_compile", "torch_compile_backend", "torch_compile_mode", "logging_dir",
-    "logging_strategy", "logging_steps", "logging_first_step", "include_num_input_tokens_seen",
-    "include_tokens_per_second", "disable_tqdm", "report_to", "run_name", "eval_strategy", "eval_steps",
+HONOURED = (
+    "output_dir", "overwrite_output_dir", "per_device_train_batch_size", "per_device_eval_batch_size",
+    "num_train_epochs", "max_steps", "learning_rate", "lr_scheduler_kwargs", "warmup_steps", "optim", "optim_args",
+    "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "average_tokens_across_devices",
+    "label_smoothing_factor", "bf16", "bf16_full_eval", "tf32", "gradient_checkpointing",
+    "gradient_checkpointing_kwargs", "torch_compile", "torch_compile_backend", "torch_compile_mode", "logging_dir",
+    "logging_strategy", "logging_steps", "logging_first_step", "log_on_each_node", "log_level", "log_level_replica",
+    "include_num_input_tokens_seen", "include_tokens_per_second", "disable_tqdm", "report_to", "run_name", "project",
+    "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id", "eval_strategy", "eval_steps", "eval_delay",
     "prediction_loss_only", "eval_on_start", "include_for_metrics", "save_only_model", "save_strategy", "save_steps",
     "save_on_each_node", "save_total_limit", "save_safetensors", "push_to_hub", "hub_token", "hub_private_repo",
     "hub_model_id", "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "ignore_data_skip",
     "restore_callback_states_from_checkpoint", "seed", "data_seed", "use_cpu", "dataloader_num_workers",
     "dataloader_pin_memory", "remove_unused_columns", "label_names", "ddp_backend", "ddp_timeout",
-    "resume_from_checkpoint", "local_rank",
-)  # fmt: skip
-RENAME = {
-    "lr_scheduler_type": "lr_scheduler",
-    "evaluation_strategy": "eval_strategy",
-    "per_gpu_eval_batch_size": "per_device_eval_batch_size",
-    "activation_checkpointing": "gradient_checkpointing",
-    "push_to_hub_model_id": "hub_model_id",
-    "push_to_hub_token": "hub_token",
-}
-TRANSFORMED = (
-    "per_device_train_batch_size", "per_gpu_train_batch_size", "gradient_accumulation_steps", "auto_find_batch_size",
-    "optim", "adafactor", "max_grad_norm", "use_liger_kernel", "train_sampling_strategy",
+    "resume_from_checkpoint", "local_rank", "do_train", "do_eval", "do_predict",
 )  # fmt: skip
 
-_FP16 = "fp16 loss scaling adds a per-example unscale before clipping; use bf16=True"
-_SHARD = "parameter/gradient sharding is incompatible with vmap per-example gradients; use the built-in DDP (torchrun)"
-REJECT_IF_SET = {
-    "fp16": _FP16,
-    "fp16_full_eval": _FP16,
-    "fp16_opt_level": _FP16,
-    "fp16_backend": _FP16,
-    "half_precision_backend": _FP16,
-    "fsdp": _SHARD,
-    "fsdp_config": _SHARD,
-    "deepspeed": _SHARD,
-    "parallelism_config": _SHARD,
-    "accelerator_config": "the DP trainer drives DDP itself; Accelerate's batch dispatch would bypass the DP sampler",
-    "mp_parameters": "SageMaker model parallelism is not a supported backend; use the built-in DDP (torchrun)",
-    "neftune_noise_alpha": "NEFTune adds data-dependent embedding noise that the privacy accountant does not model",
-    "group_by_length": "length-bucketed batches break the equal inclusion probability Poisson amplification needs",
+ALIASES = {
+    "lr_scheduler_type": "lr_scheduler",
+    "max_grad_norm": "clipping_norm",  # HF clips the batch gradient; Opake clips each example's gradient
+    "auto_find_batch_size": "auto_find_microbatch_size",
+    "use_liger_kernel": "use_performance_kernels",
+    "activation_checkpointing": "gradient_checkpointing",
+    "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs",
+    "evaluation_strategy": "eval_strategy",  # legacy transformers
+    "per_gpu_train_batch_size": "per_device_train_batch_size",  # legacy transformers
+    "per_gpu_eval_batch_size": "per_device_eval_batch_size",  # legacy transformers
+    "push_to_hub_model_id": "hub_model_id",  # legacy transformers
+    "push_to_hub_token": "hub_token",  # legacy transformers
+    "target_epsilon": "privacy_target_epsilon",  # Opacus
+    "target_delta": "privacy_target_delta",  # Opacus
+    "noise_multiplier": "privacy_noise_multiplier",  # Opacus
 }
-DROP = (
-    "do_train", "do_eval", "do_predict", "tpu_num_cores", "tpu_metrics_debug", "hub_strategy", "hub_always_push",
-    "hub_revision", "ray_scope", "optim_target_modules", "batch_eval_metrics", "eval_use_gather_object",
-    "eval_do_concat_batches", "eval_accumulation_steps", "eval_delay", "log_level", "log_level_replica",
-    "log_on_each_node", "logging_nan_inf_filter", "project", "trackio_space_id", "trackio_bucket_id",
-    "trackio_static_space_id", "dataloader_drop_last", "dataloader_persistent_workers", "dataloader_prefetch_factor",
-    "dataloader_multiprocessing_context", "dataloader_in_order", "length_column_name", "tf32", "use_cache",
-    "torch_empty_cache_steps", "skip_memory_metrics", "full_determinism", "debug", "enable_jit_checkpoint",
-    "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "liger_kernel_config",
-    "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph", "torchdynamo",
-    "use_mps_device", "use_ipex", "jit_mode_eval", "past_index", "include_inputs_for_metrics", "split_batches",
-    "dispatch_batches", "use_seedable_sampler", "push_to_hub_organization", "use_legacy_prediction_loop",
+
+_DDP = "the trainer runs its own DDP (a cross-rank sum of the clipped per-example gradients before one noise draw), "
+_DDP += "not torch's DistributedDataParallel, so this DistributedDataParallel knob has nothing to tune"
+_LOADER = "training batches come from the DP sampler and the trainer's loaders collate in the main process, so this "
+_LOADER += "DataLoader worker setting has nothing to tune"
+_HUB = "DPTrainer pushes once, at the end of training (push_to_hub=True) or when push_to_hub() is called"
+_LEGACY = "a setting of older transformers versions with no effect on this trainer"
+# name -> (the Hugging Face default, why it has no effect here)
+INERT: dict[str, tuple[Any, str]] = {
+    "optim_target_modules": (None, "it only serves GaLore/APOLLO optimizers, which are refused under DP"),
+    "liger_kernel_config": (
+        None,
+        "Liger's kernel switches do not apply to Opake's kernels; use use_performance_kernels and "
+        "performance_kernels_config",
+    ),
+    "use_cache": (
+        False,
+        "the trainer leaves the model's config.use_cache as loaded; a KV cache does not change the per-example "
+        "gradients",
+    ),
+    "torch_empty_cache_steps": (None, "the trainer empties the allocator cache only to retry after an out-of-memory"),
+    "logging_nan_inf_filter": (
+        True,
+        "the logged loss always leaves non-finite step losses out of its mean (and counts them), Hugging Face's "
+        "default",
+    ),
+    "eval_use_gather_object": (False, "evaluation collects tensors only; there are no Python objects to gather"),
+    "eval_accumulation_steps": (None, "evaluation already moves every batch's outputs to the CPU"),
+    "hub_strategy": ("every_save", _HUB),
+    "hub_always_push": (False, _HUB),
+    "hub_revision": (None, _HUB + "; pass revision= to push_to_hub() to push to another branch"),
+    "full_determinism": (
+        False,
+        "the DP noise and the batch sampling are keyed by a secret key, not by seed; set privacy_noise_seed to "
+        "replay a run (and accept that the noise is then known to whoever knows the seed)",
+    ),
+    "enable_jit_checkpoint": (False, "no checkpoint is written on SIGTERM; use save_strategy and save_steps"),
+    "dataloader_persistent_workers": (False, _LOADER),
+    "dataloader_prefetch_factor": (None, _LOADER),
+    "dataloader_multiprocessing_context": (None, _LOADER),
+    "dataloader_in_order": (True, _LOADER),
+    "ddp_find_unused_parameters": (None, _DDP),
+    "ddp_bucket_cap_mb": (None, _DDP),
+    "ddp_broadcast_buffers": (None, _DDP),
+    "ddp_static_graph": (None, _DDP),
+    "debug": ("", "Hugging Face's underflow/overflow and TPU debug hooks are not installed"),
+    "skip_memory_metrics": (True, "the trainer adds no memory-profiler metrics"),
+    "tpu_metrics_debug": (False, _LEGACY),
+    "ray_scope": ("last", _LEGACY),
+    "torchdynamo": (None, _LEGACY + "; use torch_compile_backend"),
+    "use_mps_device": (False, _LEGACY),
+    "use_ipex": (False, _LEGACY),
+    "jit_mode_eval": (False, _LEGACY),
+    "past_index": (-1, _LEGACY),
+    "split_batches": (None, _LEGACY),
+    "dispatch_batches": (None, _LEGACY),
+    "use_seedable_sampler": (True, _LEGACY),
+    "push_to_hub_organization": (None, _LEGACY + "; use hub_model_id='organization/name'"),
+    "use_legacy_prediction_loop": (False, _LEGACY),
+}
+
+_BF16 = "use bf16=True (native bf16 autocast, no loss scaler)"
+_FP16 = "fp16 loss scaling adds a per-example unscale before clipping, and fp16 is not a supported precision"
+_SHARDING = "parameter/gradient sharding is incompatible with vmap per-example gradients"
+_TORCHRUN = "use the built-in DDP (torchrun)"
+# name -> (the Hugging Face default, why a non-default value is refused, what to do instead)
+REFUSED: dict[str, tuple[Any, str, str]] = {
+    "gradient_accumulation_steps": (
+        1,
+        "a DP step is one Poisson draw: accumulation would change the sampled batch the accountant sees",
+        "raise per_device_train_batch_size (the expected batch) and set microbatch_size to bound memory",
+    ),
+    "fp16": (False, _FP16, _BF16),
+    "fp16_full_eval": (False, _FP16, "use bf16_full_eval=True"),
+    "fp16_opt_level": ("O1", _FP16 + " (Apex AMP)", _BF16),
+    "half_precision_backend": ("auto", _FP16, _BF16),
+    "fp16_backend": ("auto", _FP16, _BF16),
+    "train_sampling_strategy": (
+        "random",
+        "the DP sampler owns batch composition: Poisson amplification needs every example drawn independently with "
+        "the same probability, which sequential, length-grouped or rebalanced batches break",
+        "leave it unset and choose the DP sampler with sampling_mode",
+    ),
+    "group_by_length": (
+        False,
+        "length-bucketed batches break the equal inclusion probability that Poisson amplification relies on",
+        "leave examples unsorted; set pad_to_multiple_of to bound padding",
+    ),
+    "length_column_name": (
+        "length",
+        "it only serves length-grouped sampling, which breaks the equal inclusion probability of Poisson sampling",
+        "remove it; set pad_to_multiple_of to bound padding",
+    ),
+    "dataloader_drop_last": (
+        False,
+        "training batches come from the DP sampler (variable size by design) and the eval loader keeps every example",
+        "remove it; the sampler owns batch composition",
+    ),
+    "neftune_noise_alpha": (
+        None,
+        "NEFTune adds data-dependent embedding noise that the privacy accountant does not model",
+        "remove it; the DP noise is the only noise the guarantee accounts for",
+    ),
+    "deepspeed": (None, _SHARDING, _TORCHRUN),
+    "fsdp": (None, _SHARDING, _TORCHRUN),
+    "fsdp_config": (None, _SHARDING, _TORCHRUN),
+    "parallelism_config": (None, _SHARDING, _TORCHRUN),
+    "accelerator_config": (
+        None,
+        "the trainer drives DDP itself; Accelerate's batch dispatch would bypass the DP sampler",
+        _TORCHRUN,
+    ),
+    "tpu_num_cores": (None, "TPU/XLA is not a supported backend", "run on CUDA or CPU"),
+    "mp_parameters": ("", "SageMaker model parallelism is not a supported backend", _TORCHRUN),
+    "batch_eval_metrics": (
+        False,
+        "streaming metric reduction is not implemented",
+        "remove it; compute_metrics is called once over the whole eval set",
+    ),
+    "eval_do_concat_batches": (
+        True,
+        "evaluation always concatenates (and pads) the batches",
+        "remove it; compute_metrics receives arrays",
+    ),
+    "include_inputs_for_metrics": (False, "it is a legacy name", "use include_for_metrics=['inputs']"),
+}
+
+# from_hf folds these into Opake's fields itself (batch, optimizer, clipping, kernels, sampler).
+TRANSFORMED = (
+    "per_device_train_batch_size", "per_gpu_train_batch_size", "gradient_accumulation_steps", "auto_find_batch_size",
+    "optim", "adafactor", "max_grad_norm", "use_liger_kernel",
+)  # fmt: skip
+# Refused by the constructor, but dropped with a warning by from_hf: they only concern batching or evaluation,
+# which the DP trainer owns, so a config written for transformers.Trainer still converts.
+DROPPED_BY_FROM_HF = (
+    "dataloader_drop_last", "length_column_name", "tpu_num_cores", "batch_eval_metrics", "eval_do_concat_batches",
+    "include_inputs_for_metrics",
 )  # fmt: skip
 _REFUSED_OPTIM_MARKERS = ("8bit", "paged", "apex", "galore", "bnb", "lomo")
 _HF_OPTIMS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adafactor": "adafactor",
               "sgd": "sgd"}  # fmt: skip
+
+
+def refusal(name: str) -> str:
+    """Why a non-default value of the ``REFUSED`` name is refused, and what to do instead."""
+    _, why, instead = REFUSED[name]
+    return f"{why}. Instead, {instead}."
 
 
 def _default_of(f: dataclasses.Field) -> Any:
@@ -117,13 +257,14 @@ def from_hf(cls: type, hf_args: Any, *, strict: bool = True, **overrides: Any) -
         cls: the Opake ``TrainingArguments`` class (or a subclass).
         hf_args: a ``transformers.TrainingArguments`` instance.
         strict: warn (``RuntimeWarning``) about non-default fields that are dropped; ``False`` drops silently.
-        **overrides: Opake fields, applied last. Must include ``privacy_noise_multiplier`` or
-            ``privacy_target_epsilon``.
+        **overrides: Opake fields (or the names ``cls`` accepts, such as ``target_epsilon``), applied last. Must
+            include ``privacy_noise_multiplier`` or ``privacy_target_epsilon``.
 
     Raises:
         TypeError: ``hf_args`` is not a ``transformers.TrainingArguments``.
         PrivacyBudgetError: no DP knob in ``overrides``.
-        ValueError: a field set to a value that has no meaning under DP (with the per-field reason).
+        ConfigurationError: a field set to a value that has no meaning under DP (with the per-field reason), or an
+            unknown override.
     """
     import transformers
 
@@ -132,6 +273,9 @@ def from_hf(cls: type, hf_args: Any, *, strict: bool = True, **overrides: Any) -
             f"from_hf expects a transformers.TrainingArguments, got {type(hf_args).__name__}. "
             "Build opake_torch.transformers.TrainingArguments directly for other inputs."
         )
+    translate = getattr(cls, "_translate_kwargs", None)
+    if translate is not None:
+        overrides = translate(overrides)
     if overrides.get("privacy_noise_multiplier") is None and overrides.get("privacy_target_epsilon") is None:
         raise PrivacyBudgetError(
             "from_hf needs a DP knob: pass privacy_target_epsilon=... (calibrate the noise) or "
@@ -143,37 +287,32 @@ def from_hf(cls: type, hf_args: Any, *, strict: bool = True, **overrides: Any) -
         if legacy not in fields and hasattr(hf_args, legacy):
             fields[legacy] = (getattr(hf_args, legacy), None)
 
-    for name, reason in REJECT_IF_SET.items():
+    for name in REFUSED:
+        if name in TRANSFORMED or name in DROPPED_BY_FROM_HF:
+            continue
         if name in fields and not _is_default(*fields[name]):
-            raise ValueError(f"{name}={plain(fields[name][0])!r} cannot be converted: {reason}.")
-    sampling = plain(fields.get("train_sampling_strategy", ("random", None))[0])
-    if sampling != "random":
-        raise ValueError(
-            f"train_sampling_strategy={sampling!r} cannot be converted: the DP sampler owns batch composition "
-            "(use sampling_mode= on Opake's TrainingArguments)."
-        )
+            raise ConfigurationError(f"{name}={plain(fields[name][0])!r} cannot be converted: {refusal(name)}")
 
     out: dict[str, Any] = {}
-    for name in DIRECT:
-        if name in fields:
+    for name in HONOURED:
+        if name in fields and name not in TRANSFORMED:
             out[name] = plain(fields[name][0])
-    for old, new in RENAME.items():
-        if old in fields and (new not in out or not _is_default(*fields[old])):
+    for old, new in ALIASES.items():
+        if old in fields and old not in TRANSFORMED and (new not in out or not _is_default(*fields[old])):
             out[new] = plain(fields[old][0])
     out.update(_transform(fields, clipping_given="clipping_norm" in overrides))
 
     if strict:
-        known = set(DIRECT) | set(RENAME) | set(TRANSFORMED) | set(REJECT_IF_SET)
-        if plain(fields.get("eval_strategy", ("no", None))[0]) != "no":
-            known.add("do_eval")  # HF sets it from eval_strategy, which is converted
+        known = set(HONOURED) | set(ALIASES) | set(TRANSFORMED) | (set(REFUSED) - set(DROPPED_BY_FROM_HF))
         dropped = sorted(n for n, (v, d) in fields.items() if n not in known and not _is_default(v, d))
         for name in dropped:
-            why = "irrelevant to the DP trainer" if name in DROP else "not translated by this version of Opake"
-            warnings.warn(
-                f"from_hf drops {name}={plain(fields[name][0])!r}: {why}.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            if name in INERT:
+                why = INERT[name][1]
+            elif name in DROPPED_BY_FROM_HF:
+                why = REFUSED[name][1]
+            else:
+                why = "not translated by this version of Opake"
+            warnings.warn(f"from_hf drops {name}={plain(fields[name][0])!r}: {why}.", RuntimeWarning, stacklevel=3)
     out.update(overrides)
     return cls(**out)
 
@@ -194,7 +333,7 @@ def _transform(fields: dict[str, tuple[Any, Any]], *, clipping_given: bool) -> d
 
     optim = str(value("optim", "adamw"))
     if any(marker in optim for marker in _REFUSED_OPTIM_MARKERS):
-        raise ValueError(
+        raise ConfigurationError(
             f"optim={optim!r} cannot be converted: 8-bit, paged, Apex-fused and GaLore optimizers have no functional "
             "torchopt equivalent under DP; pass optim='adamw' (or another supported name) as an override."
         )
@@ -203,7 +342,7 @@ def _transform(fields: dict[str, tuple[Any, Any]], *, clipping_given: bool) -> d
     if not clipping_given:
         norm = value("max_grad_norm", 1.0)
         if norm is None or not norm > 0:
-            raise ValueError(
+            raise ConfigurationError(
                 f"max_grad_norm={norm!r} disables HF's batch clipping, but DP needs per-example clipping: pass "
                 "clipping_norm=... explicitly (math.inf only with privacy_noise_multiplier=0.0)."
             )

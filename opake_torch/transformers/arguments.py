@@ -6,88 +6,155 @@ holds no ``"auto"`` and no ``None`` that the trainer would have to interpret, ex
 dataset size is a sensitive input, not configuration) and ``privacy_noise_multiplier`` (calibrated by the trainer).
 ``dataclasses.replace`` re-runs the validation; assigning a field afterwards does not.
 
-Decisions on points where the reference sources disagree (``opake-surface.md`` section 7):
+Hugging Face and Opacus names are accepted by the constructor, through the tables of
+:mod:`opake_torch.transformers._from_hf` (the one list of what each name means here): a field with HF's name and
+meaning (``do_train``, ``log_level``, ``tf32``), an alias of one of Opake's fields (``lr_scheduler_type``,
+``max_grad_norm``, ``target_epsilon``), a setting with no effect on a private run (accepted; a non-default value
+warns once), or a setting refused under DP with the reason and what to use instead (``gradient_accumulation_steps``
+above 1, ``fp16``). The translation runs before the dataclass ``__init__`` (:class:`_AcceptsHuggingFaceNames`), so
+``dataclasses.fields`` and :meth:`TrainingArguments.to_dict` hold Opake's fields only. An unknown name raises
+``ConfigurationError`` with the closest accepted names.
 
-- Adaptive clipping with an ``mf_*`` mechanism raises (#1). Matrix-factorization noise is calibrated to a constant
+Decisions on points where the reference designs disagree:
+
+- Adaptive clipping with an ``mf_*`` mechanism raises. Matrix-factorization noise is calibrated to a constant
   per-step sensitivity; silently switching to fixed clipping would run something the user did not ask for.
 - Per-group clipping (a ``clipping_norm`` dict) is supported with ``clipping_mode="fixed"`` only. Adaptive clipping
   estimates one private quantile; per-group adaptive would spend budget on one quantile per group and is not
   implemented. AUTO-S normalizes by the whole per-example norm, which has no per-group form.
-- ``privacy_noise_mechanism_kwargs["bound"]`` raises "no matching accountant" (#2).
+- ``privacy_noise_mechanism_kwargs["bound"]`` raises "no matching accountant".
 - ``clipping_norm`` dict keys are regular expressions matched with ``re.search`` on dotted parameter names, the
-  semantics of :func:`opake_core.tree.per_group` (#12); the patterns are compiled here.
-- ``dataloader_drop_last`` and ``batch_eval_metrics`` are unsupported by the constructor (#7, #8): the training batches
-  come from the DP sampler, the eval loader keeps every example, and metrics are computed once over the whole eval set.
+  semantics of :func:`opake_core.tree.per_group`; the patterns are compiled here.
+- ``dataloader_drop_last`` and ``batch_eval_metrics`` are refused by the constructor: the training batches come from
+  the DP sampler, the eval loader keeps every example, and metrics are computed once over the whole eval set.
   ``from_hf`` drops them with a warning.
-- ``from_hf`` maps ``max_grad_norm`` to ``clipping_norm`` loosely, without a warning, unless ``clipping_norm`` is
-  passed explicitly (#9); ``use_liger_kernel`` maps to ``use_performance_kernels`` (#10).
-- ``privacy_accounting`` defaults to off only for fixed-noise independent DP-SGD (#19).
-- ``fp16`` is not a field; a read-only ``fp16 == False`` shim remains for code written against HF (#21).
+- ``max_grad_norm`` is ``clipping_norm``: the bound of each example's gradient, not of the batch gradient. ``from_hf``
+  maps it without a warning unless ``clipping_norm`` is passed explicitly; ``use_liger_kernel`` maps to
+  ``use_performance_kernels``.
+- ``privacy_accounting`` is on unless set to ``False``: a fixed-noise run reports its epsilon. A non-private run
+  (``privacy_noise_multiplier=0.0``) always reports epsilon = inf.
+- ``fp16`` is not a field; a read-only ``fp16 == False`` shim remains for code written against HF.
 - ``cuda_graphs`` is a count of retained graph signatures (``0`` disables), not a bool; a bool is refused so that
   ``True`` does not silently mean "one signature".
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
+import enum
 import inspect
 import json
+import logging
 import math
 import os
+import sys
+import warnings
+from collections.abc import Iterator
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
 
-from opake_core.errors import ConfigurationError, PrivacyBudgetError
+from opake_core.errors import ConfigurationError, InputTypeError, PrivacyBudgetError
 from opake_core.plan import check_combination, is_horizon
+from opake_torch.transformers import _from_hf as hf
 from opake_torch.transformers import _parsing as p
 
-__all__ = ["SECRET_FIELDS", "UNSUPPORTED", "TrainingArguments"]
+__all__ = ["SECRET_FIELDS", "ParallelMode", "TrainingArguments", "as_training_arguments"]
 
 SECRET_FIELDS = ("hub_token", "privacy_noise_seed")  # hidden from repr and masked by to_dict
-
-_BF16_ALTERNATIVE = "use bf16=True (native bf16 autocast, no loss scaler)"
-_SHARDING = "parameter/gradient sharding is incompatible with vmap per-example gradients"
-# HF keyword -> (why a DP trainer does not support it, what to do instead).
-UNSUPPORTED: dict[str, tuple[str, str]] = {
-    "gradient_accumulation_steps": (
-        "a DP step is one Poisson draw: accumulation would change the sampled batch the accountant sees",
-        "raise per_device_train_batch_size (the expected batch) and set microbatch_size to bound memory",
-    ),
-    "fp16": ("fp16 loss scaling adds a per-example unscale before clipping", _BF16_ALTERNATIVE),
-    "fp16_full_eval": ("fp16 is not a supported precision", "use bf16_full_eval=True"),
-    "fp16_opt_level": ("fp16 / Apex AMP is not a supported precision", _BF16_ALTERNATIVE),
-    "half_precision_backend": ("fp16 is not a supported precision", _BF16_ALTERNATIVE),
-    "fp16_backend": ("fp16 is not a supported precision", _BF16_ALTERNATIVE),
-    "group_by_length": (
-        "length-bucketed batches break the equal inclusion probability that Poisson amplification relies on",
-        "leave examples unsorted; set pad_to_multiple_of to bound padding",
-    ),
-    "length_column_name": ("it only serves group_by_length, which is unsupported", "remove it"),
-    "dataloader_drop_last": (
-        "training batches come from the DP sampler (variable size by design) and the eval loader keeps every example",
-        "remove it; the sampler owns batch composition",
-    ),
-    "deepspeed": (_SHARDING, "use the built-in DDP (torchrun)"),
-    "fsdp": (_SHARDING, "use the built-in DDP (torchrun)"),
-    "fsdp_config": (_SHARDING, "use the built-in DDP (torchrun)"),
-    "accelerator_config": ("the trainer drives DDP itself, not Accelerate", "use the built-in DDP (torchrun)"),
-    "parallelism_config": (_SHARDING, "use the built-in DDP (torchrun)"),
-    "tpu_num_cores": ("TPU/XLA is not a supported backend", "run on CUDA or CPU"),
-    "mp_parameters": ("SageMaker model parallelism is not a supported backend", "use the built-in DDP (torchrun)"),
-    "batch_eval_metrics": ("streaming metric reduction is not implemented", "compute metrics over the full eval set"),
-}
+DOCS_PAGE = "the 'Training arguments' page of the Opake documentation"
+# Hugging Face's log levels (transformers.utils.logging), "passive" keeping the level already set.
+LOG_LEVELS = {"detail": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+              "error": logging.ERROR, "critical": logging.CRITICAL, "passive": -1}  # fmt: skip
+# gradient_checkpointing_kwargs keys the vmap-safe recompute honours (it replaces both of torch's implementations
+# and always replays the forward's dropout masks), and those it cannot.
+CHECKPOINTING_KWARGS = ("use_reentrant", "preserve_rng_state", "every_n_layers")
+_WARNED_INERT: set[str] = set()  # inert names already warned about in this process
 
 
-def _unsupported(name: str) -> TypeError:
-    why, instead = UNSUPPORTED[name]
-    return TypeError(f"TrainingArguments does not support {name!r}: {why}. Instead, {instead}.")
+class ParallelMode(enum.StrEnum):
+    """The values of Hugging Face's ``ParallelMode`` that this trainer can run in."""
+
+    NOT_PARALLEL = "not_parallel"
+    DISTRIBUTED = "distributed"
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if isinstance(value, bool) and isinstance(default, int) and not isinstance(default, bool):
+        return False  # gradient_accumulation_steps=True is not the count 1
+    try:
+        return hf._is_default(value, default)
+    except Exception:  # an exotic value (an array, a tensor) is not a default
+        return False
+
+
+def _unknown_name(cls: type, name: str) -> ConfigurationError:
+    candidates = [f.name for f in dataclasses.fields(cls) if f.init] + list(hf.ALIASES)
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
+    close += [c for c in candidates if c.endswith(f"_{name}") and c not in close]  # epsilon -> privacy_target_epsilon
+    named = [f"{c!r} (= {hf.ALIASES[c]!r})" if c in hf.ALIASES else repr(c) for c in close[:3]]
+    hint = f" Did you mean {' or '.join(named)}?" if named else ""
+    return ConfigurationError(
+        f"{cls.__name__} got an unknown argument {name!r}.{hint} Every accepted name, Hugging Face's and Opacus' "
+        f"included, is listed on {DOCS_PAGE}."
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an array or a tensor compared elementwise
+        return a is b
+
+
+def _alias_value(name: str, value: Any) -> Any:
+    if name == "max_grad_norm" and (value is None or (isinstance(value, int | float) and not value > 0)):
+        raise ConfigurationError(
+            f"max_grad_norm={value!r} means 'no clipping' in transformers, but DP needs a bound: max_grad_norm is "
+            "Opake's clipping_norm, the bound of each example's gradient (not of the batch gradient). Pass a positive "
+            "clipping_norm (math.inf only with privacy_noise_multiplier=0.0)."
+        )
+    return value
+
+
+def _as_bool(value: Any, name: str, *, allow_none: bool = False) -> bool | None:
+    if isinstance(value, bool) or (allow_none and value is None):
+        return value
+    raise ConfigurationError(f"{name} must be True or False{' or None' if allow_none else ''}, got {value!r}.")
+
+
+def _tf32_available() -> bool:
+    """As ``transformers.utils.is_torch_tf32_available``: a CUDA build and a GPU of compute capability 8 or more."""
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return False
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).major >= 8
+
+
+def _set_tf32(enabled: bool) -> None:
+    # torch's per-backend switches, which the rest of Opake (benchmarks, tests) uses too
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+class _AcceptsHuggingFaceNames(type):
+    """Metaclass of :class:`TrainingArguments`: ``cls(**kwargs)`` translates the keyword names with
+    ``cls._translate_kwargs`` before the dataclass ``__init__`` runs (subclasses inherit it, and may extend the hook
+    for names of their own)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*args, **cls._translate_kwargs(kwargs))
 
 
 @dataclass
-class TrainingArguments:
-    """Arguments of a DP training run. See ``docs/arguments.md`` for every field, default and rule."""
+class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
+    """Arguments of a DP training run.
+
+    Every field, default and rule, and what each Hugging Face or Opacus argument name means here, is on the
+    'Training arguments' page of the Opake documentation.
+    """
 
     output_dir: str | None = None
     _: KW_ONLY
@@ -119,7 +186,7 @@ class TrainingArguments:
     privacy_target_epsilon: float | None = None
     privacy_target_delta: float | None = None
     privacy_noise_multiplier: float | None = None
-    privacy_accounting: bool | None = None
+    privacy_accounting: bool | None = True
     privacy_allow_large_delta: bool = False
     privacy_noise_seed: int | None = field(default=None, repr=False)
     privacy_noise_generator: str = "philox"
@@ -131,7 +198,9 @@ class TrainingArguments:
     # precision, compile, kernels
     bf16: bool = False
     bf16_full_eval: bool = False
+    tf32: bool | None = None
     gradient_checkpointing: bool = False
+    gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
     torch_compile: bool = False
     torch_compile_backend: str | None = None
     torch_compile_mode: str | None = None
@@ -153,6 +222,13 @@ class TrainingArguments:
     run_name: str | None = None
     include_num_input_tokens_seen: str | bool = "no"
     include_tokens_per_second: bool = False
+    log_level: str = "passive"
+    log_level_replica: str = "warning"
+    log_on_each_node: bool = True
+    project: str = "huggingface"
+    trackio_space_id: str | None = None
+    trackio_bucket_id: str | None = None
+    trackio_static_space_id: str | bool | None = None
     # saving
     save_strategy: str = "steps"
     save_steps: int | float = 500
@@ -191,13 +267,46 @@ class TrainingArguments:
     hub_model_id: str | None = None
     hub_token: str | None = field(default=None, repr=False)
     hub_private_repo: bool | None = None
+    # script flags: not read by the trainer, read by training scripts (as in Hugging Face)
+    do_train: bool = False
+    do_eval: bool = False
+    do_predict: bool = False
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> TrainingArguments:
-        # The generated __init__ stays in charge of the fields; this only turns known HF knobs into explanations.
-        for name in kwargs:
-            if name in UNSUPPORTED:
-                raise _unsupported(name)
-        return super().__new__(cls)
+    @classmethod
+    def _translate_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` with Opake's names: fields kept, aliases renamed, inert names dropped (a non-default value warns
+        once), refused names raised (unless at Hugging Face's default), unknown names raised with a hint."""
+        own = {f.name for f in dataclasses.fields(cls) if f.init}
+        out: dict[str, Any] = {}
+        given: dict[str, str] = {}  # Opake field -> the name it was given under
+        for name, value in kwargs.items():
+            if name in own:
+                target = name
+            elif name in hf.ALIASES:
+                target, value = hf.ALIASES[name], _alias_value(name, value)
+            elif name in hf.REFUSED:
+                if not _is_default(value, hf.REFUSED[name][0]):
+                    raise ConfigurationError(
+                        f"{cls.__name__} does not support {name}={p.plain(value)!r}: {hf.refusal(name)}"
+                    )
+                continue
+            elif name in hf.INERT:
+                if not _is_default(value, hf.INERT[name][0]) and name not in _WARNED_INERT:
+                    _WARNED_INERT.add(name)
+                    warnings.warn(
+                        f"{cls.__name__} ignores {name}={p.plain(value)!r}: {hf.INERT[name][1]}.",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                continue
+            else:
+                raise _unknown_name(cls, name)
+            if target in out and not _same(out[target], value):
+                raise ConfigurationError(
+                    f"{given[target]!r} and {name!r} both set {cls.__name__}.{target}; pass only one of them."
+                )
+            out[target], given[target] = value, name
+        return out
 
     def __post_init__(self) -> None:
         self._resolve_output()
@@ -209,6 +318,8 @@ class TrainingArguments:
         self._resolve_compile()
         self._resolve_logging_eval_save()
         self._resolve_distributed()
+        self._resolve_tf32()
+        self._resolve_script_flags()
 
     # -- resolution, one concern each ------------------------------------------------------------------------------
 
@@ -363,8 +474,8 @@ class TrainingArguments:
                 f" / sampling_mode={self.sampling_mode!r}: the horizon snapshot lets a resumed run detect a changed "
                 "strategy or multiplier, so it is always recorded. Remove privacy_accounting=False."
             )
-        if accounting is None:
-            self.privacy_accounting = eps is not None or self.is_complete_horizon
+        if accounting is None:  # the default: every run reports its epsilon unless asked not to
+            self.privacy_accounting = True
         self.noise_calibration_kwargs = p.calibration(self.noise_calibration_kwargs)
         if not isinstance(self.privacy_allow_large_delta, bool):
             raise ConfigurationError(
@@ -403,7 +514,27 @@ class TrainingArguments:
             target=self.privacy_target_epsilon,
         )
 
+    def _resolve_checkpointing(self) -> None:
+        if self.gradient_checkpointing is None:  # Hugging Face's default, meaning off
+            self.gradient_checkpointing = False
+        self.gradient_checkpointing = _as_bool(self.gradient_checkpointing, "gradient_checkpointing")
+        if self.gradient_checkpointing_kwargs is None:
+            return
+        kwargs = p.as_dict(self.gradient_checkpointing_kwargs, "gradient_checkpointing_kwargs")
+        p.check_keys(kwargs, CHECKPOINTING_KWARGS, "gradient_checkpointing_kwargs", "the vmap-safe recompute")
+        for key in ("use_reentrant", "preserve_rng_state"):
+            if key in kwargs:
+                _as_bool(kwargs[key], f"gradient_checkpointing_kwargs[{key!r}]")
+        if kwargs.get("every_n_layers", 1) != 1:
+            raise ConfigurationError(
+                f"gradient_checkpointing_kwargs['every_n_layers']={kwargs['every_n_layers']!r} is not supported: the "
+                "vmap-safe recompute checkpoints every decoder layer. Remove it (or set 1); lower microbatch_size "
+                "to trade speed for memory instead."
+            )
+        self.gradient_checkpointing_kwargs = kwargs
+
     def _resolve_compile(self) -> None:
+        self._resolve_checkpointing()
         if self.torch_compile_mode is not None:
             self.torch_compile_mode = p.as_choice(self.torch_compile_mode, "torch_compile_mode", p.COMPILE_MODES)
         if self.torch_compile_mode is not None or self.torch_compile_backend is not None:
@@ -460,6 +591,15 @@ class TrainingArguments:
             self.eval_steps = p.as_steps(self.eval_steps, "eval_steps")
         self.save_total_limit = p.as_optional_positive_int(self.save_total_limit, "save_total_limit")
         self.report_to = p.report_to(self.report_to)
+        self.log_level = p.as_choice(self.log_level, "log_level", tuple(LOG_LEVELS))
+        self.log_level_replica = p.as_choice(self.log_level_replica, "log_level_replica", tuple(LOG_LEVELS))
+        self.log_on_each_node = _as_bool(self.log_on_each_node, "log_on_each_node")
+        if not isinstance(self.project, str) or not self.project:
+            raise ConfigurationError(f"project must be a non-empty string, got {self.project!r}.")
+        for name in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id"):
+            value = getattr(self, name)
+            if not (value is None or isinstance(value, str) or (name == "trackio_static_space_id" and value is False)):
+                raise ConfigurationError(f"{name} must be a string or None, got {value!r}.")
         tokens = self.include_num_input_tokens_seen
         if isinstance(tokens, bool):
             tokens = "all" if tokens else "no"
@@ -522,6 +662,26 @@ class TrainingArguments:
         if self.bf16 and not self.use_cpu and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             raise ConfigurationError("Your setup doesn't support bf16 on this GPU; set bf16=False or use_cpu=True.")
 
+    def _resolve_tf32(self) -> None:
+        """Hugging Face's meaning: ``True``/``False`` switch TF32 matmuls and convolutions on/off for the process
+        (at construction, as in transformers); ``None`` leaves the setting alone."""
+        if self.tf32 is None:
+            return
+        self.tf32 = _as_bool(self.tf32, "tf32", allow_none=True)
+        if self.tf32 and not _tf32_available():
+            raise ConfigurationError(
+                "tf32=True requires an NVIDIA GPU of the Ampere generation or newer with a CUDA build of torch; set "
+                "tf32=None (leave the setting alone) or tf32=False."
+            )
+        if _tf32_available():
+            _set_tf32(self.tf32)
+
+    def _resolve_script_flags(self) -> None:
+        for name in ("do_train", "do_eval", "do_predict"):
+            setattr(self, name, _as_bool(getattr(self, name), name))
+        if self.eval_strategy != "no":  # as in Hugging Face: evaluating during training means do_eval
+            self.do_eval = True
+
     # -- properties -----------------------------------------------------------------------------------------------
 
     @property
@@ -554,7 +714,42 @@ class TrainingArguments:
 
     @property
     def should_log(self) -> bool:
-        return self.process_index == 0
+        """As in Hugging Face: local rank 0 of every node with ``log_on_each_node`` (the default), else global rank
+        0."""
+        return (self.local_process_index if self.log_on_each_node else self.process_index) == 0
+
+    def get_process_log_level(self) -> int:
+        """The ``logging`` level of this process, as in Hugging Face: ``log_level`` where :attr:`should_log`, else
+        ``log_level_replica``; ``"passive"`` keeps the level of the ``transformers`` logger."""
+        level = LOG_LEVELS[self.log_level if self.should_log else self.log_level_replica]
+        return logging.getLogger("transformers").getEffectiveLevel() if level == -1 else level
+
+    @contextlib.contextmanager
+    def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
+        """As in Hugging Face: under an initialized ``torch.distributed`` process group, the main process (of the
+        node with ``local``, else of the cluster) runs the block before the others (which wait at a barrier), so
+        that they can reuse what it cached. Without a process group every process runs the block at once."""
+        import torch.distributed as dist
+
+        synced = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        main = (self.local_process_index if local else self.process_index) == 0
+        if synced and not main:
+            dist.barrier()
+        try:
+            yield
+        finally:
+            if synced and main:
+                dist.barrier()
+
+    @property
+    def n_gpu(self) -> int:
+        """GPUs used by this process: 1 on CUDA (one per process under DDP; no DataParallel), else 0."""
+        return int(self.device.type == "cuda")
+
+    @property
+    def parallel_mode(self) -> ParallelMode:
+        """``ParallelMode.DISTRIBUTED`` under torchrun (a local rank is set), else ``NOT_PARALLEL``."""
+        return ParallelMode.DISTRIBUTED if self.local_rank != -1 else ParallelMode.NOT_PARALLEL
 
     @property
     def should_save(self) -> bool:
@@ -597,6 +792,12 @@ class TrainingArguments:
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
+    def to_sanitized_dict(self) -> dict[str, Any]:
+        """As in Hugging Face (TensorBoard's hparams): :meth:`to_dict` with the batch sizes, every value a bool, int,
+        float or str."""
+        data = {**self.to_dict(), "train_batch_size": self.train_batch_size, "eval_batch_size": self.eval_batch_size}
+        return {k: v if type(v) in (bool, int, float, str) else str(v) for k, v in data.items()}
+
     @classmethod
     def from_hf(cls, hf_args: Any, *, strict: bool = True, **overrides: Any) -> TrainingArguments:
         """Convert a ``transformers.TrainingArguments``; see :func:`opake_torch.transformers._from_hf.from_hf`."""
@@ -605,7 +806,43 @@ class TrainingArguments:
         return from_hf(cls, hf_args, strict=strict, **overrides)
 
 
-# ``__new__`` takes ``**kwargs``; keep help() and IDEs showing the real fields.
+# The metaclass's ``__call__`` takes ``**kwargs``; keep help() and IDEs showing the real fields.
 TrainingArguments.__signature__ = inspect.signature(TrainingArguments.__init__).replace(
     parameters=list(inspect.signature(TrainingArguments.__init__).parameters.values())[1:]
 )
+
+
+def as_training_arguments(args: Any, **overrides: Any) -> TrainingArguments:
+    """``args`` as Opake's :class:`TrainingArguments`, for a trainer that accepts either kind of arguments.
+
+    - Opake's ``TrainingArguments`` (or a subclass): returned as is, or with ``overrides`` applied
+      (``dataclasses.replace``, which validates again).
+    - A ``transformers.TrainingArguments`` (a TRL config included): converted by :meth:`TrainingArguments.from_hf`,
+      with its warnings. Hugging Face arguments carry no privacy budget, so ``overrides`` must hold the DP knob
+      (``privacy_target_epsilon`` or ``privacy_noise_multiplier``; ``target_epsilon`` and the other accepted names
+      too).
+    - ``None``: ``TrainingArguments(**overrides)``.
+
+    Raises:
+        InputTypeError: ``args`` is none of these.
+        PrivacyBudgetError: Hugging Face arguments without a DP knob in ``overrides``.
+    """
+    if isinstance(args, TrainingArguments):
+        return dataclasses.replace(args, **type(args)._translate_kwargs(overrides)) if overrides else args
+    if args is None:
+        return TrainingArguments(**overrides)
+    transformers = sys.modules.get("transformers")  # an instance of its class means it is imported
+    if transformers is None or not isinstance(args, transformers.TrainingArguments):
+        raise InputTypeError(
+            f"args must be an opake_torch.transformers.TrainingArguments or a transformers.TrainingArguments, got "
+            f"{type(args).__name__}."
+        )
+    knobs = TrainingArguments._translate_kwargs(overrides)
+    if knobs.get("privacy_target_epsilon") is None and knobs.get("privacy_noise_multiplier") is None:
+        raise PrivacyBudgetError(
+            f"got a {type(args).__module__}.{type(args).__name__}, which carries no privacy budget. Convert it with "
+            "opake_torch.transformers.TrainingArguments.from_hf(args, privacy_target_epsilon=...) (or "
+            "privacy_noise_multiplier=..., 0.0 for non-private) and pass the result, or pass the DP knob along with "
+            "it."
+        )
+    return TrainingArguments.from_hf(args, **knobs)

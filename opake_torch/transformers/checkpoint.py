@@ -154,7 +154,9 @@ _OUTPUT_FIELDS = frozenset({
     "resume_from_checkpoint", "eval_strategy", "eval_steps", "eval_on_start", "eval_delay", "prediction_loss_only",
     "include_for_metrics", "per_device_eval_batch_size", "bf16_full_eval", "dataloader_num_workers",
     "dataloader_pin_memory", "push_to_hub", "hub_model_id", "hub_token", "hub_private_repo", "privacy_accounting",
-    "privacy_allow_large_delta", "ddp_timeout", "local_rank",
+    "privacy_allow_large_delta", "ddp_timeout", "local_rank", "do_train", "do_eval", "do_predict", "log_level",
+    "log_level_replica", "log_on_each_node", "project", "trackio_space_id", "trackio_bucket_id",
+    "trackio_static_space_id",
 })  # fmt: skip
 
 

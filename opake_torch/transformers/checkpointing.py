@@ -26,10 +26,11 @@ from opake_core.step import rekeyed, unkeyed
 from opake_torch.state_files import write_json
 from opake_torch.transformers import checkpoint as ckpt
 from opake_torch.transformers.keys import RunKeys
-from opake_torch.transformers.privacy import PrivacyPlan, ledger_epsilon
-from opake_torch.transformers.run import Run
+from opake_torch.transformers.privacy import PrivacyPlan
+from opake_torch.transformers.run import Run, ledger_result
 
 __all__ = [
+    "accountant_record",
     "check_same_run",
     "copy_into",
     "restore",
@@ -180,22 +181,34 @@ def check_same_run(args: Any, saved: dict[str, Any], plan: PrivacyPlan, folder: 
         )
 
 
-def write_accountant(folder: Path, args: Any, plan: PrivacyPlan, ledger: accounting.Ledger) -> None:
-    """``accountant.json``: the public record of what was released and the epsilon it costs (no keys; epsilon is
-    the string ``"inf"`` for a non-private run)."""
-    epsilon = ledger_epsilon(ledger, plan.delta)
-    record = {
-        "epsilon": epsilon if math.isfinite(epsilon) else "inf",
+def accountant_record(args: Any, plan: PrivacyPlan, ledger: accounting.Ledger) -> dict[str, Any]:
+    """The public record of what was released and the epsilon it costs (no keys): ``accountant.json``, and what the
+    model card states. Epsilon is the string ``"inf"`` for a non-private run, and None (with no accountant) when
+    the run is not accounted (``privacy_accounting=False``)."""
+    result = ledger_result(ledger, plan.delta) if plan.accounted else None
+    epsilon = None if result is None else result.value if math.isfinite(result.value) else "inf"
+    return {
+        "epsilon": epsilon,
         "delta": plan.delta,
+        "accountant": None if result is None else result.accountant,
+        "adjacency": "add_or_remove",
         "steps": plan.total_steps if plan.horizon else ledger.releases,
         "ledger": ledger.to_json(),
         "noise_multiplier": plan.noise_multiplier,
+        "calibration_source": plan.calibration_source,
         "sample_rate": plan.sample_rate,
+        "expected_batch_size": plan.expected_batch_size,
         "sampling_mode": args.sampling_mode,
         "mechanism": args.privacy_noise_mechanism,
         "horizon": plan.horizon,
     }
+
+
+def write_accountant(folder: Path, args: Any, plan: PrivacyPlan, ledger: accounting.Ledger) -> dict[str, Any]:
+    """Write ``accountant.json`` (:func:`accountant_record`) into ``folder``; returns the record."""
+    record = accountant_record(args, plan, ledger)
     write_json(folder / ckpt.ACCOUNTANT, record)
+    return record
 
 
 def update_best(args: Any, state: Any, folder: Path, metrics: dict[str, float] | None) -> None:

@@ -1,23 +1,34 @@
-"""Evaluation and prediction of a :class:`DPTrainer`: mean per-example losses, logits, labels and metrics.
+"""Evaluation and prediction of a :class:`DPTrainer`, and the data loaders Hugging Face scripts ask a trainer for.
 
 Evaluation runs on data the caller chooses and releases exact statistics of it: when that data is private, its
-metrics are **outside** the privacy guarantee (as the trainer's logged training loss is).
+metrics are **outside** the privacy guarantee (as the trainer's logged training loss is). Its metrics carry
+Hugging Face's speed metrics (``<prefix>_runtime``, ``_samples_per_second``, ``_steps_per_second``).
+
+:func:`train_loader` is what ``get_train_dataloader`` returns: a ``torch.utils.data.DataLoader`` whose batch
+sampler draws batches with the run's sampler (Poisson: variable-size batches, possibly empty) from a fresh key of its
+own. It has the distribution of the training batches, not the batches training uses: training draws from its own
+secret sampler key and never reads this loader. :func:`eval_loader` yields the batches evaluation runs, in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch.func import vmap
-from transformers.trainer_utils import EvalPrediction, PredictionOutput
+from torch.utils.data import DataLoader, Sampler
+from transformers.trainer_utils import EvalPrediction, PredictionOutput, speed_metrics
 
+from opake_core import random
 from opake_core.errors import ConfigurationError
 from opake_torch.transformers.microbatch import retry_eval_batch
+from opake_torch.transformers.privacy import build_plan
 
-__all__ = ["prediction_loop"]
+__all__ = ["DataLoaders", "SampledBatches", "eval_loader", "num_examples", "prediction_loop", "train_loader"]
 
 _Piece = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
@@ -43,6 +54,7 @@ def prediction_loop(
     """
     if dataset is None:
         raise ConfigurationError("evaluation needs an eval_dataset.")
+    began = time.time()
     was_training = model.training
     model.eval()
     losses, logits_list, labels_list = [], [], []
@@ -85,7 +97,58 @@ def prediction_loop(
         extra = {"losses": torch.cat(losses).numpy()} if "loss" in args.include_for_metrics else {}
         for name, value in compute_metrics(EvalPrediction(predictions, label_ids, **extra)).items():
             metrics[name if name.startswith(f"{prefix}_") else f"{prefix}_{name}"] = value
+    batches = math.ceil(len(dataset) / args.per_device_eval_batch_size)
+    metrics.update(speed_metrics(prefix, began, num_samples=len(dataset), num_steps=batches))
     return PredictionOutput(predictions, label_ids, metrics)
+
+
+class SampledBatches(Sampler[list[int]]):
+    """``steps`` index batches of a core sampler (``opake_core.sampling``), drawn from a fresh key (from the
+    operating system) at every iteration: the distribution of training's batches, never its draws."""
+
+    def __init__(self, sampler: Any, steps: int) -> None:
+        self.sampler, self.steps = sampler, steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        key, state = random.random_key(), self.sampler.init()
+        for _ in range(self.steps):
+            indices, state = self.sampler.sample(key, state)
+            yield [int(i) for i in indices]
+
+    def __len__(self) -> int:
+        return self.steps
+
+
+def train_loader(dataset: Any, plan: Any, batch_of: Callable[[Any, np.ndarray], dict]) -> DataLoader:
+    """A loader of one expected epoch of batches drawn like training's (module docstring), collated by
+    ``batch_of(dataset, indices)`` onto the device; ``loader.dataset`` is the range of row indices."""
+    steps = max(1, math.ceil(round(plan.steps_per_epoch, 9)))
+    return DataLoader(
+        range(len(dataset)),
+        batch_sampler=SampledBatches(plan.sampler, steps),
+        collate_fn=lambda indices: batch_of(dataset, np.asarray(indices, dtype=np.int64)),
+    )
+
+
+def eval_loader(dataset: Any, batch_size: int, batch_of: Callable[[Any, np.ndarray], dict]) -> DataLoader:
+    """The batches :func:`prediction_loop` runs: ``batch_size`` rows in order, the last one shorter."""
+    if dataset is None:
+        raise ConfigurationError("evaluation needs an eval_dataset.")
+    return DataLoader(
+        range(len(dataset)),
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=lambda indices: batch_of(dataset, np.asarray(indices, dtype=np.int64)),
+    )
+
+
+def num_examples(loader: Any, batch_size: int) -> int:
+    """The rows behind ``loader`` (Hugging Face's ``Trainer.num_examples``): its dataset's length, else an estimate
+    from its number of batches."""
+    try:
+        return len(loader.dataset)
+    except (AttributeError, TypeError):
+        return len(loader) * batch_size
 
 
 def _concat_padded(chunks: list[torch.Tensor]) -> np.ndarray:
@@ -96,3 +159,33 @@ def _concat_padded(chunks: list[torch.Tensor]) -> np.ndarray:
             torch.nn.functional.pad(c, (0, 0) * (c.dim() - 2) + (0, length - c.shape[1]), value=-100) for c in chunks
         ]
     return torch.cat(chunks).numpy()
+
+
+class DataLoaders:
+    """``transformers.Trainer``'s data-loader methods, for :class:`~opake_torch.transformers.DPTrainer` (which
+    provides ``args``, ``train_dataset``, ``eval_dataset`` and the batch collation ``_batch``)."""
+
+    def get_train_dataloader(self) -> DataLoader:
+        """One expected epoch of batches drawn like training's (Poisson: variable size, possibly empty) from a fresh
+        key, collated onto the device: their distribution, never the batches training draws, which come from the
+        trainer's secret sampler key (:func:`train_loader`). ``train()`` does not read this loader."""
+        if self.train_dataset is None:
+            raise ConfigurationError("get_train_dataloader needs a train_dataset.")
+        plan = self._plan or build_plan(self.args, len(self.train_dataset), spent=self._ledger)
+        return train_loader(self.train_dataset, plan, self._batch)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """The batches ``evaluate`` runs (``per_device_eval_batch_size`` rows, in order); a ``str`` names one of a
+        dict of eval datasets."""
+        if isinstance(eval_dataset, str):
+            eval_dataset = self.eval_dataset[eval_dataset]
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        return eval_loader(dataset, self.args.per_device_eval_batch_size, self._batch)
+
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
+        """The batches ``predict`` runs on ``test_dataset``."""
+        return eval_loader(test_dataset, self.args.per_device_eval_batch_size, self._batch)
+
+    def num_examples(self, dataloader: DataLoader) -> int:
+        """The number of rows behind ``dataloader`` (the length of its dataset), as Hugging Face's."""
+        return num_examples(dataloader, self.args.per_device_train_batch_size)

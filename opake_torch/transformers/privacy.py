@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opake_core import accounting, mf, sampling
+from opake_core.accounting.queries import MAX_PLD_STEPS
 from opake_core.clipping import adaptive, auto_s
 from opake_core.errors import ConfigurationError
 from opake_core.plan import Plan, plan
@@ -48,14 +49,26 @@ STRATEGIES: dict[str, Callable[..., Any]] = {
 
 @dataclass(frozen=True)
 class PrivacyPlan(Plan):
-    """The core :class:`~opake_core.plan.Plan` and whether the trainer computes and reports epsilon."""
+    """The core :class:`~opake_core.plan.Plan` and whether the trainer computes and reports epsilon.
+
+    ``accounted`` is True unless ``privacy_accounting=False`` was set (fixed-noise independent DP-SGD only: the
+    arguments refuse it with a target epsilon or a whole-horizon mechanism or sampler), and always True for a
+    non-private run (``privacy_noise_multiplier=0.0``), whose epsilon is reported as inf so that it cannot pass for a
+    private one.
+    """
 
     accounted: bool = True
 
 
 @functools.lru_cache(maxsize=64)
 def ledger_epsilon(ledger: accounting.Ledger, delta: float) -> float:
-    """Epsilon of ``ledger`` at ``delta`` (a PLD or Monte Carlo query, so computed once per distinct history)."""
+    """Epsilon of ``ledger`` at ``delta`` (a PLD or Monte Carlo query, so computed once per distinct history).
+
+    Beyond :data:`~opake_core.accounting.queries.MAX_PLD_STEPS` releases, where a PLD composition takes minutes to
+    hours, the RDP accountant answers instead: a looser upper bound, so the reported epsilon is never too small.
+    """
+    if ledger.releases > MAX_PLD_STEPS:
+        return ledger.epsilon(delta=delta, accountant="rdp").value
     return ledger.epsilon(delta=delta).value
 
 
@@ -190,7 +203,7 @@ def build_plan(
         done=done,
         resumed_multiplier=resumed_multiplier,
     )
-    accounted = bool(args.privacy_accounting) or resolved.noise_multiplier == 0
+    accounted = getattr(args, "privacy_accounting", True) is not False or resolved.noise_multiplier == 0
     return PrivacyPlan(**{f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved)}, accounted=accounted)
 
 

@@ -10,6 +10,7 @@ exact statistics of the private data and are **outside** the privacy guarantee.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -17,15 +18,16 @@ from typing import Any
 
 import torch
 from transformers.trainer_callback import TrainerState
+from transformers.trainer_utils import speed_metrics
 
 from opake_core import accounting
 from opake_core.clipping import AdaptiveClipState
 from opake_core.step import DPState, StepMetrics
 from opake_core.tree import PerGroup
 from opake_torch.transformers.keys import RunKeys
-from opake_torch.transformers.privacy import PrivacyPlan, ledger_epsilon
+from opake_torch.transformers.privacy import PrivacyPlan
 
-__all__ = ["DPTrainerState", "Run", "privacy_logs"]
+__all__ = ["DPTrainerState", "Run", "ledger_result", "privacy_logs"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ class Run:
             eval_steps=_as_count(args.eval_steps or args.logging_steps, plan.total_steps),
             save_steps=_as_count(args.save_steps, plan.total_steps),
             train_batch_size=args.train_batch_size,
+            is_local_process_zero=args.local_process_index == 0,
             is_world_process_zero=args.process_index == 0,
             privacy_resolved_delta=plan.delta,
             privacy_resolved_noise_multiplier=plan.noise_multiplier,
@@ -157,12 +160,16 @@ class Run:
         self.count = 0
         return logs
 
-    def final_metrics(self, steps: int, seconds: float) -> dict[str, float]:
-        """``TrainOutput.metrics`` of a run of ``steps`` steps that took ``seconds``."""
+    def final_metrics(self, start_time: float, *, steps: int, trained: int, dataset_size: int) -> dict[str, float]:
+        """``TrainOutput.metrics`` of a run at step ``steps`` that ran ``trained`` steps since ``start_time``
+        (``time.time()``): Hugging Face's speed metrics (``train_samples_per_second`` counts the expected rows of
+        those steps, as Hugging Face counts the nominal batch), ``train_samples`` (the rows of the training dataset),
+        the loss and the privacy parameters. ``DPTrainer.log`` adds ``epoch``."""
+        samples = trained * self.plan.expected_batch_size
         return {
-            "train_runtime": seconds,
+            **speed_metrics("train", start_time, num_samples=samples, num_steps=trained),
             "train_steps": float(steps),
-            "train_steps_per_second": steps / max(seconds, 1e-9),
+            "train_samples": dataset_size,
             "train_loss": self.total_loss / max(self.total_count, 1),
             "nonfinite_loss_steps": self.total_nonfinite,
             **privacy_logs(self.plan, self.ledger),
@@ -196,9 +203,16 @@ def privacy_logs(plan: PrivacyPlan, ledger: accounting.Ledger) -> dict[str, floa
     """The public privacy parameters; epsilon is that of the whole ledger (earlier calls and resumes too)."""
     logs = {"privacy_noise_multiplier": plan.noise_multiplier}
     if plan.accounted:
-        logs["privacy_epsilon"] = ledger_epsilon(ledger, plan.delta)
+        logs["privacy_epsilon"] = ledger_result(ledger, plan.delta).value
         logs["privacy_delta"] = plan.delta
     return logs
+
+
+@functools.lru_cache(maxsize=64)
+def ledger_result(ledger: accounting.Ledger, delta: float) -> accounting.Result:
+    """Epsilon of ``ledger`` at ``delta`` and the accountant that answered: a PLD or Monte Carlo query, computed once
+    per distinct history (the logs, ``accountant.json`` and the model card share it)."""
+    return ledger.epsilon(delta=delta)
 
 
 def _noise_std_logs(std: float | PerGroup) -> dict[str, float]:

@@ -5,7 +5,8 @@ optimizer update, then account. This class adds what users of ``transformers.Tra
 arguments, callbacks, progress, logs, evaluation, checkpoints that resume exactly.
 
 Logged values other than the privacy parameters (loss, clip rate, accuracy...) are exact statistics of the private
-data and are **outside** the privacy guarantee; keep them private.
+data and are **outside** the privacy guarantee; keep them private. The ``transformers.Trainer`` methods example
+scripts call behave as Hugging Face's; ``save_model`` also writes a model card that states the guarantee.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
+from transformers import trainer_pt_utils
 from transformers.trainer_callback import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -33,18 +35,19 @@ from opake_core.errors import ConfigurationError
 from opake_torch.functional import functional_model
 from opake_torch.transformers import checkpoint as ckpt
 from opake_torch.transformers import checkpointing, engines
-from opake_torch.transformers.arguments import TrainingArguments
+from opake_torch.transformers.arguments import TrainingArguments, as_training_arguments
 from opake_torch.transformers.compile import CudaGraphChunk
 from opake_torch.transformers.data import collate, fetch, language_modeling_labels, model_input_names, on_device
 from opake_torch.transformers.engines import step_factory
-from opake_torch.transformers.evaluation import prediction_loop
+from opake_torch.transformers.evaluation import DataLoaders, prediction_loop
 from opake_torch.transformers.keys import first_keys, next_keys
 from opake_torch.transformers.loss import batch_losses, fused_causal_lm_losses, fused_head, infer_task, loss_from_logits
 from opake_torch.transformers.microbatch import ShrinkingStep
+from opake_torch.transformers.model_card import write_trainer_card
 from opake_torch.transformers.model_setup import check_inputs, prepare_model
 from opake_torch.transformers.optimizer import build_optimizer, build_schedule
 from opake_torch.transformers.privacy import PrivacyPlan, build_plan, check_next_segment, clipping_rule
-from opake_torch.transformers.reporting import RunLogCallback
+from opake_torch.transformers.reporting import RunLogCallback, integration_callbacks
 from opake_torch.transformers.run import DPTrainerState, Run
 from opake_torch.transformers.topology import topology
 
@@ -52,24 +55,51 @@ __all__ = ["DPTrainer", "DPTrainerState"]
 
 logger = logging.getLogger(__name__)
 
+_LOSS_SEAM = "compute_per_example_loss(params, example) and compute_batch_losses(params, batch) (layerwise engine)"
+SEAMS = {  # transformers.Trainer methods that DPTrainer never calls -> why, and what to use instead
+    "compute_loss": f"a DP step needs every example's loss on its own, not the batch's. Override {_LOSS_SEAM}",
+    "training_step": f"a step is the core's sample, clip, noise and update. Change the objective with {_LOSS_SEAM}",
+    "create_optimizer": "the optimizer must take only noised gradients. Choose it with args.optim and args.optim_args",
+}
 
-class DPTrainer:
+
+def refuse_overrides(cls: type) -> None:
+    """ConfigurationError when ``cls`` defines a :data:`SEAMS` method, which would be silently ignored."""
+    for name, fix in SEAMS.items():
+        owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+        if owner is not None:
+            raise ConfigurationError(f"{owner.__name__} overrides {name}(), which DPTrainer never calls: {fix}.")
+
+
+class DPTrainer(DataLoaders):
     """Train a Hugging Face model (or any module whose output has ``.logits``) with DP-SGD.
 
     Args:
         model: the model; moved to ``args.device``. PEFT models train their adapters only (frozen weights are
             passed through).
-        args: :class:`TrainingArguments`, which must name a privacy knob (a noise multiplier or a target epsilon).
+        args: :class:`TrainingArguments`, which must name a privacy knob (a noise multiplier or a target epsilon);
+            see :func:`.arguments.as_training_arguments` for a ``transformers.TrainingArguments``.
         data_collator: ``list of examples -> batch dict``; defaults to right-padding with ``processing_class``'s pad
             token.
-        train_dataset, eval_dataset: map-style datasets of dicts (``len`` and ``[i]``).
+        train_dataset: a map-style dataset of dicts (``len`` and ``[i]``).
+        eval_dataset: the same, for :meth:`evaluate`.
         processing_class: the tokenizer (used for the pad token and saved with the model).
         compute_loss_func: ``(logits, labels) -> scalar`` for **one** example (no batch dimension), replacing
             the loss inferred from the model class.
         compute_metrics: ``EvalPrediction -> dict`` for evaluation.
         callbacks: ``transformers.TrainerCallback`` instances or classes.
         optimizers: must be ``(None, None)``; choose the optimizer with ``args.optim``.
+
+    A subclass that overrides ``compute_loss``, ``training_step`` or ``create_optimizer`` is refused (they would be
+    ignored); override :meth:`compute_per_example_loss` and :meth:`compute_batch_losses` instead. The data loaders
+    (``get_train_dataloader``...) come from :class:`.evaluation.DataLoaders`.
     """
+
+    privacy_unit: ClassVar[str | None] = None  # the card's unit; None: one sequence (causal LM) or one example
+    log_metrics = trainer_pt_utils.log_metrics
+    save_metrics = trainer_pt_utils.save_metrics
+    save_state = trainer_pt_utils.save_state
+    metrics_format = staticmethod(trainer_pt_utils.metrics_format)
 
     def __init__(
         self,
@@ -84,6 +114,9 @@ class DPTrainer:
         callbacks: list[Any] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
     ) -> None:
+        refuse_overrides(type(self))
+        if args is not None:  # a transformers.TrainingArguments is converted (from_hf), or refused without a budget
+            args = as_training_arguments(args)
         check_inputs(model, args, optimizers, TrainingArguments)
         self.args = args
         self.topology = topology(args)  # one process, or DDP ranks under torchrun
@@ -116,9 +149,10 @@ class DPTrainer:
         self._layerwise = engines.layerwise_engine(
             self.model, self._params, args, self.compute_batch_losses, reasons=reasons if unbatched else []
         )
-        default = [DefaultFlowCallback, PrinterCallback if args.disable_tqdm else ProgressCallback, RunLogCallback]
+        reporting = [*integration_callbacks(args), RunLogCallback]  # report_to: Hugging Face's integrations
+        printer = PrinterCallback if args.disable_tqdm else ProgressCallback
         self.callback_handler = CallbackHandler(
-            default + list(callbacks or []), self.model, processing_class, None, None
+            [DefaultFlowCallback, *reporting, *(callbacks or []), printer], self.model, processing_class, None, None
         )
         self.state = DPTrainerState(
             is_local_process_zero=args.local_process_index == 0, is_world_process_zero=args.process_index == 0
@@ -269,7 +303,7 @@ class DPTrainer:
         weights, optimizer, sampler, keys, step and accountant are restored and the run continues the identical
         trajectory.
         """
-        args, begin = self.args, time.perf_counter()
+        args, begin = self.args, time.time()
         folder, saved = checkpointing.resume_point(resume_from_checkpoint, args.output_dir)
         run, step_fn = self._start(saved, folder)
         plan = run.plan
@@ -278,6 +312,7 @@ class DPTrainer:
             checkpointing.restore(
                 folder, saved, run, args=args, state=self.state, model=self.model, topology=self.topology
             )
+        first = self.state.global_step
         self.topology.check_agree(**run.agreement(args, self.state.global_step))
         self.model.train()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
@@ -321,8 +356,9 @@ class DPTrainer:
         self._plan, self._ledger, self._trained = plan, run.ledger, True
         checkpointing.copy_into(self.model, run.params)
         self.topology.check_params(run.params)
-        metrics = run.final_metrics(self.state.global_step, time.perf_counter() - begin)
-        self.log(metrics)
+        steps = self.state.global_step
+        metrics = run.final_metrics(begin, steps=steps, trained=steps - first, dataset_size=len(self.train_dataset))
+        self.log(metrics)  # adds epoch, as Hugging Face's
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if args.push_to_hub and self.is_world_process_zero():
             self.push_to_hub()
@@ -355,16 +391,18 @@ class DPTrainer:
             )
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
-    def log(self, logs: dict[str, float]) -> None:
-        """Record ``logs`` in the state's history and send them to the callbacks (``on_log``)."""
-        logs = {**logs, "epoch": self.state.epoch}
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add ``epoch`` to ``logs`` in place (as Hugging Face's), record them in the history, send them ``on_log``."""
+        if self.state.epoch is not None:
+            logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
     # -- saving ----------------------------------------------------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None) -> Path:
-        """Save the trained weights, the tokenizer and ``accountant.json`` to ``output_dir``.
+        """Save the trained weights, the tokenizer, ``accountant.json`` and the model card (``README.md``, which
+        states the guarantee; for a PEFT adapter it replaces peft's generic card) to ``output_dir``.
 
         Nothing secret is written: no keys, noise, optimizer or sampler state.
         """
@@ -376,15 +414,21 @@ class DPTrainer:
         checkpointing.save_weights(self.model, self.processing_class, folder, safe=self.args.save_safetensors)
         if self._plan is not None and self._plan.accounted:
             checkpointing.write_accountant(folder, self.args, self._plan, self._ledger)
+        write_trainer_card(self, folder)
         return folder
 
-    def push_to_hub(self, repo_id: str | None = None) -> object:
-        """Save the model to ``output_dir`` and upload its publishable files (never ``runs/``, keys or checkpoints)."""
-        from opake_torch.hub import push_to_hub
+    def create_model_card(self, **kwargs: Any) -> None:
+        """Hugging Face's ``create_model_card(language, license, tags, model_name, finetuned_from, tasks, ...)``:
+        ``README.md`` in ``output_dir`` stating the guarantee (:func:`.model_card.write_trainer_card`)."""
+        if self.is_world_process_zero():
+            write_trainer_card(self, Path(self.args.output_dir), **kwargs)
 
-        folder = self.save_model()
-        repo = repo_id or self.args.hub_model_id or Path(self.args.output_dir).name
-        return push_to_hub(folder, repo, token=self.args.hub_token, private=self.args.hub_private_repo is not False)
+    def push_to_hub(self, commit_message: str | None = "End of training", **kwargs: Any) -> object:
+        """Save the model and its card, upload the publishable files, with Hugging Face's arguments
+        (:func:`opake_torch.hub.push_trainer`)."""
+        from opake_torch.hub import push_trainer
+
+        return push_trainer(self, commit_message=commit_message, **kwargs)
 
     # -- evaluation ------------------------------------------------------------------------------------------------
 
@@ -438,4 +482,9 @@ class DPTrainer:
         self.callback_handler.remove_callback(callback)
 
     def is_world_process_zero(self) -> bool:
+        """Whether this is the global main process (rank 0)."""
         return self.args.process_index == 0
+
+    def is_local_process_zero(self) -> bool:
+        """Whether this is the main process of its machine (local rank 0)."""
+        return self.args.local_process_index == 0

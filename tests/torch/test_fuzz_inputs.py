@@ -1,6 +1,7 @@
 """Fuzzing the two front doors, ``TrainingArguments`` (with the privacy plan it resolves to) and the ``opake`` CLI,
 with random bad input: every case ends in one of Opake's own errors (or a clean argparse usage error) within 30 s,
-never in a raw exception from inside torch, transformers or dp-accounting, and never in a hang.
+never in a raw exception from inside torch, transformers or dp-accounting, and never in a hang. The argument names
+include Hugging Face's and Opacus' (honoured, aliased, inert and refused ones) and an unknown name.
 
 The cases come from a seeded generator, so a failure replays: the assertion message holds the case.
 """
@@ -18,7 +19,7 @@ import pytest
 
 from opake_core.errors import OpakeError
 from opake_torch.cli import main
-from opake_torch.transformers import TrainingArguments
+from opake_torch.transformers import TrainingArguments, arguments
 from opake_torch.transformers.privacy import build_plan
 
 CASES = 240
@@ -35,6 +36,11 @@ FIELDS = [
     "sampling_mode", "sampling_kwargs", "privacy_noise_seed", "privacy_noise_generator", "privacy_allow_large_delta",
     "logging_steps", "save_steps", "eval_steps", "save_total_limit", "label_smoothing_factor", "max_length",
     "pad_to_multiple_of", "seed", "cuda_graphs", "per_example_gradients", "torch_compile_mode",
+    # Hugging Face and Opacus names (see opake_torch/transformers/_from_hf.py), and one that does not exist
+    "tf32", "log_level", "log_on_each_node", "gradient_checkpointing_kwargs", "do_train", "project",
+    "lr_scheduler_type", "max_grad_norm", "auto_find_batch_size", "target_epsilon", "target_delta",
+    "gradient_accumulation_steps", "train_sampling_strategy", "fp16", "dataloader_prefetch_factor",
+    "no_such_argument",
 ]  # fmt: skip
 BASE = {"max_steps": 4, "privacy_noise_multiplier": 1.0, "use_cpu": True, "per_device_train_batch_size": 8}
 CLI_FLAGS = {
@@ -91,7 +97,8 @@ def _cli_cases(gen: np.random.Generator) -> list[list[str]]:
     return cases
 
 
-def test_bad_training_arguments_fail_clearly(tmp_path):
+def test_bad_training_arguments_fail_clearly(tmp_path, monkeypatch):
+    monkeypatch.setattr(arguments, "_set_tf32", lambda enabled: None)  # tf32=True would switch the process's TF32
     outcomes = {"refused": 0, "planned": 0}
     for kwargs in _argument_cases(np.random.default_rng(2026)):
         try:

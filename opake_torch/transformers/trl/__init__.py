@@ -1,8 +1,11 @@
 """Private SFT and DPO with TRL-compatible configs and data formats.
 
 The privacy unit is one training example: one text or conversation for SFT, one (prompt, chosen, rejected) pair for
-DPO. ``SFTConfig`` and ``DPOConfig`` need neither ``trl`` nor ``transformers``; only their ``from_trl`` converters
-import ``trl`` (the ``opake[trl]`` extra). The trainers import ``transformers`` when first accessed.
+DPO. ``SFTConfig`` and ``DPOConfig`` accept every field name of ``trl.SFTConfig`` / ``trl.DPOConfig`` (honoured,
+renamed, inert with a warning, or refused with the reason) and need neither ``trl`` nor ``transformers``; only their
+``from_trl`` converters import ``trl`` (the ``opake[trl]`` extra), which the trainers also use on a real TRL config
+passed as ``args``. The trainers import ``transformers`` when first accessed; besides the loss they compute TRL's log
+metrics per example (:mod:`opake_torch.transformers.trl.metrics`, outside the guarantee).
 """
 
 from typing import Any

@@ -1,32 +1,75 @@
-"""``SFTConfig`` and ``DPOConfig``: :class:`TrainingArguments` plus the TRL fields that keep their meaning under DP.
+"""``SFTConfig`` and ``DPOConfig``: :class:`TrainingArguments` plus every field name of ``trl.SFTConfig`` /
+``trl.DPOConfig``.
 
 The privacy unit is one training example: one text, one conversation, one (prompt, completion) pair, one
 (prompt, chosen, rejected) preference triple. Every field here is validated so that a row of the dataset stays one
 example: packing and padding-free batching (which put several examples into one row) are refused, and losses that
 couple the examples of a batch (TRL's ``aot`` sorts log-ratios across the batch) are refused too.
 
+Every name that TRL adds to ``transformers.TrainingArguments`` is in one of the tables :data:`SFT_NAMES` /
+:data:`DPO_NAMES`, and a test checks them against the installed ``trl``, so that a new upstream field fails a test
+rather than a user. Each name is:
+
+- ``field``: a field of the Opake class with TRL's meaning (``beta``, ``loss_type``, ``dataset_text_field`` ...);
+- ``alias``: another name for one of the fields (``chat_template_path`` is ``chat_template``);
+- ``inert``: accepted, with no effect on a private run; a value other than TRL's default warns (``RuntimeWarning``);
+- ``refused``: a value other than TRL's default (or the listed accepted values) raises ``ConfigurationError`` with
+  why, under DP, and what to use instead.
+
+The Hugging Face names (``transformers.TrainingArguments``) are the base class's business. A name that neither knows
+raises ``ConfigurationError`` with a "did you mean" hint.
+
 Constructing either class never imports ``trl``. :meth:`SFTConfig.from_trl` / :meth:`DPOConfig.from_trl` import it
-lazily and reuse :func:`opake_torch.transformers._from_hf.from_hf` for the Hugging Face fields; the TRL fields go
-through the tables below (``*_TRL_RENAME``, ``*_TRL_DIRECT``, ``*_TRL_REFUSE``, ``*_TRL_DROP``).
+lazily, reuse :func:`opake_torch.transformers._from_hf.from_hf` for the Hugging Face fields and apply the same tables
+to the TRL fields (inert ones are dropped with a ``RuntimeWarning``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
+import math
 import os
 import warnings
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from opake_core.errors import ConfigurationError
+from opake_torch.transformers import _from_hf as hf
 from opake_torch.transformers import _parsing as p
 from opake_torch.transformers.arguments import TrainingArguments
 
-__all__ = ["DPO_LOSS_TYPES", "SFT_LOSS_TYPES", "DPOConfig", "SFTConfig"]
+__all__ = [
+    "DPO_LOSS_TYPES",
+    "DPO_NAMES",
+    "DPO_REFUSED_LOSSES",
+    "SFT_LOSS_TYPES",
+    "SFT_NAMES",
+    "DPOConfig",
+    "SFTConfig",
+    "TRLName",
+]
 
 SFT_LOSS_TYPES = ("nll", "dft", "chunked_nll")
-DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
+# TRL's per-pair DPO losses (trl/trainer/dpo_trainer.py, TRL 1.16): each is a function of one pair's four
+# log-probabilities (and, for ipo / sigmoid_norm, its completion lengths); see opake_torch.transformers.trl.dpo.
+DPO_LOSS_TYPES = (
+    "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
+    "discopop", "sigmoid_norm",
+)  # fmt: skip
+_COUPLED = "so one example's loss depends on the other examples of the batch and its gradient cannot be clipped alone"
+# TRL's DPO losses that are not per-pair, and why.
+DPO_REFUSED_LOSSES = {
+    "aot": f"sorts log-ratios across the batch, {_COUPLED}",
+    "aot_unpaired": f"sorts log-ratios across the batch, {_COUPLED}",
+    "sft": (
+        "is TRL's mean over the chosen tokens of the whole batch (a token-level normalization across examples), "
+        f"{_COUPLED}; train SFT on the chosen completions with SFTTrainer instead"
+    ),
+}
+# DPO losses that read label_smoothing (TRL ignores it for the others).
+_SMOOTHED = ("robust", "exo_pair")
 
 _ONE_ROW_ONE_EXAMPLE = (
     "one row must be one example: {name} puts several examples into one row, so one example's gradient could no "
@@ -58,6 +101,203 @@ def _resolve_chat_template(value: Any) -> str | None:
     return text
 
 
+# -- the TRL names -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TRLName:
+    """What the Opake config does with one TRL field name (module docstring).
+
+    ``default``: TRL's default, accepted silently by ``inert`` and ``refused`` names; ``accepted``: other values a
+    ``refused`` name accepts; ``why`` / ``instead``: the reason (inert: why it has no effect; refused: why under DP)
+    and what to do instead.
+    """
+
+    kind: str
+    default: Any = None
+    target: str | None = None
+    why: str = ""
+    instead: str = ""
+    accepted: tuple[Any, ...] = ()
+
+    def allows(self, value: Any) -> bool:
+        return _same(value, self.default) or any(_same(value, other) for other in self.accepted)
+
+    def refusal(self, name: str, value: Any) -> str:
+        return f"{name}={p.plain(value)!r} {{verb}}: {self.why}. Instead, {self.instead}."
+
+
+def _field() -> TRLName:
+    return TRLName("field")
+
+
+def _alias(target: str) -> TRLName:
+    return TRLName("alias", target=target)
+
+
+def _inert(default: Any, why: str) -> TRLName:
+    return TRLName("inert", default=default, why=why)
+
+
+def _refused(default: Any, why: str, instead: str, accepted: tuple[Any, ...] = ()) -> TRLName:
+    return TRLName("refused", default=default, why=why, instead=instead, accepted=accepted)
+
+
+def _same(value: Any, default: Any) -> bool:
+    value, default = p.plain(value), p.plain(default)
+    if value == default:
+        return True
+    empty = (None, "", False, [], {}, ())
+    return value in empty and default in empty
+
+
+_LOADS = (
+    "the private trainers take a model object, not a name to load; load the model (with these settings) yourself "
+    "and pass it as model="
+)
+_PER_ROW = "rows are formatted once, in this process, when the trainer is built; pre-tokenized rows are used as given"
+_OFFLOAD = "activations are not offloaded to the CPU; bound memory with microbatch_size and gradient_checkpointing"
+_PACK = (
+    "one row must be one example: packing puts several examples into one row, so one example's gradient could no "
+    "longer be clipped on its own and the privacy unit would be lost"
+)
+_PAD_FREE = (
+    "one row must be one example: padding-free batching flattens several examples into one row, so one example's "
+    "gradient could no longer be clipped on its own and the privacy unit would be lost"
+)
+_BOUND_PADDING = "(pad_to_multiple_of bounds padding waste)"
+_SHUFFLE = (
+    "the DP sampler owns the order and composition of batches (Poisson sampling draws every example independently); "
+    "a shuffle the accountant does not see would not be part of the guarantee"
+)
+_KEEP_END = "only keep-start truncation is implemented (TRL deprecates keep_end)"
+_PAD_TOKEN = "TRL deprecates it (1.1), and the private trainers never mutate the tokenizer from the config"
+_AUX = (
+    "the MoE load-balancing loss is computed over all the tokens routed in a batch, so one example's loss would "
+    "depend on the others and its gradient could not be clipped alone"
+)
+_NOT_IMPL = "this variant of the DPO loss is not implemented in the private trainer"
+_TRDPO = "it only serves sync_ref_model (TR-DPO), which is refused"
+
+SFT_NAMES: dict[str, TRLName] = {
+    "model_init_kwargs": _inert(None, _LOADS),
+    "trust_remote_code": _inert(False, _LOADS),
+    "router_aux_loss_coef": _refused(None, _AUX, "leave router_aux_loss_coef=None (no auxiliary loss is added)"),
+    "chat_template_path": _alias("chat_template"),
+    "dataset_text_field": _field(),
+    "dataset_kwargs": _inert(None, _PER_ROW),
+    "dataset_num_proc": _inert(None, _PER_ROW),
+    "eos_token": _field(),
+    "max_length": _field(),
+    "truncation_mode": _refused("keep_start", _KEEP_END, "shorten the prompts or raise max_length"),
+    "shuffle_dataset": _refused(False, _SHUFFLE, "leave shuffle_dataset=False"),
+    "packing": _refused(False, _PACK, f"set packing=False {_BOUND_PADDING}"),
+    "packing_strategy": _inert("bfd", "it only serves packing, which is refused (one row must be one example)"),
+    "padding_free": _refused(False, _PAD_FREE, f"set padding_free=False {_BOUND_PADDING}"),
+    "pad_to_multiple_of": _field(),  # TRL's "auto" is None off Neuron
+    "eval_packing": _refused(None, _PACK, "leave eval_packing unset (or False)", accepted=(False,)),
+    "completion_only_loss": _field(),
+    "assistant_only_loss": _field(),
+    "loss_type": _field(),
+    "activation_offloading": _inert(False, _OFFLOAD),
+    "pad_token": _refused(None, _PAD_TOKEN, "set pad_token on the tokenizer you pass as processing_class"),
+}
+DPO_NAMES: dict[str, TRLName] = {
+    "model_init_kwargs": _inert(None, _LOADS),
+    "trust_remote_code": _inert(False, _LOADS),
+    "router_aux_loss_coef": _refused(None, _AUX, "leave router_aux_loss_coef=None (no auxiliary loss is added)"),
+    "disable_dropout": _field(),
+    "dataset_num_proc": _inert(None, _PER_ROW),
+    "max_length": _field(),
+    "truncation_mode": _refused("keep_start", _KEEP_END, "shorten the prompts or raise max_length"),
+    "padding_free": _refused(False, _PAD_FREE, f"set padding_free=False {_BOUND_PADDING}"),
+    "pad_to_multiple_of": _field(),
+    "precompute_ref_log_probs": _field(),
+    "precompute_ref_batch_size": _field(),
+    "loss_type": _field(),
+    "loss_weights": _refused(
+        None,
+        "a weighted combination of DPO losses (TRL's MPO) is not implemented in the private trainer",
+        "pick one loss_type",
+    ),
+    "ld_alpha": _refused(None, _NOT_IMPL + " (LD-DPO's length desensitization)", "leave ld_alpha=None"),
+    "f_divergence_type": _refused(
+        "reverse_kl", _NOT_IMPL + " (f-DPO's divergences)", "use f_divergence_type='reverse_kl' (standard DPO)"
+    ),
+    "f_alpha_divergence_coef": _inert(0.5, "it only serves f_divergence_type='alpha_divergence', which is refused"),
+    "label_smoothing": _field(),
+    "beta": _field(),
+    "use_weighting": _refused(False, _NOT_IMPL + " (WPO weighting)", "leave use_weighting=False"),
+    "discopop_tau": _field(),
+    "activation_offloading": _inert(False, _OFFLOAD),
+    "sync_ref_model": _refused(
+        False,
+        "TR-DPO reference syncing is not implemented in the private trainer",
+        "keep the reference fixed (sync_ref_model=False)",
+    ),
+    "ref_model_mixup_alpha": _inert(0.6, _TRDPO),
+    "ref_model_sync_steps": _inert(512, _TRDPO),
+    "pad_token": _refused(None, _PAD_TOKEN, "set pad_token on the tokenizer you pass as processing_class"),
+}
+
+
+def _check_known(cls: type, name: str, names: dict[str, TRLName]) -> None:
+    """A name that is neither a field, a TRL name nor a Hugging Face name: ``ConfigurationError`` with the closest
+    TRL names when there are some (the base class hints at its own names otherwise)."""
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    if name in fields or name in hf.ALIASES or name in hf.REFUSED or name in hf.INERT:
+        return
+    close = difflib.get_close_matches(name, [n for n in names if n not in fields], n=3, cutoff=0.6)
+    if close:
+        raise ConfigurationError(
+            f"{cls.__name__} got an unknown argument {name!r}. Did you mean {' or '.join(map(repr, close))} (a "
+            f"trl.{cls.__name__} name)? Every accepted TRL name is listed in docs/sft-dpo.md."
+        )
+
+
+def _translate(cls: type, kwargs: dict[str, Any], names: dict[str, TRLName]) -> dict[str, Any]:
+    """``kwargs`` with the TRL names resolved: aliases renamed, inert names dropped (warning when set), refused
+    names checked and dropped, TRL's ``"auto"`` / ``None`` spellings of shared fields made concrete."""
+    out = dict(kwargs)
+    for name, value in kwargs.items():
+        rule = names.get(name)
+        if rule is None:
+            _check_known(cls, name, names)
+            continue
+        if rule.kind == "field":
+            continue
+        del out[name]
+        if rule.kind == "alias":
+            if rule.target in kwargs and not _same(kwargs[rule.target], value) and value is not None:
+                raise ConfigurationError(
+                    f"{cls.__name__} got both {name}={value!r} and {rule.target}={kwargs[rule.target]!r}; "
+                    f"{name} is TRL's name for {rule.target}: pass one of them."
+                )
+            if value is not None:
+                out[rule.target] = value
+        elif rule.kind == "inert":
+            if not _same(value, rule.default):
+                warnings.warn(
+                    f"{cls.__name__}: {name}={p.plain(value)!r} has no effect: {rule.why}.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+        elif not rule.allows(value):
+            raise ConfigurationError(rule.refusal(name, value).format(verb="is refused"))
+    if p.plain(out.get("pad_to_multiple_of")) == "auto":
+        out["pad_to_multiple_of"] = None  # TRL: pad to a multiple of 128 on Neuron only
+    if "bf16" in out and out["bf16"] is None:
+        out["bf16"] = False  # TRL's "auto"; a private run chooses its precision explicitly
+    return out
+
+
+def _base_translate(owner: type, cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The Hugging Face names through :class:`TrainingArguments`'s own translation (which also refuses unknown names
+    with a hint)."""
+    base = getattr(super(owner, cls), "_translate_kwargs", None)
+    return base(kwargs) if base is not None else kwargs
+
+
 @dataclass
 class SFTConfig(TrainingArguments):
     """Arguments of private supervised fine-tuning; see ``docs/sft-dpo.md``.
@@ -69,13 +309,16 @@ class SFTConfig(TrainingArguments):
             prompt-completion data, False otherwise.
         assistant_only_loss: for conversational data, train on assistant turns only; the chat template must mark
             them with ``{% generation %}``.
-        chat_template: a Jinja chat template (the text or a file path) set on the tokenizer before formatting.
+        chat_template: a Jinja chat template (the text or a file path) set on the tokenizer before formatting;
+            TRL's ``chat_template_path`` is accepted as another name for it.
         eos_token: the token appended to non-conversational text; None uses the tokenizer's.
         loss_type: ``"nll"`` (mask-aware mean cross-entropy per example), ``"dft"`` (cross-entropy weighted by the
             detached target probability, arXiv 2508.05629) or ``"chunked_nll"`` (``"nll"`` computed from hidden
             states without the full ``[T, V]`` logits, see :mod:`opake_torch.transformers.trl.chunked_nll`).
         loss_chunk_size: positions per chunk for ``"chunked_nll"``.
         packing, padding_free: accepted for TRL compatibility, refused when True.
+
+    Every other ``trl.SFTConfig`` name is accepted as :data:`SFT_NAMES` says.
     """
 
     _: KW_ONLY
@@ -91,6 +334,13 @@ class SFTConfig(TrainingArguments):
     loss_chunk_size: int = 256
     packing: bool = False
     padding_free: bool = False
+
+    _trl_names = SFT_NAMES
+
+    @classmethod
+    def _translate_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Resolve the TRL names of ``kwargs`` (:data:`SFT_NAMES`), then the Hugging Face ones (the base class)."""
+        return _base_translate(SFTConfig, cls, _translate(cls, kwargs, SFT_NAMES))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -122,11 +372,34 @@ class SFTConfig(TrainingArguments):
         Raises:
             TypeError: ``trl_args`` is not a ``trl.SFTConfig``.
             PrivacyBudgetError: no ``privacy_noise_multiplier`` / ``privacy_target_epsilon`` in ``overrides``.
-            ValueError: a field whose TRL meaning breaks the one-row-one-example unit (packing...), with the reason.
+            ConfigurationError: a field whose TRL meaning breaks the one-row-one-example unit (packing...), with the
+                reason (a ``ValueError``).
         """
         import trl
 
-        return _from_trl(cls, trl_args, trl.SFTConfig, SFT_TABLES, strict=strict, overrides=overrides)
+        return _from_trl(cls, trl_args, trl.SFTConfig, SFT_NAMES, strict=strict, overrides=overrides)
+
+
+def _dpo_loss_type(value: Any) -> str:
+    loss = p.plain(value)
+    if isinstance(loss, list | tuple):
+        refused = [name for name in loss if name in DPO_REFUSED_LOSSES]
+        if len(loss) != 1:
+            why = f"; besides, {refused[0]!r} {DPO_REFUSED_LOSSES[refused[0]]}" if refused else ""
+            raise ConfigurationError(
+                f"loss_type={list(loss)!r}: a combination of DPO losses (TRL's MPO) is not supported{why}. Pick one of "
+                f"{list(DPO_LOSS_TYPES)}."
+            )
+        loss = loss[0]
+    if loss in DPO_REFUSED_LOSSES:
+        raise ConfigurationError(
+            f"loss_type={loss!r} {DPO_REFUSED_LOSSES[loss]}. Use one of the per-pair losses {list(DPO_LOSS_TYPES)}."
+        )
+    if loss not in DPO_LOSS_TYPES:
+        close = difflib.get_close_matches(str(loss), DPO_LOSS_TYPES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigurationError(f"loss_type must be one of {list(DPO_LOSS_TYPES)}, got {value!r}{hint}.")
+    return loss
 
 
 @dataclass
@@ -136,9 +409,12 @@ class DPOConfig(TrainingArguments):
     Args (beyond :class:`TrainingArguments`):
         max_length: tokens kept per prompt + completion sequence (keep-start truncation).
         beta: the DPO temperature (the KL weight; IPO's tau).
-        loss_type: ``"sigmoid"`` (DPO, arXiv 2305.18290 eq. 7), ``"hinge"`` (SLiC, arXiv 2305.10425) or ``"ipo"``
-            (arXiv 2310.12036 eq. 17, log-ratios averaged over completion tokens as TRL does). A one-element list is
-            accepted for TRL compatibility.
+        loss_type: one of :data:`DPO_LOSS_TYPES`, TRL's per-pair losses with TRL's formulas (see
+            :func:`opake_torch.transformers.trl.dpo.dpo_loss`). A one-element list is accepted for TRL
+            compatibility; the losses of :data:`DPO_REFUSED_LOSSES` couple the examples of a batch and are refused.
+        label_smoothing: the flip probability of ``"robust"`` (in [0, 0.5)) and the epsilon of ``"exo_pair"`` (in
+            (0, 1)); as in TRL, the other losses ignore it (a non-zero value warns).
+        discopop_tau: the temperature of ``"discopop"`` (TRL's default 0.05).
         precompute_ref_log_probs: score every example with the reference once, at construction, and store the
             results as the ``ref_chosen_logps`` / ``ref_rejected_logps`` columns; False runs the reference in every
             step.
@@ -146,6 +422,8 @@ class DPOConfig(TrainingArguments):
         disable_dropout: set every dropout probability of the policy and the reference to 0.
         chat_template: a Jinja chat template (the text or a file path) set on the tokenizer before formatting.
         padding_free: accepted for TRL compatibility, refused when True.
+
+    Every other ``trl.DPOConfig`` name is accepted as :data:`DPO_NAMES` says.
     """
 
     _: KW_ONLY
@@ -154,35 +432,34 @@ class DPOConfig(TrainingArguments):
     max_length: int | None = 1024
     beta: float = 0.1
     loss_type: str | list[str] = "sigmoid"
+    label_smoothing: float = 0.0
+    discopop_tau: float = 0.05
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None
     disable_dropout: bool = True
     chat_template: str | None = None
     padding_free: bool = False
 
+    _trl_names = DPO_NAMES
+
+    @classmethod
+    def _translate_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Resolve the TRL names of ``kwargs`` (:data:`DPO_NAMES`), then the Hugging Face ones (the base class)."""
+        return _base_translate(DPOConfig, cls, _translate(cls, kwargs, DPO_NAMES))
+
     def __post_init__(self) -> None:
         super().__post_init__()
         _refuse_packing("padding_free", self.padding_free)
-        loss = self.loss_type
-        if isinstance(loss, list | tuple):
-            if len(loss) != 1:
-                raise ConfigurationError(
-                    f"loss_type={loss!r}: a combination of DPO losses (TRL's MPO) is not supported; pick one of "
-                    f"{list(DPO_LOSS_TYPES)}."
-                )
-            loss = loss[0]
-        if loss in ("aot", "aot_unpaired"):
-            raise ConfigurationError(
-                f"loss_type={loss!r} sorts log-ratios across the batch, so one example's loss depends on the others "
-                f"and its gradient cannot be clipped alone. Use one of {list(DPO_LOSS_TYPES)}."
-            )
-        if loss not in DPO_LOSS_TYPES:
-            raise ConfigurationError(f"loss_type must be one of {list(DPO_LOSS_TYPES)}, got {self.loss_type!r}.")
-        self.loss_type = loss
+        self.loss_type = _dpo_loss_type(self.loss_type)
         beta = p.as_number(self.beta, "beta")
         if not 0 < beta < float("inf"):
             raise ConfigurationError(f"beta must be a positive finite number, got {self.beta!r}; TRL's default is 0.1.")
         self.beta = float(beta)
+        self._resolve_label_smoothing()
+        tau = p.as_number(self.discopop_tau, "discopop_tau")
+        if not 0 < tau < math.inf:
+            raise ConfigurationError(f"discopop_tau must be a positive finite number, got {self.discopop_tau!r}.")
+        self.discopop_tau = float(tau)
         self.precompute_ref_batch_size = p.as_optional_positive_int(
             self.precompute_ref_batch_size, "precompute_ref_batch_size"
         )
@@ -191,6 +468,30 @@ class DPOConfig(TrainingArguments):
                 raise ConfigurationError(f"{name} must be a bool, got {getattr(self, name)!r}.")
         self.chat_template = _resolve_chat_template(self.chat_template)
 
+    def _resolve_label_smoothing(self) -> None:
+        smoothing = float(p.as_number(self.label_smoothing, "label_smoothing"))
+        loss = self.loss_type
+        if loss == "robust" and not 0 <= smoothing < 0.5:
+            raise ConfigurationError(
+                f"label_smoothing={smoothing!r} with loss_type='robust' is the probability that a preference label is "
+                "flipped and must lie in [0, 0.5) (the loss divides by 1 - 2 * label_smoothing); e.g. 0.1."
+            )
+        if loss == "exo_pair" and not 0 < smoothing < 1:
+            raise ConfigurationError(
+                f"label_smoothing={smoothing!r} with loss_type='exo_pair' is EXO's epsilon and must lie in (0, 1) "
+                "(the loss takes log(epsilon)); the EXO paper recommends 1e-3."
+            )
+        if not 0 <= smoothing < 1:
+            raise ConfigurationError(f"label_smoothing must be in [0, 1), got {smoothing!r}.")
+        if smoothing and loss not in _SMOOTHED:
+            warnings.warn(
+                f"DPOConfig: label_smoothing={smoothing!r} has no effect with loss_type={loss!r}: as in TRL, only "
+                f"{list(_SMOOTHED)} read it.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+        self.label_smoothing = smoothing
+
     @classmethod
     def from_trl(cls, trl_args: Any, *, strict: bool = True, **overrides: Any) -> DPOConfig:
         """Convert a ``trl.DPOConfig`` like :meth:`TrainingArguments.from_hf` (a DP knob must be in ``overrides``).
@@ -198,80 +499,23 @@ class DPOConfig(TrainingArguments):
         Raises:
             TypeError: ``trl_args`` is not a ``trl.DPOConfig``.
             PrivacyBudgetError: no ``privacy_noise_multiplier`` / ``privacy_target_epsilon`` in ``overrides``.
-            ValueError: a field set to a value without a private counterpart (with the reason).
-            ConfigurationError: a ``loss_type`` outside :data:`DPO_LOSS_TYPES`.
+            ConfigurationError: a field set to a value without a private counterpart (with the reason), or a
+                ``loss_type`` outside :data:`DPO_LOSS_TYPES`.
         """
         import trl
 
-        return _from_trl(cls, trl_args, trl.DPOConfig, DPO_TABLES, strict=strict, overrides=overrides)
+        return _from_trl(cls, trl_args, trl.DPOConfig, DPO_NAMES, strict=strict, overrides=overrides)
 
 
 # -- from_trl ----------------------------------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class _Tables:
-    """How each TRL-only field converts: copied, renamed, refused when set (with the reason), or dropped."""
-
-    direct: tuple[str, ...]
-    rename: dict[str, str]
-    refuse: dict[str, str]
-    drop: tuple[str, ...]
-
-
-_PACK = "one row must be one example; packing mixes examples, so one example's gradient could not be clipped alone"
-_SHUFFLE = "the DP Poisson sampler owns the order and composition of batches"
-_KEEP_END = "only keep-start truncation is implemented; shorten the prompts or raise max_length"
-_PAD_TOKEN = "set pad_token on the tokenizer you pass as processing_class; padding never reaches the per-example loss"
-_AUX = "the MoE router auxiliary loss is not implemented per example"
-_NOT_IMPL = "this variant of the DPO loss is not implemented in the private trainer; use loss_type in "
-_NOT_IMPL += str(list(DPO_LOSS_TYPES))
-_TRDPO = "TR-DPO reference syncing is not implemented in the private trainer"
-
-SFT_TABLES = _Tables(
-    direct=("dataset_text_field", "completion_only_loss", "assistant_only_loss", "eos_token", "loss_type"),
-    rename={"chat_template_path": "chat_template"},
-    refuse={
-        "packing": _PACK,
-        "padding_free": _PACK,
-        "eval_packing": _PACK,
-        "shuffle_dataset": _SHUFFLE,
-        "truncation_mode": _KEEP_END,
-        "pad_token": _PAD_TOKEN,
-        "router_aux_loss_coef": _AUX,
-    },
-    drop=(
-        "model_init_kwargs", "trust_remote_code", "dataset_kwargs", "dataset_num_proc", "packing_strategy",
-        "activation_offloading",
-    ),
-)  # fmt: skip
-DPO_TABLES = _Tables(
-    direct=("beta", "loss_type", "precompute_ref_log_probs", "precompute_ref_batch_size", "disable_dropout"),
-    rename={},
-    refuse={
-        "padding_free": _PACK,
-        "truncation_mode": _KEEP_END,
-        "pad_token": _PAD_TOKEN,
-        "router_aux_loss_coef": _AUX,
-        "loss_weights": _NOT_IMPL,
-        "ld_alpha": _NOT_IMPL,
-        "f_divergence_type": _NOT_IMPL,
-        "label_smoothing": _NOT_IMPL,
-        "use_weighting": _NOT_IMPL,
-        "sync_ref_model": _TRDPO,
-    },
-    drop=(
-        "model_init_kwargs", "trust_remote_code", "dataset_num_proc", "activation_offloading", "discopop_tau",
-        "f_alpha_divergence_coef", "ref_model_mixup_alpha", "ref_model_sync_steps",
-    ),
-)  # fmt: skip
 # Fields that TRL redefines on top of transformers.TrainingArguments, converted here rather than by from_hf.
 _SHARED = ("max_length", "pad_to_multiple_of", "bf16", "gradient_checkpointing")
 
 
-def _from_trl(cls: type, trl_args: Any, trl_cls: type, tables: _Tables, *, strict: bool, overrides: dict) -> Any:
-    from opake_torch.transformers._from_hf import _field_values, _is_default, from_hf
-
+def _from_trl(
+    cls: type, trl_args: Any, trl_cls: type, names: dict[str, TRLName], *, strict: bool, overrides: dict
+) -> Any:
     if not isinstance(trl_args, trl_cls):
         raise TypeError(
             f"{cls.__name__}.from_trl expects a trl.{trl_cls.__name__}, got {type(trl_args).__name__}. Use "
@@ -280,49 +524,47 @@ def _from_trl(cls: type, trl_args: Any, trl_cls: type, tables: _Tables, *, stric
     import transformers
 
     hf_names = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
-    fields = _field_values(trl_args)
+    fields = hf._field_values(trl_args)
     own = {n: fv for n, fv in fields.items() if n not in hf_names}
-    known = set(tables.direct) | set(tables.rename) | set(tables.refuse) | set(tables.drop)
 
-    for name, reason in tables.refuse.items():
-        if name in own and not _is_default(*own[name]):
-            raise ValueError(f"{name}={p.plain(own[name][0])!r} cannot be converted: {reason}.")
+    for name, rule in names.items():
+        if rule.kind == "refused" and name in own and not rule.allows(own[name][0]):
+            raise ConfigurationError(rule.refusal(name, own[name][0]).format(verb="cannot be converted"))
 
     out: dict[str, Any] = {}
-    for name in tables.direct:
-        if name in own:
+    for name, rule in names.items():
+        if name not in own or name in _SHARED:
+            continue
+        if rule.kind == "field":
             out[name] = p.plain(own[name][0])
-    for old, new in tables.rename.items():
-        if old in own and own[old][0] is not None:
-            out[new] = p.plain(own[old][0])
-    max_length = fields.get("max_length", (1024, None))[0]
-    out["max_length"] = max_length
+        elif rule.kind == "alias" and own[name][0] is not None:
+            out[rule.target] = p.plain(own[name][0])
+    out["max_length"] = fields.get("max_length", (1024, None))[0]
     multiple = p.plain(fields.get("pad_to_multiple_of", (None, None))[0])
     out["pad_to_multiple_of"] = None if multiple == "auto" else multiple
     out["bf16"] = bool(getattr(trl_args, "bf16", False))  # TRL's None means "auto", resolved by its __post_init__
     out["gradient_checkpointing"] = bool(getattr(trl_args, "gradient_checkpointing", False))
-    if isinstance(out.get("loss_type"), list) and len(out["loss_type"]) == 1:
-        out["loss_type"] = out["loss_type"][0]
 
-    handled = known | set(own) | set(_SHARED)
+    handled = set(names) | set(own) | set(_SHARED)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        converted = from_hf(cls, trl_args, strict=strict, **{**out, **overrides})
-    for record in caught:  # from_hf does not know the TRL fields; report the HF ones it dropped
+        converted = hf.from_hf(cls, trl_args, strict=strict, **{**out, **overrides})
+    for record in caught:  # from_hf does not know the TRL fields; report the HF ones it dropped, and the rest
         text = str(record.message)
-        name = text.removeprefix("from_hf drops ").split("=", 1)[0]
-        if name not in handled:
-            warnings.warn(text.replace("from_hf", "from_trl", 1), record.category, stacklevel=3)
+        if text.startswith("from_hf drops "):
+            name = text.removeprefix("from_hf drops ").split("=", 1)[0]
+            if name in handled:
+                continue
+            text = text.replace("from_hf", "from_trl", 1)
+        warnings.warn(text, record.category, stacklevel=3)
     if strict:
-        for name in tables.drop:
-            if name in own and not _is_default(*own[name]):
+        for name, rule in names.items():
+            if rule.kind == "inert" and name in own and not _same(own[name][0], rule.default):
                 warnings.warn(
-                    f"from_trl drops {name}={p.plain(own[name][0])!r}: irrelevant to the private trainer.",
-                    RuntimeWarning,
-                    stacklevel=3,
+                    f"from_trl drops {name}={p.plain(own[name][0])!r}: {rule.why}.", RuntimeWarning, stacklevel=3
                 )
-        for name in sorted(set(own) - known - set(_SHARED)):
-            if not _is_default(*own[name]):
+        for name in sorted(set(own) - set(names) - set(_SHARED)):
+            if not _same(*own[name]):
                 warnings.warn(
                     f"from_trl drops {name}={p.plain(own[name][0])!r}: not translated by this version of Opake.",
                     RuntimeWarning,
@@ -331,7 +573,7 @@ def _from_trl(cls: type, trl_args: Any, trl_cls: type, tables: _Tables, *, stric
     return converted
 
 
-# ``TrainingArguments.__new__`` takes ``**kwargs``; keep help() and IDEs showing the real fields.
+# Keep help() and IDEs showing the real fields.
 for _cls in (SFTConfig, DPOConfig):
     _cls.__signature__ = inspect.signature(_cls.__init__).replace(
         parameters=list(inspect.signature(_cls.__init__).parameters.values())[1:]

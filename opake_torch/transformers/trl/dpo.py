@@ -9,18 +9,18 @@ Why the reference does not leak: the reference model is fixed before training an
 that row alone, used only inside that row's loss, so they are part of the row as far as the mechanism is concerned:
 whether they are precomputed once into the ``ref_chosen_logps`` / ``ref_rejected_logps`` columns or recomputed in every
 step, they reach the released model only through the clipped, noised gradient of their own row. They are never
-logged or saved. (A reference trained on the private data without DP would void this argument.)
+saved; the TRL log values that read them (``rewards/*``), like every logged statistic of the training data, are
+outside the guarantee. (A reference trained on the private data without DP would void this argument.)
 
-Losses, with ``d = (log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x))``:
-``sigmoid`` ``-log sigmoid(beta d)`` (Rafailov et al. 2023, arXiv 2305.18290, eq. 7); ``hinge`` ``max(0, 1 - beta d)``
-(SLiC, arXiv 2305.10425); ``ipo`` ``(d' - 1 / (2 beta))^2`` with ``d'`` the log-ratios averaged over completion tokens
-(Azar et al. 2023, arXiv 2310.12036, eq. 17, in TRL's length-normalized form).
+Losses: TRL's per-pair losses with TRL's formulas (:func:`dpo_loss`, :data:`~.config.DPO_LOSS_TYPES`); the losses
+that couple the pairs of a batch are refused by :class:`~.config.DPOConfig`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,8 +32,9 @@ from opake_core.errors import ConfigurationError
 from opake_torch.functional import functional_model
 from opake_torch.transformers.arguments import TrainingArguments
 from opake_torch.transformers.trainer import DPTrainer
-from opake_torch.transformers.trl.config import DPOConfig
+from opake_torch.transformers.trl.config import DPO_LOSS_TYPES, DPOConfig
 from opake_torch.transformers.trl.data import default_collator, preference_example
+from opake_torch.transformers.trl.metrics import TRLMetrics, dpo_example_metrics
 from opake_torch.transformers.trl.sft import prepare_model, prepare_tokenizer, upcast_args
 
 __all__ = ["DPOTrainer", "adapters_disabled", "dpo_loss", "sequence_logps"]
@@ -57,22 +58,68 @@ def dpo_loss(
     loss_type: str = "sigmoid",
     chosen_tokens: torch.Tensor | None = None,
     rejected_tokens: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    discopop_tau: float = 0.05,
 ) -> torch.Tensor:
-    """The DPO loss of one preference pair (or elementwise over a batch of pairs); see the module docstring.
+    """The DPO loss of one preference pair (or elementwise over a batch of pairs), TRL's formula for ``loss_type``.
 
-    ``chosen_tokens`` / ``rejected_tokens`` (completion token counts) are needed by ``"ipo"`` only.
+    With the log-ratios ``c = log pi(y_w|x) - log ref(y_w|x)``, ``r = log pi(y_l|x) - log ref(y_l|x)`` (summed over
+    completion tokens), ``d = c - r``, ``s = sigmoid``, ``e = label_smoothing``:
+
+    - ``sigmoid``: ``-log s(beta d)`` (DPO); ``hinge``: ``max(0, 1 - beta d)`` (SLiC);
+    - ``ipo``: ``(c / n_w - r / n_l - 1 / (2 beta))^2`` with the completion lengths ``n`` (TRL's length-normalized
+      IPO); ``sigmoid_norm``: ``-log s(beta (c / n_w - r / n_l))``;
+    - ``exo_pair``: ``q_w (log q_w - log(1 - e)) + q_l (log q_l - log e)`` with ``q_w = s(beta d)``,
+      ``q_l = s(-beta d)`` (EXO, arXiv 2402.00856 eq. 16);
+    - ``robust``: ``(-(1 - e) log s(beta d) + e log s(-beta d)) / (1 - 2 e)`` (arXiv 2403.00409);
+    - ``nca_pair``: ``-log s(beta c) - log s(-beta c) / 2 - log s(-beta r) / 2`` (arXiv 2402.05369);
+    - ``bco_pair``: ``-log s(beta c) - log s(-beta r)`` (TRL 1.16: no running reward mean, so it is per pair);
+    - ``sppo_hard``: ``(c - 1 / (2 beta))^2 + (r + 1 / (2 beta))^2`` (arXiv 2405.00675, hard labels);
+    - ``apo_zero``: ``1 - s(beta c) + s(beta r)``; ``apo_down``: ``s(beta c) + 1 - s(beta d)`` (arXiv 2408.06266);
+    - ``discopop``: ``-log s(beta d) (1 - m) + exp(-beta d) m`` with ``m = s(beta d / discopop_tau)``
+      (arXiv 2406.08414).
+
+    ``chosen_tokens`` / ``rejected_tokens`` (completion token counts) are needed by ``ipo`` and ``sigmoid_norm``.
     """
     chosen, rejected = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
-    if loss_type == "sigmoid":
-        return -F.logsigmoid(beta * (chosen - rejected))
-    if loss_type == "hinge":
-        return torch.relu(1 - beta * (chosen - rejected))
-    if loss_type == "ipo":
+    delta = chosen - rejected
+    if loss_type in ("ipo", "sigmoid_norm"):
         if chosen_tokens is None or rejected_tokens is None:
-            raise ConfigurationError("loss_type='ipo' needs chosen_tokens and rejected_tokens (completion lengths).")
-        delta = chosen / chosen_tokens.clamp(min=1) - rejected / rejected_tokens.clamp(min=1)
-        return (delta - 1 / (2 * beta)) ** 2
-    raise ConfigurationError(f"loss_type must be one of ['sigmoid', 'hinge', 'ipo'], got {loss_type!r}.")
+            raise ConfigurationError(
+                f"loss_type={loss_type!r} needs chosen_tokens and rejected_tokens (completion lengths)."
+            )
+        normalized = chosen / chosen_tokens.clamp(min=1) - rejected / rejected_tokens.clamp(min=1)
+        if loss_type == "ipo":
+            return (normalized - 1 / (2 * beta)) ** 2
+        return -F.logsigmoid(beta * normalized)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * delta)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * delta)
+    if loss_type == "exo_pair":
+        log_qw, log_ql = F.logsigmoid(beta * delta), F.logsigmoid(-beta * delta)
+        return log_qw.exp() * (log_qw - math.log1p(-label_smoothing)) + log_ql.exp() * (
+            log_ql - math.log(label_smoothing)
+        )
+    if loss_type == "robust":
+        clean = -(1 - label_smoothing) * F.logsigmoid(beta * delta)
+        flipped = -label_smoothing * F.logsigmoid(-beta * delta)
+        return (clean - flipped) / (1 - 2 * label_smoothing)
+    if loss_type == "nca_pair":
+        return -F.logsigmoid(beta * chosen) - 0.5 * F.logsigmoid(-beta * chosen) - 0.5 * F.logsigmoid(-beta * rejected)
+    if loss_type == "bco_pair":
+        return -F.logsigmoid(beta * chosen) - F.logsigmoid(-beta * rejected)
+    if loss_type == "sppo_hard":
+        return (chosen - 0.5 / beta) ** 2 + (rejected + 0.5 / beta) ** 2
+    if loss_type == "apo_zero":
+        return 1 - torch.sigmoid(beta * chosen) + torch.sigmoid(beta * rejected)
+    if loss_type == "apo_down":
+        return torch.sigmoid(beta * chosen) + 1 - torch.sigmoid(beta * delta)
+    if loss_type == "discopop":
+        logits = beta * delta
+        modulation = torch.sigmoid(logits / discopop_tau)
+        return -F.logsigmoid(logits) * (1 - modulation) + torch.exp(-logits) * modulation
+    raise ConfigurationError(f"loss_type must be one of {list(DPO_LOSS_TYPES)}, got {loss_type!r}.")
 
 
 def _is_peft(model: nn.Module) -> bool:
@@ -112,14 +159,21 @@ class DPOTrainer(DPTrainer):
         model: the policy, a causal LM object (PEFT models train their adapters only).
         ref_model: the frozen reference. None: for a PEFT policy, the base model with adapters disabled; otherwise a
             frozen deep copy of the initial policy. Must not be ``model`` itself.
-        args: :class:`DPOConfig`; a plain :class:`TrainingArguments` is upcast.
+        args: :class:`DPOConfig`; a plain :class:`TrainingArguments` is upcast, a ``trl.DPOConfig`` converted
+            (:func:`~opake_torch.transformers.trl.sft.upcast_args`).
         data_collator: defaults to right-padding every column (ids with the pad token, masks with 0).
         train_dataset, eval_dataset: rows with ``prompt`` / ``chosen`` / ``rejected`` (strings or message lists) or
             conversational ``chosen`` / ``rejected`` with an implicit prompt; formatted once here.
         processing_class: the tokenizer (a copy gets ``args.chat_template`` and an EOS pad fallback).
         peft_config: wrap ``model`` with ``peft.get_peft_model`` first.
         compute_metrics, callbacks, optimizers: as in :class:`DPTrainer`.
+
+    Besides the loss, :meth:`compute_per_example_loss_and_metrics` gives TRL's ``rewards/*``, ``logps/*``,
+    ``logits/*``, ``mean_token_accuracy``, ``entropy`` and ``num_tokens`` per pair
+    (:mod:`opake_torch.transformers.trl.metrics`; outside the guarantee).
     """
+
+    privacy_unit = "one preference pair (one prompt with its chosen and rejected completions)"
 
     def __init__(
         self,
@@ -217,25 +271,56 @@ class DPOTrainer(DPTrainer):
         self, params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """The DPO loss (``args.loss_type``) of one preference pair, from summed completion log-probabilities."""
-        policy, reference, tokens = {}, {}, {}
+        return self._pair(params, example)[0]
+
+    def compute_per_example_loss_and_metrics(
+        self, params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The pair's loss and its TRL log values (:func:`~opake_torch.transformers.trl.metrics.dpo_example_metrics`)
+        from the same forward passes. The values are detached statistics of the pair, outside the privacy guarantee.
+        """
+        loss, policy, reference, logits = self._pair(params, example)
+        metrics = dpo_example_metrics(
+            beta=self.args.beta,
+            policy=policy,
+            reference=reference,
+            logits=logits,
+            input_ids={side: example[f"{side}_input_ids"] for side in SIDES},
+            completion_mask={side: example[f"{side}_completion_mask"] for side in SIDES},
+            attention_mask={side: example[f"{side}_attention_mask"] for side in SIDES},
+        )
+        return loss, metrics
+
+    def _pair(self, params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+        """``(loss, policy logps, reference logps, policy logits)`` of one pair, per side."""
+        policy, reference, tokens, logits = {}, {}, {}, {}
         for side in SIDES:
             ids, completion = example[f"{side}_input_ids"], example[f"{side}_completion_mask"]
             inputs = {"input_ids": ids[None], "attention_mask": example[f"{side}_attention_mask"][None]}
-            policy[side] = sequence_logps(self.apply_model(params, **inputs).logits[0], ids, completion)
+            logits[side] = self.apply_model(params, **inputs).logits[0]
+            policy[side] = sequence_logps(logits[side], ids, completion)
             tokens[side] = completion.sum()
             if f"ref_{side}_logps" in example:
                 reference[side] = example[f"ref_{side}_logps"]
             else:
                 with torch.no_grad():
-                    logits = self._reference_logits(params, **inputs)[0]
-                    reference[side] = sequence_logps(logits, ids, completion).detach()
-        return dpo_loss(
+                    ref_logits = self._reference_logits(params, **inputs)[0]
+                    reference[side] = sequence_logps(ref_logits, ids, completion).detach()
+        args = self.args
+        loss = dpo_loss(
             policy["chosen"],
             policy["rejected"],
             reference["chosen"],
             reference["rejected"],
-            beta=self.args.beta,
-            loss_type=self.args.loss_type,
+            beta=args.beta,
+            loss_type=args.loss_type,
             chosen_tokens=tokens["chosen"],
             rejected_tokens=tokens["rejected"],
+            label_smoothing=args.label_smoothing,
+            discopop_tau=args.discopop_tau,
         )
+        return loss, policy, reference, logits
+
+    def example_metrics(self) -> TRLMetrics:
+        """A fresh accumulator of this trainer's per-example log values, read out under TRL's names."""
+        return TRLMetrics()

@@ -17,16 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opake_core.errors import ConfigurationError
+from opake_core.errors import ConfigurationError, PrivacyBudgetError
+from opake_torch.transformers._from_hf import ALIASES
 from opake_torch.transformers.arguments import TrainingArguments
+from opake_torch.transformers.loss import loss_from_logits
 from opake_torch.transformers.trainer import DPTrainer
 from opake_torch.transformers.trl.chunked_nll import chunked_nll
 from opake_torch.transformers.trl.config import SFTConfig
 from opake_torch.transformers.trl.data import IGNORE_INDEX, default_collator, sft_example
+from opake_torch.transformers.trl.metrics import TRLMetrics, sft_example_metrics
 
 __all__ = ["SFTTrainer", "dft_loss"]
 
 COLUMNS = {"input_ids", "attention_mask", "labels"}
+_KNOB_ALIASES = ("target_epsilon", "noise_multiplier")  # Opacus' names of the DP knobs
 
 
 def dft_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -41,23 +45,52 @@ def dft_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return -(logps * logps.detach().exp() * mask).sum() / mask.sum().clamp(min=1)
 
 
-def upcast_args(args: TrainingArguments | None, cls: type) -> Any:
-    """``args`` as ``cls`` (SFTConfig / DPOConfig): a plain TrainingArguments keeps its values."""
+def _upstream_knobs(args: Any, cls: type) -> dict[str, Any]:
+    """The Opake names (a DP knob, most often) set as plain attributes on an upstream config object: the one place an
+    unmodified script that builds a ``trl`` config can add them (``training_args.privacy_target_epsilon = 8.0``)."""
+    fields = {f.name for f in dataclasses.fields(args)}
+    ours = {f.name for f in dataclasses.fields(cls) if f.init}
+    extra = {name: value for name, value in vars(args).items() if name not in fields}
+    return {name: value for name, value in extra.items() if name in ours or name in ALIASES}
+
+
+def upcast_args(args: Any, cls: type) -> Any:
+    """``args`` as ``cls`` (SFTConfig / DPOConfig).
+
+    A plain :class:`TrainingArguments` keeps its values. A real ``trl.SFTConfig`` / ``trl.DPOConfig`` is converted
+    by ``cls.from_trl`` (with its warnings), a ``transformers.TrainingArguments`` by ``cls.from_hf``; upstream
+    configs carry no privacy budget, so the DP knob comes from an attribute set on the object
+    (``args.privacy_target_epsilon = 8.0``), else :class:`PrivacyBudgetError` says how to give one.
+    """
+    name = cls.__name__
     if args is None:
         raise ConfigurationError(
-            f"{cls.__name__[:3]}Trainer needs args={cls.__name__}(..., privacy_noise_multiplier=... or "
+            f"{name[:3]}Trainer needs args={name}(..., privacy_noise_multiplier=... or "
             "privacy_target_epsilon=...): a private run has no default budget."
         )
     if isinstance(args, cls):
         return args
-    if not isinstance(args, TrainingArguments):
-        raise ConfigurationError(
-            f"args must be a {cls.__name__} (or opake_torch.transformers.TrainingArguments), got "
-            f"{type(args).__name__}; convert TRL configs with {cls.__name__}.from_trl(cfg, privacy_...=...)."
-        )
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
-    values["max_length"] = args.max_length
-    return cls(**values)
+    if isinstance(args, TrainingArguments):
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments) if f.init}
+        values["max_length"] = args.max_length
+        return cls(**values)
+    upstream = type(args).__module__.split(".")[0]
+    if upstream in ("trl", "transformers") and dataclasses.is_dataclass(args):
+        knobs = _upstream_knobs(args, cls)
+        if all(knobs.get(k) is None for k in ("privacy_noise_multiplier", "privacy_target_epsilon", *_KNOB_ALIASES)):
+            raise PrivacyBudgetError(
+                f"{name[:3]}Trainer got a {upstream}.{type(args).__name__}, which carries no privacy budget. Set the "
+                f"DP knob on it (args.privacy_target_epsilon = 8.0, or args.privacy_noise_multiplier = ...), or pass "
+                f"{name}.from_trl(args, privacy_target_epsilon=...), or build opake's {name} (it accepts every TRL "
+                "field name)."
+            )
+        if upstream == "trl":
+            return cls.from_trl(args, **knobs)
+        return cls.from_hf(args, **knobs)
+    raise ConfigurationError(
+        f"args must be a {name} (or opake_torch.transformers.TrainingArguments, or a trl.{name} to convert), got "
+        f"{type(args).__module__}.{type(args).__name__}."
+    )
 
 
 def prepare_model(model: nn.Module, peft_config: Any) -> nn.Module:
@@ -115,7 +148,8 @@ class SFTTrainer(DPTrainer):
 
     Args:
         model: a causal LM (a model object; PEFT models train their adapters only).
-        args: :class:`SFTConfig`; a plain :class:`TrainingArguments` is upcast (keeping its values).
+        args: :class:`SFTConfig`; a plain :class:`TrainingArguments` is upcast (keeping its values), a
+            ``trl.SFTConfig`` converted (:func:`upcast_args`).
         data_collator: ``list of examples -> batch``; defaults to right-padding (labels -100, masks 0).
         train_dataset, eval_dataset: map-style datasets of rows in one of the formats of
             :mod:`opake_torch.transformers.trl.data`; formatted once here.
@@ -124,7 +158,12 @@ class SFTTrainer(DPTrainer):
         peft_config: wrap ``model`` with ``peft.get_peft_model`` first.
         formatting_func: ``row -> str`` written into ``args.dataset_text_field``.
         compute_metrics, callbacks, optimizers: as in :class:`DPTrainer`.
+
+    Besides the loss, :meth:`compute_per_example_loss_and_metrics` gives TRL's ``mean_token_accuracy``, ``entropy``
+    and ``num_tokens`` per example (:mod:`opake_torch.transformers.trl.metrics`; outside the guarantee).
     """
+
+    privacy_unit = "one example (one text, one conversation or one prompt-completion pair)"
 
     def __init__(
         self,
@@ -216,3 +255,58 @@ class SFTTrainer(DPTrainer):
             bias=None if bias_name is None else tensors[bias_name],
             chunk_size=self.args.loss_chunk_size,
         )
+
+    def compute_per_example_loss_and_metrics(
+        self, params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The example's loss (the value of :meth:`compute_per_example_loss`) and its TRL log values
+        (:func:`~opake_torch.transformers.trl.metrics.sft_example_metrics`) from the same forward. The values are
+        detached statistics of the example, outside the privacy guarantee; ``chunked_nll`` never builds the logits,
+        so it reports ``num_tokens`` only."""
+        labels, mask = example["labels"], example["attention_mask"]
+        loss_type = self.args.loss_type
+        if loss_type == "chunked_nll":
+            return self.compute_per_example_loss(params, example), sft_example_metrics(None, labels, mask)
+        if loss_type == "dft":
+            inputs = {"input_ids": example["input_ids"][None], "attention_mask": mask[None]}
+            logits = self.apply_model(params, **inputs).logits[0]
+            return dft_loss(logits, labels), sft_example_metrics(logits, labels, mask)
+        inputs = {k: v[None] for k, v in example.items() if k not in self.label_names}
+        logits = self.apply_model(params, **inputs).logits[0]
+        loss = loss_from_logits(
+            logits,
+            labels,
+            task=self.task,
+            compute_loss_func=self.compute_loss_func,
+            label_smoothing=self.args.label_smoothing_factor,
+            kernel=self._ce_kernel,
+        )
+        return loss, sft_example_metrics(logits, labels, mask)
+
+    def compute_batch_losses_and_metrics(
+        self, params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The batched form of :meth:`compute_per_example_loss_and_metrics` (``loss_type="nll"``, one forward): row
+        ``i`` holds example ``i``'s loss and values, for the layerwise engine."""
+        if self.args.loss_type != "nll":
+            raise ConfigurationError(
+                f"loss_type={self.args.loss_type!r} has no batched form; the layerwise engine serves loss_type='nll'."
+            )
+        labels = batch["labels"]
+        logits = self.apply_model(params, **{k: v for k, v in batch.items() if k not in self.label_names}).logits
+
+        def one(row_logits: torch.Tensor, row_labels: torch.Tensor) -> torch.Tensor:
+            return loss_from_logits(
+                row_logits,
+                row_labels,
+                task=self.task,
+                compute_loss_func=self.compute_loss_func,
+                label_smoothing=self.args.label_smoothing_factor,
+                kernel=self._ce_kernel,
+            )
+
+        return torch.vmap(one)(logits, labels), torch.vmap(sft_example_metrics)(logits, labels, batch["attention_mask"])
+
+    def example_metrics(self) -> TRLMetrics:
+        """A fresh accumulator of this trainer's per-example log values, read out under TRL's names."""
+        return TRLMetrics()

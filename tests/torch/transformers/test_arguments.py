@@ -121,8 +121,11 @@ ACCEPTED = [
     ({"privacy_noise_mechanism": "mf_lambda_cgd"}, "privacy_noise_mechanism_kwargs", {"lambda_": 0.5}),
     ({"privacy_noise_mechanism": "mf_bisr"}, "privacy_noise_mechanism_kwargs", {"bandwidth": 4}),
     ({"privacy_noise_mechanism": "mf_blt"}, "privacy_noise_mechanism_kwargs", {"max_buffers": 10}),
-    ({**FIXED}, "privacy_accounting", False),
+    ({**FIXED}, "privacy_accounting", True),  # on by default: a fixed-noise run reports its epsilon
+    ({**FIXED, "privacy_accounting": None}, "privacy_accounting", True),  # None means the default
+    ({**FIXED, "privacy_accounting": False}, "privacy_accounting", False),  # off only when asked
     ({**FIXED, "privacy_accounting": True}, "privacy_accounting", True),
+    ({**OFF}, "privacy_accounting", True),
     ({**FIXED, "privacy_noise_mechanism": "mf_blt"}, "privacy_accounting", True),
     ({**FIXED, "sampling_mode": "k_out_of_t", "sampling_kwargs": {"k": 1, "allocation": "total"}},
      "privacy_accounting", True),
@@ -247,13 +250,13 @@ def test_rules(kwargs, error, phrase):
         "tpu_num_cores", "mp_parameters", "half_precision_backend", "fp16_backend", "batch_eval_metrics",
     ],
 )  # fmt: skip
-def test_unsupported_hf_kwargs_raise_type_error(name):
-    with pytest.raises(TypeError, match=f"does not support '{name}'.*Instead"):
+def test_unsupported_hf_kwargs_raise_configuration_error(name):
+    with pytest.raises(ConfigurationError, match=f"does not support {name}=True: .*Instead"):
         TrainingArguments(privacy_target_epsilon=1.0, **{name: True})
 
 
-def test_unknown_kwarg_raises_type_error():
-    with pytest.raises(TypeError, match="unexpected keyword"):
+def test_unknown_kwarg_raises_configuration_error():
+    with pytest.raises(ConfigurationError, match="unknown argument 'no_such_field'"):
         TrainingArguments(privacy_target_epsilon=1.0, no_such_field=1)
 
 
@@ -276,12 +279,13 @@ def test_distributed_properties(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    args = make(per_device_train_batch_size=16, use_cpu=True)
+    args = make(per_device_train_batch_size=16, use_cpu=True, log_on_each_node=False)
     assert args.local_rank == 0 and args.local_process_index == 0
     assert (args.world_size, args.process_index, args.train_batch_size) == (4, 2, 64)
     assert args.device == torch.device("cpu")
     assert not args.should_log and not args.should_save
     assert make(save_on_each_node=True).should_save
+    assert make().should_log  # Hugging Face's default log_on_each_node=True: local rank 0 of every node logs
 
 
 def test_to_dict_is_json_safe_and_round_trips():

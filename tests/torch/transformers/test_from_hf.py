@@ -9,7 +9,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from opake_core.errors import PrivacyBudgetError  # noqa: E402
+from opake_core.errors import ConfigurationError, PrivacyBudgetError  # noqa: E402
 from opake_torch.transformers import TrainingArguments, _from_hf  # noqa: E402
 
 DP = {"privacy_target_epsilon": 8.0}
@@ -63,6 +63,20 @@ CONVERTED = [
     ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_steps": 100, "eval_steps": 50},
      "metric_for_best_model", "eval_loss"),
     ({"include_for_metrics": ["loss"]}, "include_for_metrics", ["loss"]),
+    # honoured: same name and meaning
+    ({"do_train": True}, "do_train", True),
+    ({"do_predict": True}, "do_predict", True),
+    ({"do_eval": True}, "do_eval", True),
+    ({"eval_strategy": "steps", "eval_steps": 50}, "do_eval", True),
+    ({"log_level": "info"}, "log_level", "info"),
+    ({"log_level_replica": "error"}, "log_level_replica", "error"),
+    ({"log_on_each_node": False}, "log_on_each_node", False),
+    ({"eval_delay": 2}, "eval_delay", 2),
+    ({"project": "dp"}, "project", "dp"),
+    ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}},
+     "gradient_checkpointing_kwargs", {"use_reentrant": False}),
+    ({"activation_checkpointing": True, "activation_checkpointing_kwargs": {"use_reentrant": False}},
+     "gradient_checkpointing_kwargs", {"use_reentrant": False}),
 ]  # fmt: skip
 
 
@@ -123,14 +137,13 @@ def test_refused_fields(hf, hf_kwargs, phrase):
 
 
 DROPPED = [
-    {"do_train": True},
-    {"do_eval": True},
     {"hub_strategy": "end"},
     {"batch_eval_metrics": True},
     {"dataloader_drop_last": True},
     {"eval_accumulation_steps": 4},
-    {"log_level": "info"},
     {"full_determinism": True},
+    {"ddp_find_unused_parameters": True},
+    {"eval_do_concat_batches": False},
 ]
 
 
@@ -150,18 +163,16 @@ def test_defaults_convert_without_warnings(hf):
     convert(hf())  # RuntimeWarning is an error in convert()
 
 
-def test_every_hf_field_is_classified():
-    known = (
-        set(_from_hf.DIRECT) | set(_from_hf.RENAME) | set(_from_hf.TRANSFORMED) | set(_from_hf.REJECT_IF_SET)
-    ) | set(_from_hf.DROP)
+def test_every_hf_field_is_classified():  # tests/torch/transformers/test_hf_fields.py checks the tables in depth
+    known = set(_from_hf.HONOURED) | set(_from_hf.ALIASES) | set(_from_hf.INERT) | set(_from_hf.REFUSED)
     missing = sorted(f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init)
     assert [n for n in missing if n not in known] == []
 
 
-def test_direct_fields_exist_on_opake_arguments():
+def test_honoured_and_aliased_fields_exist_on_opake_arguments():
     ours = {f.name for f in dataclasses.fields(TrainingArguments)}
-    assert set(_from_hf.DIRECT) <= ours
-    assert set(_from_hf.RENAME.values()) <= ours
+    assert set(_from_hf.HONOURED) <= ours
+    assert set(_from_hf.ALIASES.values()) <= ours
 
 
 def test_requires_a_dp_knob(hf):
@@ -175,6 +186,24 @@ def test_rejects_non_hf_input():
         TrainingArguments.from_hf(TrainingArguments(**DP), **DP)
 
 
-def test_unknown_override_is_a_type_error(hf):
-    with pytest.raises(TypeError):
+def test_unknown_override_is_refused_with_a_hint(hf):
+    with pytest.raises(ConfigurationError, match="unknown argument 'no_such_field'"):
         TrainingArguments.from_hf(hf(), no_such_field=1, **DP)
+    with pytest.raises(ConfigurationError, match="Did you mean 'clipping_norm'"):
+        TrainingArguments.from_hf(hf(), clipping_nrom=1.0, **DP)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "attr", "expected"),
+    [
+        ({"target_epsilon": 3.0}, "privacy_target_epsilon", 3.0),
+        ({"noise_multiplier": 0.0}, "privacy_noise_multiplier", 0.0),
+        ({**DP, "target_delta": 1e-7}, "privacy_target_delta", 1e-7),
+        ({**DP, "max_grad_norm": 0.25}, "clipping_norm", 0.25),
+        ({**DP, "lr_scheduler_type": "cosine"}, "lr_scheduler", "cosine"),
+    ],
+)
+def test_overrides_accept_hugging_face_and_opacus_names(hf, overrides, attr, expected):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert getattr(TrainingArguments.from_hf(hf(max_grad_norm=0.5), **overrides), attr) == expected

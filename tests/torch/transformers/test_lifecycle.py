@@ -16,7 +16,7 @@ import torch
 from dp_accounting import pld
 from tiny_hf import tiny_model, token_data
 
-from opake_core import random
+from opake_core import accounting, random
 from opake_core.clipping import clipped_grad
 from opake_core.errors import CheckpointError, ConfigurationError, PrivacyBudgetError
 from opake_torch.transformers import DPTrainer, TrainingArguments
@@ -394,3 +394,18 @@ def test_a_pickled_checkpoint_of_an_earlier_version_is_refused(checkpoint, tmp_p
     (folder / "dp_state.pt").write_bytes(pickle.dumps(_Payload(marker)))
     assert "pickle" in _resume(folder, tmp_path)
     assert not marker.exists()
+
+
+def test_epsilon_of_a_history_past_the_pld_limit_is_rdp_s_upper_bound():
+    """A fixed-noise run of more than MAX_PLD_STEPS steps still reports epsilon at once: dp-accounting's RDP bound,
+    computed here directly, never the refusal of a PLD query that would take hours."""
+    import dp_accounting
+
+    from opake_core.accounting.queries import MAX_PLD_STEPS
+    from opake_torch.transformers.privacy import ledger_epsilon
+
+    steps, q, sigma, delta = MAX_PLD_STEPS + 7, 1e-3, 1.0, 1e-6
+    ledger = accounting.Ledger().record(accounting.poisson(accounting.gaussian(sigma), q), steps)
+    rdp = dp_accounting.rdp.RdpAccountant()
+    rdp.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+    assert ledger_epsilon(ledger, delta) == pytest.approx(rdp.get_epsilon(delta), rel=1e-9)

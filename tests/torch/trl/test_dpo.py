@@ -86,12 +86,18 @@ def test_peft_reference_is_the_base_model_with_adapters_off(tmp_path):
     assert all("lora_" in name for name in trainer._params)
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo"])
+@pytest.mark.parametrize(
+    "loss_type", ["sigmoid", "hinge", "ipo", "robust", "exo_pair", "bco_pair", "apo_zero", "apo_down", "sigmoid_norm"]
+)
 def test_neighbour_changes_only_its_own_contribution(tmp_path, loss_type):
     data = preference_rows(4)
     changed = [*data[:2], {"prompt": "big dog", "chosen": " ran on the mat", "rejected": " no"}, data[3]]
+    smoothing = {"robust": 0.1, "exo_pair": 1e-3}.get(loss_type, 0.0)
     (ga, la), (gb, lb) = (
-        _per_example(_trainer(tmp_path, d, _perturbed_reference(), loss_type=loss_type, beta=2.0), [0, 1, 2, 3])
+        _per_example(
+            _trainer(tmp_path, d, _perturbed_reference(), loss_type=loss_type, beta=2.0, label_smoothing=smoothing),
+            [0, 1, 2, 3],
+        )
         for d in (data, changed)
     )
     keep = [0, 1, 3]

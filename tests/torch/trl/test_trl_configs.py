@@ -45,8 +45,15 @@ def test_constructing_configs_does_not_import_trl():
         (SFTConfig, {"loss_type": "dft", "label_smoothing_factor": 0.1}, "label_smoothing_factor"),
         (SFTConfig, {"chat_template": "no-such-file"}, "neither a Jinja template"),
         (DPOConfig, {"padding_free": True}, "one row must be one example"),
-        (DPOConfig, {"loss_type": "robust"}, r"\['sigmoid', 'hinge', 'ipo'\]"),
+        (DPOConfig, {"loss_type": "no_such_loss"}, r"\['sigmoid', 'hinge', 'ipo', 'exo_pair', "),
+        (DPOConfig, {"loss_type": "robst"}, "did you mean 'robust'"),
         (DPOConfig, {"loss_type": "aot"}, "sorts log-ratios across the batch"),
+        (DPOConfig, {"loss_type": "aot_unpaired"}, "sorts log-ratios across the batch"),
+        (DPOConfig, {"loss_type": "sft"}, "normalization across examples"),
+        (DPOConfig, {"loss_type": "exo_pair"}, r"EXO's epsilon and must lie in \(0, 1\)"),
+        (DPOConfig, {"loss_type": "robust", "label_smoothing": 0.5}, r"must lie in \[0, 0.5\)"),
+        (DPOConfig, {"label_smoothing": 1.0}, r"label_smoothing must be in \[0, 1\)"),
+        (DPOConfig, {"loss_type": "discopop", "discopop_tau": 0.0}, "discopop_tau"),
         (DPOConfig, {"loss_type": ["sigmoid", "sft"]}, "combination"),
         (DPOConfig, {"beta": 0.0}, "beta"),
         (DPOConfig, {"precompute_ref_batch_size": 0}, "precompute_ref_batch_size"),
@@ -103,6 +110,11 @@ CONVERTED = [
     ("DPOConfig", {"precompute_ref_log_probs": True}, "precompute_ref_log_probs", True),
     ("DPOConfig", {"precompute_ref_batch_size": 4}, "precompute_ref_batch_size", 4),
     ("DPOConfig", {"disable_dropout": False}, "disable_dropout", False),
+    ("DPOConfig", {"loss_type": ["robust"], "label_smoothing": 0.2}, "label_smoothing", 0.2),
+    ("DPOConfig", {"loss_type": ["exo_pair"], "label_smoothing": 1e-3}, "loss_type", "exo_pair"),
+    ("DPOConfig", {"loss_type": ["discopop"], "discopop_tau": 0.2}, "discopop_tau", 0.2),
+    ("DPOConfig", {"loss_type": ["bco_pair"]}, "loss_type", "bco_pair"),
+    ("SFTConfig", {"do_train": True}, "do_train", True),  # an HF field the base honours
 ]
 
 
@@ -135,7 +147,7 @@ REFUSED = [
     ("DPOConfig", {"use_weighting": True}, "use_weighting"),
     ("DPOConfig", {"f_divergence_type": "js_divergence"}, "f_divergence_type"),
     ("DPOConfig", {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 1.0]}, "loss_weights"),
-    ("DPOConfig", {"label_smoothing": 0.1}, "label_smoothing"),
+    ("DPOConfig", {"router_aux_loss_coef": 0.01}, "router_aux_loss_coef"),
 ]
 
 
@@ -146,7 +158,7 @@ def test_from_trl_refuses(tmp_path, name, kwargs, field):
         _convert(cls, _trl(getattr(trl, name), tmp_path, **kwargs))
 
 
-@pytest.mark.parametrize("loss_type", [["robust"], ["aot"], ["sigmoid", "ipo"]])
+@pytest.mark.parametrize("loss_type", [["sft"], ["aot"], ["sigmoid", "ipo"]])
 def test_from_trl_unsupported_dpo_loss_names_the_supported_ones(tmp_path, loss_type):
     with pytest.raises(ConfigurationError, match="sigmoid"):
         _convert(DPOConfig, _trl(trl.DPOConfig, tmp_path, loss_type=loss_type))
@@ -156,7 +168,7 @@ DROPPED = [
     ("SFTConfig", {"dataset_num_proc": 2}, "dataset_num_proc"),
     ("SFTConfig", {"model_init_kwargs": {"dtype": "float32"}}, "model_init_kwargs"),
     ("SFTConfig", {"activation_offloading": True}, "activation_offloading"),
-    ("SFTConfig", {"do_train": True}, "do_train"),  # an HF field, dropped by from_hf
+    ("SFTConfig", {"torch_empty_cache_steps": 5}, "torch_empty_cache_steps"),  # an HF field, dropped by from_hf
     ("DPOConfig", {"dataset_num_proc": 2}, "dataset_num_proc"),
     ("DPOConfig", {"ref_model_sync_steps": 8}, "ref_model_sync_steps"),
     ("DPOConfig", {"trust_remote_code": True}, "trust_remote_code"),
@@ -172,6 +184,13 @@ def test_from_trl_drops_with_warning(tmp_path, name, kwargs, field):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         cls.from_trl(cfg, strict=False, **DP)
+
+
+def test_from_trl_label_smoothing_is_inert_for_losses_that_do_not_read_it(tmp_path):
+    cfg = _trl(trl.DPOConfig, tmp_path, label_smoothing=0.1)  # TRL's sigmoid ignores it too
+    with pytest.warns(RuntimeWarning, match=r"label_smoothing=0.1 has no effect with loss_type='sigmoid'"):
+        converted = DPOConfig.from_trl(cfg, **DP)
+    assert (converted.loss_type, converted.label_smoothing) == ("sigmoid", 0.1)
 
 
 def test_from_trl_needs_a_dp_knob_and_the_right_type(tmp_path):

@@ -5,7 +5,8 @@ Compared against the real ``trl.SFTTrainer`` / ``trl.DPOTrainer``, instantiated 
 batch)`` gives the loss, differentiated with ``torch.autograd.grad``. Ours is ``compute_per_example_loss`` under
 ``torch.func.grad`` (what DP-SGD clips). SFT is compared one example per batch, because TRL's SFT loss divides by the
 number of tokens in the whole batch, which couples examples (our loss is the per-example mean by design); DPO's TRL
-loss is already a mean of per-pair losses, so it is also compared on a batch of several pairs.
+loss is already a mean of per-pair losses, so it is also compared on a batch of several pairs. TRL's log metrics
+(``rewards/*``, ``logps/*``, ``mean_token_accuracy``...) are compared with ours, computed per example and reduced.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from tiny_hf import tiny_model
 from trl_support import chat_rows, preference_rows, prompt_completion_rows, text_rows, tiny_tokenizer
 
 from opake_torch.transformers.trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from opake_torch.transformers.trl.config import DPO_LOSS_TYPES
+from opake_torch.transformers.trl.metrics import DPO_METRICS, SFT_METRICS, TRLMetrics
 
 trl = pytest.importorskip("trl", reason="TRL parity needs the opake[trl] extra")
 datasets = pytest.importorskip("datasets", reason="TRL's trainers need the datasets library")
@@ -110,3 +113,96 @@ def test_dpo_loss_and_gradient_equal_trl(tmp_path, loss_type, conversational):
         trl_batch = theirs.data_collator([theirs.train_dataset[i] for i in rows])
         our_batch = ours._batch(ours.train_dataset, rows)
         _assert_equal(_our_grads(ours, our_batch), _trl_grads(theirs, trl_batch))
+
+
+# -- every per-pair DPO loss, and TRL's log metrics --------------------------------------------------------------------
+
+SMOOTHING = {"exo_pair": 1e-3, "robust": 0.1}
+
+
+def _trl_logged(trainer):
+    """What TRL's compute_loss just appended to its metrics, in either mode."""
+    logged = trainer._metrics["train"] or trainer._metrics["eval"]
+    return {name: values[-1] for name, values in logged.items()}
+
+
+def _our_logged(trainer, batch):
+    fn = torch.func.vmap(trainer.compute_per_example_loss_and_metrics, in_dims=(None, 0))
+    losses, values = fn(trainer._params, batch)
+    metrics = TRLMetrics()
+    metrics.add(values)
+    return losses, metrics.drain()
+
+
+def _dpo_pair(tmp_path, loss_type, data, tokenizer):
+    extra = {"label_smoothing": SMOOTHING.get(loss_type, 0.0)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = trl.DPOTrainer(
+            tiny_model("llama"),
+            ref_model=tiny_model("llama"),
+            args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), **THEIRS, loss_type=[loss_type], beta=0.5, **extra),
+            train_dataset=datasets.Dataset.from_list(data),
+            processing_class=tokenizer,
+        )
+    policy = tiny_model("llama")
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        for p, q in zip(theirs.model.parameters(), policy.parameters(), strict=True):
+            p.copy_(q)
+    ours = DPOTrainer(
+        policy,
+        tiny_model("llama"),
+        DPOConfig(str(tmp_path), **OURS, loss_type=loss_type, beta=0.5, **extra),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    return theirs, ours
+
+
+@pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
+def test_every_dpo_loss_and_trls_log_metrics_equal_trl(tmp_path, loss_type):
+    data, tokenizer = preference_rows(3), tiny_tokenizer()
+    theirs, ours = _dpo_pair(tmp_path, loss_type, data, tokenizer)
+    rows = [0, 1, 2]
+    trl_batch = theirs.data_collator([theirs.train_dataset[i] for i in rows])
+    our_batch = ours._batch(ours.train_dataset, rows)
+    _assert_equal(_our_grads(ours, our_batch), _trl_grads(theirs, trl_batch))
+    trl_logged = _trl_logged(theirs)
+    losses, logged = _our_logged(ours, our_batch)
+    torch.testing.assert_close(losses, torch.func.vmap(ours.compute_per_example_loss, in_dims=(None, 0))(
+        ours._params, our_batch))  # fmt: skip
+    assert set(DPO_METRICS) <= set(logged) and set(DPO_METRICS) <= set(trl_logged)
+    for name in DPO_METRICS:
+        if name == "num_tokens":
+            assert logged[name] == trl_batch["attention_mask"].sum().item()
+        else:
+            assert logged[name] == pytest.approx(trl_logged[name], rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.parametrize(("rows", "kwargs"), [(chat_rows, {}), (prompt_completion_rows, {"loss_type": "dft"})])
+def test_sft_log_metrics_equal_trl(tmp_path, rows, kwargs):
+    data, tokenizer = rows(3), tiny_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = trl.SFTTrainer(
+            tiny_model("llama"),
+            args=trl.SFTConfig(output_dir=str(tmp_path / "trl"), **THEIRS, **kwargs),
+            train_dataset=datasets.Dataset.from_list(data),
+            processing_class=tokenizer,
+        )
+    ours = SFTTrainer(
+        tiny_model("llama"), SFTConfig(str(tmp_path), **OURS, **kwargs), train_dataset=data, processing_class=tokenizer
+    )
+    for i in range(len(data)):  # one example per batch: TRL's token ratios are then per example too
+        trl_batch = theirs.data_collator([theirs.train_dataset[i]])
+        our_batch = ours._batch(ours.train_dataset, [i])
+        _assert_equal(_our_grads(ours, our_batch), _trl_grads(theirs, trl_batch))
+        trl_logged = _trl_logged(theirs)
+        losses, logged = _our_logged(ours, our_batch)
+        torch.testing.assert_close(losses, _our_grads(ours, our_batch)[0][None])
+        assert set(SFT_METRICS) <= set(logged)
+        for name in ("mean_token_accuracy", "entropy"):
+            assert logged[name] == pytest.approx(trl_logged[name], rel=1e-5, abs=1e-6), name
+        assert logged["num_tokens"] == trl_batch["attention_mask"].sum().item()
