@@ -55,8 +55,9 @@ class DPState:
 class StepMetrics:
     """What one step reports.
 
-    ``noise_std`` and ``step`` are public. ``batch_size``, ``loss`` (mean per-example loss, a tensor) and ``clip_rate``
-    (a tensor) are exact statistics of the private batch: **outside the privacy guarantee**.
+    ``noise_std`` and ``step`` are public. ``batch_size``, ``loss`` (mean per-example loss, a tensor), ``clip_rate``
+    (a tensor) and ``aux`` (with ``has_aux``: the loss function's per-example auxiliary values, stacked ``[B, ...]``)
+    are exact statistics of the private batch: **outside the privacy guarantee**.
     """
 
     step: int
@@ -64,6 +65,7 @@ class StepMetrics:
     batch_size: int
     loss: torch.Tensor
     clip_rate: torch.Tensor
+    aux: Any = None
 
 
 StepFn = Callable[[Any, Any, DPState, tuple[torch.Tensor, ...]], tuple[Any, Any, DPState, StepMetrics]]
@@ -81,6 +83,7 @@ def dp_step(
     reduce: Callable[[Clipped], Clipped] | None = None,
     reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
     clipping_key: random.Key | None = None,
+    has_aux: bool = False,
 ) -> tuple[StepFn, DPState]:
     """A composed DP step as ``(step_fn, dp_state)``: clip, sum, noise with any privatizer, update.
 
@@ -104,6 +107,7 @@ def dp_step(
             ranks (see :func:`~opake_core.clipping.clipped_grad`).
         clipping_key: the key of adaptive clipping's count noise (required for adaptive clipping, refused
             otherwise); it lives in ``dp_state.clip``.
+        has_aux: ``loss_fn`` returns ``(loss, aux)``; the per-example ``aux`` values reach ``metrics.aux``.
 
     Returns:
         ``step_fn(params, opt_state, dp_state, batch) -> (params, opt_state, dp_state, metrics)`` where ``batch`` is
@@ -125,6 +129,7 @@ def dp_step(
         key=clipping_key,
         engine=engine,
         reduce_count=reduce_count,
+        has_aux=has_aux,
     )
 
     def step_fn(
@@ -135,7 +140,7 @@ def dp_step(
         if not isinstance(batch, tuple):
             raise InputTypeError(f"batch must be a tuple of per-example tensors, got {type(batch).__name__}.")
         with torch.profiler.record_function("opake::dp_step"):
-            (clipped, diagnostics), clip = grad_fn(params, *batch, state=dp_state.clip)
+            (clipped, *aux, diagnostics), clip = grad_fn(params, *batch, state=dp_state.clip)
             noised, noise = noise_fn(_reduced(reduce, clipped), dp_state.noise)
             updates, opt_state = optimizer.update(noised, opt_state, params=params)
             params = apply_updates(params, updates)
@@ -146,6 +151,7 @@ def dp_step(
             batch_size=diagnostics.batch_size,
             loss=losses.mean() if losses.numel() else torch.zeros((), device=losses.device),
             clip_rate=diagnostics.clip_rate,
+            aux=aux[0] if aux else None,
         )
         return params, opt_state, DPState(dp_state.step + 1, clip, noise), metrics
 

@@ -293,7 +293,8 @@ class LayerwiseGradients:
         batch_loss: ``batch_loss(params, *batch) -> losses [m]``: the arguments of the ``loss_fn`` given to
             ``clipped_grad`` (the parameters first), batched; it runs ``model`` (through
             ``torch.func.functional_call`` with ``params``) and returns each example's loss, the same per-example
-            losses as ``loss_fn``, which is not called.
+            losses as ``loss_fn``, which is not called. With ``clipped_grad(has_aux=True)`` it returns
+            ``(losses [m], aux)``, the per-example auxiliary values stacked ``[m, ...]``.
     """
 
     def __init__(self, model: nn.Module, batch_loss: Callable[..., torch.Tensor]) -> None:
@@ -423,14 +424,17 @@ class LayerwiseGradients:
 
         handles = [module.register_forward_hook(forward_hook) for module in by_module]
         try:
-            losses = self.batch_loss({k: v.detach() for k, v in params.items()}, *batch)
+            result = self.batch_loss({k: v.detach() for k, v in params.items()}, *batch)
         finally:
             for handle in handles:
                 handle.remove()
+        losses, aux = result if isinstance(result, tuple) else (result, None)
         if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
             raise ConfigurationError(f"batch_loss must return per-example losses [m], got {losses!r:.80}.")
         if losses.shape[0] != out.m:
             raise ConfigurationError(f"batch_loss returned {losses.shape[0]} losses for a batch of {out.m} examples.")
         if losses.requires_grad:
             torch.autograd.backward(losses.sum(), inputs=[anchor])
-        return out, losses.detach()
+        if aux is None:
+            return out, losses.detach()
+        return out, (losses.detach(), optree.tree_map(torch.Tensor.detach, aux))

@@ -135,6 +135,7 @@ def step_factory(
     key: Any,
     engine: Engine,
     topology: Any,
+    has_aux: bool = False,
 ) -> Callable[[int | None], tuple[Any, Any]]:
     """``make_step(microbatch_size) -> (step_fn, dp_state)``: the plan's core step on ``engine``, with the noise
     key ``key``. Under DDP the clipped sums, normalized by the cluster's expected batch, are summed across ranks and
@@ -148,6 +149,7 @@ def step_factory(
         "compute_dtype": args.privacy_noise_mechanism_kwargs.get("compute_dtype", torch.float32),
         "engine": engine,
         "reduce": topology.reduce,
+        "has_aux": has_aux,  # loss_fn returns (loss, per-example log values): they reach metrics.aux
     }
 
     def make_step(microbatch_size: int | None) -> tuple[Any, Any]:

@@ -58,6 +58,7 @@ class Run:
     clip_sum: torch.Tensor
     nonfinite: torch.Tensor
     noise_std: float | PerGroup = 0.0  # of the last step, from its metrics
+    example_metrics: Any = None  # sums of the loss's per-example log values (add(aux), drain(mean)), if it has any
     count: int = 0
     total_loss: float = 0.0
     total_count: int = 0
@@ -74,6 +75,7 @@ class Run:
         dp_state: DPState,
         schedule: Any,
         device: torch.device,
+        example_metrics: Any = None,
     ) -> Run:
         """A run before its first step; the sums are zeros on ``device``."""
         zero = torch.zeros((), device=device)
@@ -89,6 +91,7 @@ class Run:
             loss_sum=zero.clone(),
             clip_sum=zero.clone(),
             nonfinite=torch.zeros((), dtype=torch.int64, device=device),
+            example_metrics=example_metrics,
         )
 
     def trainer_state(self, args: Any) -> DPTrainerState:
@@ -115,6 +118,8 @@ class Run:
         self.nonfinite += ~finite
         self.clip_sum += metrics.clip_rate
         self.noise_std = metrics.noise_std
+        if self.example_metrics is not None:
+            self.example_metrics.add(metrics.aux)
         self.count += 1
 
     def clipping_bound(self, configured: float | dict[str, float]) -> float:
@@ -150,6 +155,7 @@ class Run:
             "privacy_clipping_norm": self.clipping_bound(clipping_norm),
             **_noise_std_logs(self.noise_std),
             "nonfinite_loss_steps": self.total_nonfinite,
+            **(self.example_metrics.drain(mean) if self.example_metrics is not None else {}),
             **privacy_logs(self.plan, self.ledger),
         }
         if finite:

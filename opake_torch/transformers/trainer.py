@@ -143,11 +143,17 @@ class DPTrainer(DataLoaders):
         self._ledger = accounting.Ledger()  # what this trainer's train() calls released, in order
         self._trained = False  # a later fresh train() call is a new segment, with new keys
         self._plan: PrivacyPlan | None = None
+        # a loss with per-example log values (TRL's metrics): example_metrics() sums them, *_and_metrics compute them
+        self._example_metrics = getattr(self, "example_metrics", None)
         overrides = type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss
         unbatched = overrides and type(self).compute_batch_losses is DPTrainer.compute_batch_losses
         reasons = [f"{type(self).__name__} overrides compute_per_example_loss but not compute_batch_losses"]
+        batched = self.compute_batch_losses
+        if self._example_metrics is not None:
+            batched = getattr(self, "compute_batch_losses_and_metrics", None)
+            unbatched = unbatched or batched is None
         self._layerwise = engines.layerwise_engine(
-            self.model, self._params, args, self.compute_batch_losses, reasons=reasons if unbatched else []
+            self.model, self._params, args, batched, reasons=reasons if unbatched else []
         )
         reporting = [*integration_callbacks(args), RunLogCallback]  # report_to: Hugging Face's integrations
         printer = PrinterCallback if args.disable_tqdm else ProgressCallback
@@ -218,12 +224,14 @@ class DPTrainer(DataLoaders):
         """Run the model with trainable parameters ``params`` (the frozen ones and buffers are filled in)."""
         return self._apply(params, self._frozen, *args, **kwargs)
 
-    def _loss_fn(self) -> Any:
+    def _loss_fn(self, with_metrics: bool = False) -> Any:
+        """One example's loss under the run's autocast; ``with_metrics``: ``(loss, log values)``."""
         args = self.args
+        fn = self.compute_per_example_loss_and_metrics if with_metrics else self.compute_per_example_loss
 
-        def loss(params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]) -> torch.Tensor:
+        def loss(params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]) -> Any:
             with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-                return self.compute_per_example_loss(params, example)
+                return fn(params, example)
 
         return loss
 
@@ -269,13 +277,14 @@ class DPTrainer(DataLoaders):
         make_step = step_factory(
             plan,
             args,
-            self._loss_fn(),
+            self._loss_fn(with_metrics=self._example_metrics is not None),
             params=self._params,
             optimizer=optimizer,
             clipping=clipping_rule(args, self._params),
             key=keys.noise,
             engine=engines.engine(args, self._layerwise, transform),
             topology=self.topology,
+            has_aux=self._example_metrics is not None,
         )
         # default chunk: the expected batch per device, the memory of one non-private step; a larger Poisson draw
         # runs as equal chunks
@@ -292,6 +301,7 @@ class DPTrainer(DataLoaders):
             dp_state=dp_state,
             schedule=build_schedule(args, plan.total_steps),
             device=args.device,
+            example_metrics=self._example_metrics() if self._example_metrics is not None else None,
         )
         self._keys = keys
         return run, step_fn

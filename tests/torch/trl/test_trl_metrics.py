@@ -132,3 +132,23 @@ def test_sft_batched_metrics_equal_the_per_example_ones(tmp_path):
                      train_dataset=prompt_completion_rows(2), processing_class=tiny_tokenizer())  # fmt: skip
     with pytest.raises(ConfigurationError, match="no batched form"):
         dft.compute_batch_losses_and_metrics(dft._params, dft._batch(dft.train_dataset, [0, 1]))
+
+
+@pytest.mark.parametrize("engine", ["layerwise", "vmap"])
+def test_training_logs_carry_trl_s_metric_names_from_the_step(tmp_path, engine):
+    """SFT (both engines: the layerwise one through the batched form) and DPO log TRL's names at each log row, from
+    the per-example values the step returns; the loss they log is the step's."""
+    args = {**BASE, "max_steps": 2, "logging_steps": 1, "per_example_gradients": engine}
+    sft = SFTTrainer(tiny_model("llama"), SFTConfig(str(tmp_path / "sft"), **args),
+                     train_dataset=prompt_completion_rows(8), processing_class=tiny_tokenizer())  # fmt: skip
+    assert (sft._layerwise is not None) == (engine == "layerwise")
+    sft.train()
+    rows = [row for row in sft.state.log_history if "loss" in row]
+    assert len(rows) == 2 and all(set(SFT_METRICS) <= set(row) for row in rows)
+    assert all(row["num_tokens"] > 0 and 0 <= row["mean_token_accuracy"] <= 1 for row in rows)
+    if engine == "vmap":
+        dpo = DPOTrainer(tiny_model("llama"), None, DPOConfig(str(tmp_path / "dpo"), **args),
+                         train_dataset=preference_rows(8), processing_class=tiny_tokenizer())  # fmt: skip
+        dpo.train()
+        rows = [row for row in dpo.state.log_history if "loss" in row]
+        assert len(rows) == 2 and all(set(DPO_METRICS) <= set(row) for row in rows)
