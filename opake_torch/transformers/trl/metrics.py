@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from opake_core.errors import InputTypeError
+
 __all__ = [
     "DPO_METRICS",
     "SFT_METRICS",
@@ -174,7 +176,7 @@ class TRLMetrics:
             return
         sizes = {int(v.shape[0]) if v.ndim else 1 for v in values.values()}
         if len(sizes) != 1:
-            raise ValueError(f"per-example metric values must share their batch size, got sizes {sorted(sizes)}.")
+            raise InputTypeError(f"per-example metric values must share their batch size, got sizes {sorted(sizes)}.")
         size = sizes.pop()
         for name, value in {**values, _COUNT: torch.full((size,), 1.0, device=_device(values))}.items():
             total = value.detach().float().sum()

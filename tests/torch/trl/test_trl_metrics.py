@@ -12,7 +12,7 @@ from tiny_hf import tiny_model
 from trl_support import preference_rows, prompt_completion_rows, tiny_tokenizer
 
 from opake_core.clipping import clipped_grad
-from opake_core.errors import ConfigurationError
+from opake_core.errors import ConfigurationError, InputTypeError
 from opake_torch.transformers.trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 from opake_torch.transformers.trl.metrics import (
     DPO_METRICS,
@@ -57,7 +57,7 @@ def test_reduction_per_example_per_token_and_cumulative_tokens():
     metrics.add({"num_tokens": torch.zeros(0)})  # an empty Poisson draw adds no example
     assert metrics.drain() == {"num_tokens": 17.0}
     assert trl_log_metrics({}, 0, 0.0) == {}
-    with pytest.raises(ValueError, match="batch size"):
+    with pytest.raises(InputTypeError, match="batch size"):
         metrics.add({"a": torch.zeros(2), "b": torch.zeros(3)})
 
 
