@@ -76,8 +76,8 @@ ALIASES = {
 
 _DDP = "the trainer runs its own DDP (a cross-rank sum of the clipped per-example gradients before one noise draw), "
 _DDP += "not torch's DistributedDataParallel, so this DistributedDataParallel knob has nothing to tune"
-_LOADER = "training batches come from the DP sampler and the trainer's loaders collate in the main process, so this "
-_LOADER += "DataLoader worker setting has nothing to tune"
+_LOADER = "training fetches the rows each step draws in the main process, and evaluation's loaders take only "
+_LOADER += "dataloader_num_workers and dataloader_pin_memory, so this DataLoader setting has nothing to tune"
 _HUB = "DPTrainer pushes once, at the end of training (push_to_hub=True) or when push_to_hub() is called"
 _LEGACY = "a setting of older transformers versions with no effect on this trainer"
 # name -> (the Hugging Face default, why it has no effect here)

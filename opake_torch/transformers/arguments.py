@@ -15,6 +15,10 @@ above 1, ``fp16``). The translation runs before the dataclass ``__init__`` (:cla
 ``dataclasses.fields`` and :meth:`TrainingArguments.to_dict` hold Opake's fields only. An unknown name raises
 ``ConfigurationError`` with the closest accepted names.
 
+``transformers.HfArgumentParser`` builds its command line from the fields: their annotations are ones it reads
+(``warmup_steps: float`` as in Hugging Face), and the metadata of :mod:`opake_torch.transformers._command_line` makes
+the Hugging Face names options too, whose values reach ``_translate_kwargs`` under those names.
+
 Decisions on points where the reference designs disagree:
 
 - Adaptive clipping with an ``mf_*`` mechanism raises. Matrix-factorization noise is calibrated to a constant
@@ -53,12 +57,13 @@ import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from opake_core.errors import ConfigurationError, InputTypeError, PrivacyBudgetError
 from opake_core.plan import check_combination, is_horizon
+from opake_torch.transformers import _command_line as cli
 from opake_torch.transformers import _from_hf as hf
 from opake_torch.transformers import _parsing as p
 
@@ -142,10 +147,16 @@ def _set_tf32(enabled: bool) -> None:
 class _AcceptsHuggingFaceNames(type):
     """Metaclass of :class:`TrainingArguments`: ``cls(**kwargs)`` translates the keyword names with
     ``cls._translate_kwargs`` before the dataclass ``__init__`` runs (subclasses inherit it, and may extend the hook
-    for names of their own)."""
+    for names of their own). The values ``HfArgumentParser`` collected under other names
+    (:mod:`~opake_torch.transformers._command_line`) are translated as those keyword arguments."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        return super().__call__(*args, **cls._translate_kwargs(kwargs))
+        return super().__call__(*args, **cls._translate_kwargs(cli.as_keywords(kwargs)))
+
+
+def _option(name: str, *, loose: bool = False) -> dict[str, Any]:
+    """``HfArgumentParser`` metadata of the field ``name``: its Hugging Face names (``hf.ALIASES``) are options too."""
+    return cli.option(*(alias for alias, target in hf.ALIASES.items() if target == name), loose=loose)
 
 
 @dataclass
@@ -160,10 +171,10 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
     _: KW_ONLY
     overwrite_output_dir: bool = False
     # batches
-    per_device_train_batch_size: int = 8
-    per_device_eval_batch_size: int | None = None
+    per_device_train_batch_size: int = field(default=8, metadata=_option("per_device_train_batch_size"))
+    per_device_eval_batch_size: int | None = field(default=None, metadata=_option("per_device_eval_batch_size"))
     microbatch_size: int | None = None
-    auto_find_microbatch_size: bool = False
+    auto_find_microbatch_size: bool = field(default=False, metadata=_option("auto_find_microbatch_size"))
     per_example_gradients: str = "auto"
     # optimizer and schedule
     learning_rate: float = 5e-5
@@ -173,13 +184,13 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
     adam_epsilon: float = 1e-8
     optim: str = "adamw"
     optim_args: dict[str, Any] | str | None = None
-    lr_scheduler: str = "linear"
+    lr_scheduler: str = field(default="linear", metadata=_option("lr_scheduler"))
     lr_scheduler_kwargs: dict[str, Any] | str | None = None
-    warmup_steps: int | float = 0
+    warmup_steps: float = 0  # a count (an int), or a fraction of the run (a float in (0, 1)): HF's annotation
     num_train_epochs: float = 3.0
     max_steps: int = -1
     # clipping
-    clipping_norm: float | dict[str, float] | str = 1.0
+    clipping_norm: float | dict[str, float] | str = field(default=1.0, metadata=_option("clipping_norm", loose=True))
     clipping_mode: str = "fixed"
     clipping_kwargs: dict[str, Any] | str | None = None
     # privacy
@@ -199,14 +210,16 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
     bf16: bool = False
     bf16_full_eval: bool = False
     tf32: bool | None = None
-    gradient_checkpointing: bool = False
-    gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
+    gradient_checkpointing: bool = field(default=False, metadata=_option("gradient_checkpointing"))
+    gradient_checkpointing_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata=_option("gradient_checkpointing_kwargs")
+    )
     torch_compile: bool = False
     torch_compile_backend: str | None = None
     torch_compile_mode: str | None = None
     cuda_graphs: int = 0
     use_compat_patches: bool = True
-    use_performance_kernels: bool = False
+    use_performance_kernels: bool = field(default=False, metadata=_option("use_performance_kernels"))
     performance_kernels_config: dict[str, Any] | str | None = None
     use_cpu: bool = False
     # reproducibility
@@ -216,11 +229,13 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
     logging_dir: str | None = None
     logging_strategy: str = "steps"
     logging_first_step: bool = False
-    logging_steps: int | float = 500
+    logging_steps: float = 500  # a count or a fraction, as warmup_steps
     disable_tqdm: bool | None = None
-    report_to: str | list[str] | None = None
+    report_to: None | str | list[str] = None  # noqa: RUF036 (HF's order: HfArgumentParser reads str)
     run_name: str | None = None
-    include_num_input_tokens_seen: str | bool = "no"
+    include_num_input_tokens_seen: str | bool = field(
+        default="no", metadata=_option("include_num_input_tokens_seen", loose=True)
+    )
     include_tokens_per_second: bool = False
     log_level: str = "passive"
     log_level_replica: str = "warning"
@@ -228,10 +243,12 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
     project: str = "huggingface"
     trackio_space_id: str | None = None
     trackio_bucket_id: str | None = None
-    trackio_static_space_id: str | bool | None = None
+    trackio_static_space_id: str | None | Literal[False] = field(  # noqa: RUF036 (HF's annotation and order)
+        default=None, metadata=_option("trackio_static_space_id", loose=True)
+    )
     # saving
     save_strategy: str = "steps"
-    save_steps: int | float = 500
+    save_steps: float = 500  # a count or a fraction, as warmup_steps
     save_total_limit: int | None = None
     save_safetensors: bool = True
     save_on_each_node: bool = False
@@ -243,8 +260,8 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
     resume_from_checkpoint: str | None = None
     ignore_data_skip: bool = False
     # evaluation
-    eval_strategy: str = "no"
-    eval_steps: int | float | None = None
+    eval_strategy: str = field(default="no", metadata=_option("eval_strategy"))
+    eval_steps: float | None = None  # a count or a fraction, as warmup_steps
     eval_on_start: bool = False
     eval_delay: float = 0
     prediction_loss_only: bool = False
@@ -258,14 +275,15 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
     max_length: int | None = None
     pad_to_multiple_of: int | None = None
     # distributed
-    local_rank: int = -1
+    # --local_rank also takes Hugging Face's names that are no field (hidden from --help)
+    local_rank: int = field(default=-1, metadata=cli.carrier(*hf.REFUSED, *hf.INERT))
     ddp_backend: str | None = None
     ddp_timeout: int = 1800
     average_tokens_across_devices: bool = True
     # hub
     push_to_hub: bool = False
-    hub_model_id: str | None = None
-    hub_token: str | None = field(default=None, repr=False)
+    hub_model_id: str | None = field(default=None, metadata=_option("hub_model_id"))
+    hub_token: str | None = field(default=None, repr=False, metadata=_option("hub_token"))
     hub_private_repo: bool | None = None
     # script flags: not read by the trainer, read by training scripts (as in Hugging Face)
     do_train: bool = False

@@ -91,10 +91,10 @@ def language_modeling_labels(batch: dict[str, torch.Tensor]) -> dict[str, torch.
     return {**batch, "labels": torch.where(mask.bool(), batch["input_ids"], torch.full_like(batch["input_ids"], -100))}
 
 
-def on_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
-    """The batch's tensors on ``device`` (other values dropped); on CUDA through pinned memory, so that the copy
-    does not wait for the GPU work already queued."""
+def on_device(batch: Mapping[str, Any], device: torch.device, *, pin: bool = True) -> dict[str, torch.Tensor]:
+    """The batch's tensors on ``device`` (other values dropped); on CUDA with ``pin`` (``dataloader_pin_memory``)
+    through pinned memory, so that the copy does not wait for the GPU work already queued."""
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    if device.type == "cuda":
+    if device.type == "cuda" and pin:
         return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}
     return {k: v.to(device) for k, v in tensors.items()}

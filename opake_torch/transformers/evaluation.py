@@ -8,10 +8,16 @@ Hugging Face's speed metrics (``<prefix>_runtime``, ``_samples_per_second``, ``_
 sampler draws batches with the run's sampler (Poisson: variable-size batches, possibly empty) from a fresh key of its
 own. It has the distribution of the training batches, not the batches training uses: training draws from its own
 secret sampler key and never reads this loader. :func:`eval_loader` yields the batches evaluation runs, in order.
+
+Both loaders honour ``dataloader_num_workers`` (worker processes fetch and collate the rows on the host; ``0``: this
+process) and ``dataloader_pin_memory`` (pinned host memory for the copy to a CUDA device), and yield batches on the
+device, as the loaders of ``transformers.Trainer`` do. ``train()`` itself fetches the rows each step draws in the
+main process, right after drawing them.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +34,15 @@ from opake_core.errors import ConfigurationError
 from opake_torch.transformers.microbatch import retry_eval_batch
 from opake_torch.transformers.privacy import build_plan
 
-__all__ = ["DataLoaders", "SampledBatches", "eval_loader", "num_examples", "prediction_loop", "train_loader"]
+__all__ = [
+    "DataLoaders",
+    "DeviceLoader",
+    "SampledBatches",
+    "eval_loader",
+    "num_examples",
+    "prediction_loop",
+    "train_loader",
+]
 
 _Piece = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
@@ -38,7 +52,8 @@ def prediction_loop(
     dataset: Any,
     *,
     args: Any,
-    batch_of: Callable[[Any, np.ndarray], dict[str, torch.Tensor]],
+    host_batch_of: Callable[[Any, np.ndarray], dict[str, Any]],
+    to_device: Callable[[dict[str, Any]], dict[str, torch.Tensor]],
     label_names: tuple[str, ...],
     logits_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     per_example_loss: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None,
@@ -47,10 +62,12 @@ def prediction_loop(
 ) -> PredictionOutput:
     """Losses, predictions, labels and ``<prefix>_*`` metrics of ``model`` on ``dataset``.
 
-    ``batch_of(dataset, indices)`` collates a batch on the device; ``logits_loss(logits, labels)`` is one example's
-    loss (vmapped here). ``per_example_loss(example)``, when given, replaces the model's logits with another objective
-    (SFT variants, DPO): only its per-example losses are reported. Batches of ``per_device_eval_batch_size``; with
-    ``auto_find_microbatch_size`` an out-of-memory batch is halved and retried without losing an example.
+    The batches are those of :func:`eval_loader` (``host_batch_of(dataset, indices)`` collates on the host,
+    ``to_device`` moves a batch to the device); ``logits_loss(logits, labels)`` is one example's loss (vmapped here).
+    ``per_example_loss(example)``, when given, replaces the model's logits with another objective (SFT variants, DPO):
+    only its per-example losses are reported. Batches of ``per_device_eval_batch_size``; with
+    ``auto_find_microbatch_size`` the rows of an out-of-memory batch are evaluated in halves (and the later batches in
+    pieces of the size that worked) without losing an example.
     """
     if dataset is None:
         raise ConfigurationError("evaluation needs an eval_dataset.")
@@ -61,8 +78,7 @@ def prediction_loop(
     size = args.per_device_eval_batch_size
     loss_of = vmap(logits_loss)
 
-    def evaluate_range(lo: int, hi: int) -> _Piece:
-        batch = batch_of(dataset, np.arange(lo, hi))
+    def evaluate_batch(batch: dict[str, torch.Tensor]) -> _Piece:
         if per_example_loss is not None:  # another objective: its per-example losses only, no logits
             return vmap(per_example_loss)(batch).float().cpu(), None, None
         labels = batch.get(label_names[0])
@@ -74,12 +90,12 @@ def prediction_loop(
         return loss, kept, (labels.cpu() if labels is not None else None)
 
     with torch.no_grad():
-        for start in range(0, len(dataset), size):
-            stop = min(start + size, len(dataset))
+        for batch in eval_loader(dataset, args, host_batch_of, to_device):
             if args.auto_find_microbatch_size:
-                pieces, size = retry_eval_batch(evaluate_range, start=start, stop=stop, batch_size=size)
+                rows = lambda lo, hi, batch=batch: evaluate_batch({k: v[lo:hi] for k, v in batch.items()})  # noqa: E731
+                pieces, size = retry_eval_batch(rows, start=0, stop=_rows(batch), batch_size=size)
             else:
-                pieces = [evaluate_range(start, stop)]
+                pieces = [evaluate_batch(batch)]
             for loss, logits, labels in pieces:
                 if loss is not None:
                     losses.append(loss)
@@ -119,27 +135,50 @@ class SampledBatches(Sampler[list[int]]):
         return self.steps
 
 
-def train_loader(dataset: Any, plan: Any, batch_of: Callable[[Any, np.ndarray], dict]) -> DataLoader:
-    """A loader of one expected epoch of batches drawn like training's (module docstring), collated by
-    ``batch_of(dataset, indices)`` onto the device; ``loader.dataset`` is the range of row indices."""
-    steps = max(1, math.ceil(round(plan.steps_per_epoch, 9)))
-    return DataLoader(
+class DeviceLoader(DataLoader):
+    """A ``DataLoader`` whose batches, collated on the host (by its workers), are moved to the device by
+    ``to_device`` in this process, as the loaders ``transformers.Trainer`` prepares with accelerate."""
+
+    def __init__(self, *args: Any, to_device: Callable[[dict[str, Any]], dict[str, torch.Tensor]], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.to_device = to_device
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return map(self.to_device, super().__iter__())
+
+
+def _rows(batch: dict[str, torch.Tensor]) -> int:
+    return len(next(iter(batch.values()))) if batch else 0
+
+
+def _collate_rows(host_batch_of: Callable[[Any, np.ndarray], dict], dataset: Any, indices: list[int]) -> dict:
+    return host_batch_of(dataset, np.asarray(indices, dtype=np.int64))
+
+
+def _loader(dataset: Any, args: Any, host_batch_of: Callable, to_device: Callable, **batching: Any) -> DeviceLoader:
+    return DeviceLoader(
         range(len(dataset)),
-        batch_sampler=SampledBatches(plan.sampler, steps),
-        collate_fn=lambda indices: batch_of(dataset, np.asarray(indices, dtype=np.int64)),
+        collate_fn=functools.partial(_collate_rows, host_batch_of, dataset),
+        num_workers=args.dataloader_num_workers,
+        pin_memory=args.dataloader_pin_memory and args.device.type == "cuda",
+        to_device=to_device,
+        **batching,
     )
 
 
-def eval_loader(dataset: Any, batch_size: int, batch_of: Callable[[Any, np.ndarray], dict]) -> DataLoader:
-    """The batches :func:`prediction_loop` runs: ``batch_size`` rows in order, the last one shorter."""
+def train_loader(dataset: Any, plan: Any, args: Any, host_batch_of: Callable, to_device: Callable) -> DeviceLoader:
+    """A loader of one expected epoch of batches drawn like training's (module docstring), collated by
+    ``host_batch_of(dataset, indices)`` and moved by ``to_device``; ``loader.dataset`` is the range of row indices."""
+    steps = max(1, math.ceil(round(plan.steps_per_epoch, 9)))
+    return _loader(dataset, args, host_batch_of, to_device, batch_sampler=SampledBatches(plan.sampler, steps))
+
+
+def eval_loader(dataset: Any, args: Any, host_batch_of: Callable, to_device: Callable) -> DeviceLoader:
+    """The batches :func:`prediction_loop` runs: ``per_device_eval_batch_size`` rows in order, the last one
+    shorter, collated by ``host_batch_of(dataset, indices)`` and moved by ``to_device``."""
     if dataset is None:
         raise ConfigurationError("evaluation needs an eval_dataset.")
-    return DataLoader(
-        range(len(dataset)),
-        batch_size=batch_size,
-        shuffle=False,
-        collate_fn=lambda indices: batch_of(dataset, np.asarray(indices, dtype=np.int64)),
-    )
+    return _loader(dataset, args, host_batch_of, to_device, batch_size=args.per_device_eval_batch_size, shuffle=False)
 
 
 def num_examples(loader: Any, batch_size: int) -> int:
@@ -163,7 +202,7 @@ def _concat_padded(chunks: list[torch.Tensor]) -> np.ndarray:
 
 class DataLoaders:
     """``transformers.Trainer``'s data-loader methods, for :class:`~opake_torch.transformers.DPTrainer` (which
-    provides ``args``, ``train_dataset``, ``eval_dataset`` and the batch collation ``_batch``)."""
+    provides ``args``, ``train_dataset``, ``eval_dataset``, the host collation ``_host_batch`` and ``_to_device``)."""
 
     def get_train_dataloader(self) -> DataLoader:
         """One expected epoch of batches drawn like training's (Poisson: variable size, possibly empty) from a fresh
@@ -172,7 +211,7 @@ class DataLoaders:
         if self.train_dataset is None:
             raise ConfigurationError("get_train_dataloader needs a train_dataset.")
         plan = self._plan or build_plan(self.args, len(self.train_dataset), spent=self._ledger)
-        return train_loader(self.train_dataset, plan, self._batch)
+        return train_loader(self.train_dataset, plan, self.args, self._host_batch, self._to_device)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         """The batches ``evaluate`` runs (``per_device_eval_batch_size`` rows, in order); a ``str`` names one of a
@@ -180,11 +219,11 @@ class DataLoaders:
         if isinstance(eval_dataset, str):
             eval_dataset = self.eval_dataset[eval_dataset]
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        return eval_loader(dataset, self.args.per_device_eval_batch_size, self._batch)
+        return eval_loader(dataset, self.args, self._host_batch, self._to_device)
 
     def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
         """The batches ``predict`` runs on ``test_dataset``."""
-        return eval_loader(test_dataset, self.args.per_device_eval_batch_size, self._batch)
+        return eval_loader(test_dataset, self.args, self._host_batch, self._to_device)
 
     def num_examples(self, dataloader: DataLoader) -> int:
         """The number of rows behind ``dataloader`` (the length of its dataset), as Hugging Face's."""

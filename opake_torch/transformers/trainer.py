@@ -29,13 +29,14 @@ from transformers.trainer_callback import (
     TrainerControl,
 )
 from transformers.trainer_utils import PredictionOutput, TrainOutput
+from transformers.utils import logging as hf_logging
 
 from opake_core import accounting
 from opake_core.errors import ConfigurationError
 from opake_torch.functional import functional_model
 from opake_torch.transformers import checkpoint as ckpt
 from opake_torch.transformers import checkpointing, engines
-from opake_torch.transformers.arguments import TrainingArguments, as_training_arguments
+from opake_torch.transformers.arguments import LOG_LEVELS, TrainingArguments, as_training_arguments
 from opake_torch.transformers.compile import CudaGraphChunk
 from opake_torch.transformers.data import collate, fetch, language_modeling_labels, model_input_names, on_device
 from opake_torch.transformers.engines import step_factory
@@ -69,6 +70,17 @@ def refuse_overrides(cls: type) -> None:
         owner = next((c for c in cls.__mro__ if name in vars(c)), None)
         if owner is not None:
             raise ConfigurationError(f"{owner.__name__} overrides {name}(), which DPTrainer never calls: {fix}.")
+
+
+def apply_log_level(args: TrainingArguments) -> None:
+    """As ``transformers.Trainer`` does when it is built: this process's level (``args.get_process_log_level()``:
+    ``log_level`` on the processes that log, ``log_level_replica`` on the others) on the ``transformers`` logger, and
+    on the ``opake_torch`` logger; ``"passive"`` leaves both as they are."""
+    if LOG_LEVELS[args.log_level if args.should_log else args.log_level_replica] == -1:
+        return
+    level = args.get_process_log_level()
+    hf_logging.set_verbosity(level)
+    logging.getLogger("opake_torch").setLevel(level)
 
 
 class DPTrainer(DataLoaders):
@@ -119,6 +131,7 @@ class DPTrainer(DataLoaders):
             args = as_training_arguments(args)
         check_inputs(model, args, optimizers, TrainingArguments)
         self.args = args
+        apply_log_level(args)
         self.topology = topology(args)  # one process, or DDP ranks under torchrun
         self.model, self.compat_patches, self.performance_patches = prepare_model(model, args, self.topology)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -179,13 +192,21 @@ class DPTrainer(DataLoaders):
             )
         if self.task == "causal_lm":
             batch = language_modeling_labels(batch)
-        return on_device(batch, self.args.device)
+        return batch
 
-    def _batch(self, dataset: Any, indices: np.ndarray) -> dict[str, torch.Tensor]:
+    def _host_batch(self, dataset: Any, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        """The rows ``indices`` of ``dataset`` collated on the host (in a loader's worker process, for evaluation)."""
         if len(indices):
             return self._collate(fetch(dataset, indices, self._columns))
         template = self._collate(fetch(dataset, [0], self._columns))  # an empty Poisson draw is still a step
-        return {k: v[:0] for k, v in template.items()}
+        return {k: v[:0] for k, v in template.items() if isinstance(v, torch.Tensor)}
+
+    def _to_device(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return on_device(batch, self.args.device, pin=self.args.dataloader_pin_memory)
+
+    def _batch(self, dataset: Any, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        """The rows ``indices`` of ``dataset`` collated onto the device, in this process."""
+        return self._to_device(self._host_batch(dataset, indices))
 
     def compute_per_example_loss(
         self, params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]
@@ -470,7 +491,8 @@ class DPTrainer(DataLoaders):
             self.model,
             dataset,
             args=self.args,
-            batch_of=self._batch,
+            host_batch_of=self._host_batch,
+            to_device=self._to_device,
             label_names=self.label_names,
             logits_loss=lambda logits, labels: loss_from_logits(
                 logits, labels, task=self.task, compute_loss_func=self.compute_loss_func

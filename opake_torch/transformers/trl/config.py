@@ -19,6 +19,9 @@ rather than a user. Each name is:
 The Hugging Face names (``transformers.TrainingArguments``) are the base class's business. A name that neither knows
 raises ``ConfigurationError`` with a "did you mean" hint.
 
+Both work with ``transformers.HfArgumentParser`` (and TRL's ``TrlParser``) as :class:`TrainingArguments` does: the TRL
+names are options too, translated like keyword arguments (:mod:`opake_torch.transformers._command_line`).
+
 Constructing either class never imports ``trl``. :meth:`SFTConfig.from_trl` / :meth:`DPOConfig.from_trl` import it
 lazily, reuse :func:`opake_torch.transformers._from_hf.from_hf` for the Hugging Face fields and apply the same tables
 to the TRL fields (inert ones are dropped with a ``RuntimeWarning``).
@@ -32,10 +35,11 @@ import inspect
 import math
 import os
 import warnings
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from opake_core.errors import ConfigurationError
+from opake_torch.transformers import _command_line as cli
 from opake_torch.transformers import _from_hf as hf
 from opake_torch.transformers import _parsing as p
 from opake_torch.transformers.arguments import TrainingArguments
@@ -291,6 +295,17 @@ def _translate(cls: type, kwargs: dict[str, Any], names: dict[str, TRLName]) -> 
     return out
 
 
+def _option(names: dict[str, TRLName], target: str) -> dict[str, Any]:
+    """``HfArgumentParser`` metadata of the field ``target``: its TRL names are options too."""
+    return cli.option(*(name for name, rule in names.items() if rule.target == target))
+
+
+def _carrier(names: dict[str, TRLName], *fields: str) -> dict[str, Any]:
+    """``HfArgumentParser`` metadata of the option that also takes the TRL names that are no field (``fields``: the
+    refused names that are fields of the config)."""
+    return cli.carrier(*(n for n, rule in names.items() if rule.kind in ("inert", "refused") and n not in fields))
+
+
 def _base_translate(owner: type, cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The Hugging Face names through :class:`TrainingArguments`'s own translation (which also refuses unknown names
     with a hint)."""
@@ -323,17 +338,18 @@ class SFTConfig(TrainingArguments):
 
     _: KW_ONLY
     learning_rate: float = 2e-5
-    logging_steps: int | float = 10
+    logging_steps: float = 10
     max_length: int | None = 1024
     dataset_text_field: str = "text"
     completion_only_loss: bool | None = None
     assistant_only_loss: bool = False
-    chat_template: str | None = None
+    chat_template: str | None = field(default=None, metadata=_option(SFT_NAMES, "chat_template"))
     eos_token: str | None = None
     loss_type: str = "nll"
     loss_chunk_size: int = 256
     packing: bool = False
-    padding_free: bool = False
+    # --padding_free also takes TRL's names that are no field (hidden from --help)
+    padding_free: bool = field(default=False, metadata=_carrier(SFT_NAMES, "packing", "padding_free"))
 
     _trl_names = SFT_NAMES
 
@@ -428,17 +444,18 @@ class DPOConfig(TrainingArguments):
 
     _: KW_ONLY
     learning_rate: float = 1e-6
-    logging_steps: int | float = 10
+    logging_steps: float = 10
     max_length: int | None = 1024
     beta: float = 0.1
-    loss_type: str | list[str] = "sigmoid"
+    loss_type: str = "sigmoid"  # a one-element list too (TRL's type); str for HfArgumentParser
     label_smoothing: float = 0.0
     discopop_tau: float = 0.05
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None
     disable_dropout: bool = True
     chat_template: str | None = None
-    padding_free: bool = False
+    # --padding_free also takes TRL's names that are no field (hidden from --help)
+    padding_free: bool = field(default=False, metadata=_carrier(DPO_NAMES, "padding_free"))
 
     _trl_names = DPO_NAMES
 

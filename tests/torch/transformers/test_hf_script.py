@@ -1,7 +1,8 @@
 """Acceptance: an unmodified transformers text-classification script (run_text_classification.py) runs with only
-its imports switched to Opake's and DP arguments added, on CPU with a tiny BERT, tokenizer and dataset made here (no
+its imports switched to Opake's and a DP argument added to its command line (which HfArgumentParser reads into the
+script's dataclasses and Opake's TrainingArguments), on CPU with a tiny BERT, tokenizer and dataset made here (no
 hub), and ends with a model card that states the guarantee. The same script with transformers' own import and
-without the DP lines runs under transformers.Trainer, so it is a genuine transformers script."""
+without the DP argument runs under transformers.Trainer, so it is a genuine transformers script."""
 
 from __future__ import annotations
 
@@ -27,11 +28,20 @@ BAD = ["bad", "awful", "poor", "dull", "boring", "weak"]
 FILLER = ["the", "movie", "was", "a", "plot", "and", "very", "film", "story", "really"]
 
 
+# transformers' flags, as in the example's README (max_grad_norm: per-example clipping under DP)
+TRAINING = (
+    "--do_train --do_eval --do_predict --learning_rate 2e-3 --per_device_train_batch_size 16 "
+    "--per_device_eval_batch_size 16 --num_train_epochs 2 --weight_decay 0.01 --eval_strategy epoch "
+    "--save_strategy epoch --load_best_model_at_end --logging_steps 2 --report_to none --use_cpu --seed 42 "
+    "--max_grad_norm 1.0 --max_seq_length 32"
+).split()
+DP = ["--privacy_target_epsilon", "8"]
+
+
 def _hf_variant(text: str) -> str:
-    """The script as written for transformers.Trainer: transformers' import, no DP lines."""
+    """The script as written for transformers.Trainer: transformers' import."""
     assert text.count(OPAKE_IMPORT) == 1
-    lines = [line for line in text.replace(OPAKE_IMPORT, HF_IMPORT).splitlines() if not line.endswith("# DP")]
-    return "\n".join(lines) + "\n"
+    return text.replace(OPAKE_IMPORT, HF_IMPORT)
 
 
 def _sentences(n: int, seed: int) -> list[dict]:
@@ -69,41 +79,39 @@ def workspace(tmp_path_factory):
     return root
 
 
-def _run(script: Path, workspace: Path, output: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    command = [
-        sys.executable,
-        str(script),
+def _arguments(workspace: Path, output: Path, *extra: str) -> list[str]:
+    files = ["--train_file", str(workspace / "train.jsonl"), "--validation_file", str(workspace / "validation.jsonl")]
+    return [
         "--model_name_or_path",
         str(workspace / "tiny-bert"),
-        "--train_file",
-        str(workspace / "train.jsonl"),
-        "--validation_file",
-        str(workspace / "validation.jsonl"),
+        *files,
         "--output_dir",
         str(output),
+        *TRAINING,
+        *extra,
     ]
+
+
+def _run(script: Path, arguments: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, str(script), *arguments]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return done
 
 
-def test_the_script_differs_from_its_transformers_form_only_in_imports_and_dp_arguments():
+def test_the_script_differs_from_its_transformers_form_only_in_its_import():
     text = SCRIPT.read_text()
     hf = _hf_variant(text).splitlines()
     ours = text.splitlines()
-    changed = [line for line in ours if line not in hf]
-    assert changed[0] == OPAKE_IMPORT
-    assert [line.strip() for line in changed[1:]] == [
-        "privacy_target_epsilon=8.0,  # DP",
-        "clipping_norm=1.0,  # DP",
-    ]
+    assert [line for line in ours if line not in hf] == [OPAKE_IMPORT]
+    assert "HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))" in text
     assert "opake" not in _hf_variant(text).lower().replace("# isort: skip", "").split('"""')[-1]
 
 
 def test_unmodified_text_classification_script_runs_privately(workspace, tmp_path):
     output = tmp_path / "private"
-    done = _run(SCRIPT, workspace, output)
+    done = _run(SCRIPT, _arguments(workspace, output, *DP))
     assert "***** train metrics *****" in done.stdout and "***** eval metrics *****" in done.stdout
     for name in ("README.md", "accountant.json", "model.safetensors", "config.json", "tokenizer.json"):
         assert (output / name).is_file(), name
@@ -135,6 +143,28 @@ def test_the_same_script_runs_under_transformers_trainer(workspace, tmp_path):
     script = tmp_path / "run_text_classification_hf.py"
     script.write_text(_hf_variant(SCRIPT.read_text()))
     output = tmp_path / "hf"
-    done = _run(script, workspace, output)
+    done = _run(script, _arguments(workspace, output))
     assert "***** train metrics *****" in done.stdout
     assert (output / "model.safetensors").is_file() and not (output / "accountant.json").exists()
+
+
+def test_the_script_reads_its_arguments_from_a_json_file(workspace, tmp_path):
+    output = tmp_path / "from-json"
+    config = {
+        "model_name_or_path": str(workspace / "tiny-bert"),
+        "train_file": str(workspace / "train.jsonl"),
+        "validation_file": str(workspace / "validation.jsonl"),
+        "output_dir": str(output),
+        "do_eval": True,
+        "per_device_eval_batch_size": 8,
+        "use_cpu": True,
+        "report_to": "none",
+        "privacy_target_epsilon": 8.0,
+        "clipping_norm": 1.0,  # a dict or a JSON file holds the fields' names (max_grad_norm is an option only)
+    }
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps(config))
+    done = _run(SCRIPT, [str(path)])
+    assert "***** eval metrics *****" in done.stdout
+    evaluation = json.loads((output / "eval_results.json").read_text())
+    assert evaluation["eval_samples"] == 16 and "eval_accuracy" in evaluation

@@ -4,6 +4,7 @@ integrations (TensorBoard for real), log_metrics / save_metrics / save_state, sp
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import numpy as np
@@ -13,6 +14,7 @@ import transformers.integrations as hf_integrations
 from tiny_hf import tiny_model, token_data
 from transformers import trainer_pt_utils
 from transformers.integrations import TensorBoardCallback
+from transformers.utils import logging as hf_logging
 
 from opake_core.errors import ConfigurationError, PrivacyBudgetError
 from opake_torch.transformers import DPTrainer, TrainingArguments
@@ -268,6 +270,50 @@ def test_eval_dataloader_holds_the_rows_evaluation_runs_in_order(tmp_path):
     assert [len(b["labels"]) for b in trainer.get_test_dataloader(DATA[:5])] == [4, 1]
     trainer.eval_dataset = {"small": DATA[:3]}
     assert [len(b["labels"]) for b in trainer.get_eval_dataloader("small")] == [3]
+
+
+def test_loaders_and_evaluation_honour_dataloader_num_workers_and_pin_memory(tmp_path):
+    plain = _trainer(tmp_path / "plain", per_device_eval_batch_size=4)
+    workers = _trainer(tmp_path / "workers", per_device_eval_batch_size=4, dataloader_num_workers=2)
+    for loader in (
+        workers.get_eval_dataloader(),
+        workers.get_test_dataloader(DATA[:5]),
+        workers.get_train_dataloader(),
+    ):
+        assert loader.num_workers == 2 and not loader.pin_memory  # pinned memory serves CUDA copies only
+    batches = list(workers.get_eval_dataloader())  # collated in worker processes, moved in this one
+    assert [len(b["labels"]) for b in batches] == [4, 4, 2]
+    assert all(b["labels"].device == workers.args.device for b in batches)
+    for batch, expected in zip(batches, plain.get_eval_dataloader(), strict=True):
+        assert batch.keys() == expected.keys() and all(torch.equal(batch[k], expected[k]) for k in batch)
+    assert workers.evaluate()["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-6)
+    assert plain.get_eval_dataloader().num_workers == 0
+
+
+@pytest.fixture
+def restore_log_levels():
+    opake = logging.getLogger("opake_torch")
+    levels = (opake.level, hf_logging.get_verbosity())
+    yield
+    opake.setLevel(levels[0])
+    hf_logging.set_verbosity(levels[1])
+
+
+def test_the_trainer_applies_the_log_level_as_hugging_face_does(tmp_path, restore_log_levels, monkeypatch):
+    opake = logging.getLogger("opake_torch")
+    hf_logging.set_verbosity_warning()
+    opake.setLevel(logging.NOTSET)
+    _trainer(tmp_path)  # log_level="passive": nothing changes
+    assert (hf_logging.get_verbosity(), opake.level) == (logging.WARNING, logging.NOTSET)
+    trainer = _trainer(tmp_path, log_level="error")
+    assert trainer.args.get_process_log_level() == logging.ERROR
+    assert (hf_logging.get_verbosity(), opake.level) == (logging.ERROR, logging.ERROR)
+    _trainer(tmp_path, log_level="debug")
+    assert (hf_logging.get_verbosity(), opake.level) == (logging.DEBUG, logging.DEBUG)
+    assert logging.getLogger("opake_torch.transformers.trainer").getEffectiveLevel() == logging.DEBUG
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a replica: log_level_replica ("warning" by default)
+    _trainer(tmp_path, log_level="debug")
+    assert (hf_logging.get_verbosity(), opake.level) == (logging.WARNING, logging.WARNING)
 
 
 def test_epoch_is_added_to_logs_as_hugging_face_does(tmp_path):
