@@ -15,7 +15,8 @@ Modes (per workload):
 * ``dp_q1``: diagnostic. The dataset is one batch and q = 1, so every draw is that full batch: the cost of a DP
   step without the variable batch sizes of Poisson sampling. Not a configuration anyone trains with.
 * ``dp_graphs``: ``DPTrainer`` with ``cuda_graphs=1`` (one knob set): each chunk, padded to the microbatch size,
-  captured once and replayed.
+  captured once and replayed. ``dp_graphs4``: ``cuda_graphs=4``, chunks rounded up to the next quarter of the
+  microbatch, four captures.
 * ``dp_rows4``, ``dp_expandable``: diagnostics of ``dp`` with each chunk's rows rounded up to a multiple of 4 (dead
   rows; ``opake_torch.transformers.engines.ROW_MULTIPLE``), or with the CUDA allocator's expandable segments.
 * ``dp_kernels``: ``DPTrainer`` with ``use_performance_kernels=True``; its ratios are against ``hf_kernels``.
@@ -67,7 +68,18 @@ from settings import Settings
 from timing import failure, fmt, free, peak_gib, reserved_gib, rope_restored, sync, table, tf32
 from workloads import SUITES, Workload, build_model, make_batch
 
-MODES = ("hf", "dp", "dp_q1", "dp_graphs", "dp_rows4", "dp_expandable", "dp_kernels", "hf_kernels", "opacus")
+MODES = (
+    "hf",
+    "dp",
+    "dp_q1",
+    "dp_graphs",
+    "dp_graphs4",
+    "dp_rows4",
+    "dp_expandable",
+    "dp_kernels",
+    "hf_kernels",
+    "opacus",
+)
 BASELINES = {"dp_kernels": "hf_kernels"}  # every other mode is compared with "hf"
 DIAGNOSTIC = ("dp_q1", "dp_rows4", "dp_expandable")
 SAMPLING_RATE = 0.01
@@ -83,13 +95,21 @@ HF_KERNELS_CONFIG = {"lora": False}
 
 
 class StepClock:
-    """Host timestamps of step ends (after a device synchronize) and the memory peaks over the timed steps."""
+    """Host timestamps of step ends (after a device synchronize) and the memory peaks over the timed steps; then, with
+    ``profile`` steps, a profile of that many more steps (:func:`step_profile`)."""
 
-    def __init__(self, device: torch.device, warmup: int, total: int) -> None:
-        self.device, self.warmup, self.total = device, warmup, total
+    def __init__(self, device: torch.device, warmup: int, total: int, profile: int = 0) -> None:
+        self.device, self.warmup, self.total, self.profile = device, warmup, total, profile
         self.stamps: list[float] = []
         self.peak: float | None = None
         self.reserved: float | None = None
+        self.profiler: Any = None
+        self.profiled: dict[str, Any] | None = None
+
+    @property
+    def max_steps(self) -> int:
+        """The steps the run makes: the warm-up, the timed steps and the profiled ones."""
+        return self.total + self.profile
 
     def tick(self) -> None:
         sync(self.device)
@@ -98,6 +118,13 @@ class StepClock:
             torch.cuda.reset_peak_memory_stats(self.device)
         if len(self.stamps) == self.total:
             self.peak, self.reserved = peak_gib(self.device), reserved_gib(self.device)
+            if self.profile:
+                self.profiler = profiler(self.device)
+                self.profiler.__enter__()
+        if self.profiler is not None and len(self.stamps) == self.max_steps:
+            self.profiler.__exit__(None, None, None)
+            self.profiled = step_profile(self.profiler, self.profile)
+            self.profiler = None
 
     def callback(self) -> Any:
         """A ``TrainerCallback`` that ticks at every step end (both trainers accept it)."""
@@ -112,9 +139,9 @@ class StepClock:
         return StepEnds()
 
     def summary(self) -> dict[str, Any]:
-        if len(self.stamps) < self.total:
-            raise RuntimeError(f"only {len(self.stamps)} of {self.total} steps ran")
-        gaps = [end - start for start, end in itertools.pairwise(self.stamps[self.warmup - 1 :])]
+        if len(self.stamps) < self.max_steps:
+            raise RuntimeError(f"only {len(self.stamps)} of {self.max_steps} steps ran")
+        gaps = [end - start for start, end in itertools.pairwise(self.stamps[self.warmup - 1 : self.total])]
         ordered = sorted(gaps)
         return {
             "steps_timed": len(gaps),
@@ -123,7 +150,49 @@ class StepClock:
             "step_s_p90": ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)],
             "peak_gib": self.peak,
             "reserved_gib": self.reserved,
+            **({"profile": self.profiled} if self.profile else {}),
         }
+
+
+def profiler(device: torch.device) -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=activities)
+
+
+def step_profile(prof: Any, steps: int, top: int = 15) -> dict[str, Any]:
+    """Where one step's time goes, averaged over ``steps`` profiled steps: the operators the host dispatched (top-level
+    ``aten::`` calls), the GPU kernels launched and their summed time, the host time of each ``opake::`` range, and
+    the operators with the most host time of their own."""
+    events = prof.events()
+    ops = [
+        e
+        for e in events
+        if e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    ]
+    kernels = [
+        e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA") and not e.name.startswith("opake::")
+    ]
+    ranges: dict[str, float] = {}
+    for e in events:
+        if e.name.startswith("opake::") and str(getattr(e, "device_type", "")).endswith("CPU"):
+            ranges[e.name] = ranges.get(e.name, 0.0) + e.cpu_time_total / 1e3 / steps
+    by_op: dict[str, list[float]] = {}
+    for e in events:
+        if e.name.startswith("aten::"):
+            row = by_op.setdefault(e.name, [0.0, 0.0])
+            row[0] += e.self_cpu_time_total / 1e3 / steps
+            row[1] += 1 / steps
+    heaviest = sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "steps": steps,
+        "host_ops_per_step": len(ops) / steps,
+        "kernels_per_step": len(kernels) / steps,
+        "kernel_ms_per_step": sum(getattr(e, "device_time_total", 0.0) for e in kernels) / 1e3 / steps,
+        "opake_ranges_host_ms": {k: round(v, 3) for k, v in sorted(ranges.items())},
+        "top_host_ops_ms": {name: {"self_ms": round(ms, 3), "calls": round(n, 1)} for name, (ms, n) in heaviest},
+    }
 
 
 def model_for(workload: Workload, device: torch.device) -> torch.nn.Module:
@@ -162,7 +231,7 @@ def run_hf(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, ke
             folder,
             per_device_train_batch_size=workload.batch,
             learning_rate=LR,
-            max_steps=clock.total,
+            max_steps=clock.max_steps,
             use_cpu=opts.device.type == "cpu",
         )
         if args.n_gpu > 1:  # HF's Trainer would wrap the model in DataParallel over every visible GPU
@@ -178,14 +247,18 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
     engines.ROW_MULTIPLE = 4 if mode == "dp_rows4" else 1  # reset: --in-process runs the rows in one process
     if mode == "dp_expandable" and opts.device.type == "cuda":
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    extra = {"dp_kernels": {"use_performance_kernels": True}, "dp_graphs": {"cuda_graphs": 1}}.get(mode, {})
+    extra = {
+        "dp_kernels": {"use_performance_kernels": True},
+        "dp_graphs": {"cuda_graphs": 1},
+        "dp_graphs4": {"cuda_graphs": 4},
+    }.get(mode, {})
     data = dataset(workload, dataset_size(workload, mode))
     with tempfile.TemporaryDirectory() as folder:
         args = TrainingArguments(
             folder,
             per_device_train_batch_size=workload.batch,
             learning_rate=LR,
-            max_steps=clock.total,
+            max_steps=clock.max_steps,
             privacy_noise_multiplier=NOISE_MULTIPLIER,
             use_cpu=opts.device.type == "cpu",
             **extra,
@@ -222,7 +295,7 @@ def run_opacus(workload: Workload, opts: argparse.Namespace, clock: StepClock) -
     )
     model.train()
     empty = 0
-    while len(clock.stamps) < clock.total:
+    while len(clock.stamps) < clock.max_steps:
         for batch in loader:
             batch = {k: v.to(opts.device, non_blocking=True) for k, v in batch.items()}
             optimizer.zero_grad()
@@ -234,7 +307,7 @@ def run_opacus(workload: Workload, opts: argparse.Namespace, clock: StepClock) -
                     param.grad_sample = param.new_zeros((0, *param.shape))
             optimizer.step()
             clock.tick()
-            if len(clock.stamps) == clock.total:
+            if len(clock.stamps) == clock.max_steps:
                 break
     return {"engine": "opacus hooks", "optim": "torch AdamW", "sampling_mode": "poisson", "empty_draws": empty}
 
@@ -245,6 +318,7 @@ RUNNERS: dict[str, Callable[[Workload, argparse.Namespace, StepClock], dict[str,
     "dp": lambda w, o, c: run_dp(w, o, c, mode="dp"),
     "dp_q1": lambda w, o, c: run_dp(w, o, c, mode="dp_q1"),
     "dp_graphs": lambda w, o, c: run_dp(w, o, c, mode="dp_graphs"),
+    "dp_graphs4": lambda w, o, c: run_dp(w, o, c, mode="dp_graphs4"),
     "dp_rows4": lambda w, o, c: run_dp(w, o, c, mode="dp_rows4"),
     "dp_expandable": lambda w, o, c: run_dp(w, o, c, mode="dp_expandable"),
     "dp_kernels": lambda w, o, c: run_dp(w, o, c, mode="dp_kernels"),
@@ -274,7 +348,7 @@ def measure_row(workload: Workload, mode: str, opts: argparse.Namespace) -> dict
         return {**record, "skipped": True, "error": "opacus is not importable"}
     free(opts.device)
     begin = time.perf_counter()
-    clock = StepClock(opts.device, opts.warmup, opts.warmup + opts.steps)
+    clock = StepClock(opts.device, opts.warmup, opts.warmup + opts.steps, opts.profile_steps)
     try:
         with tf32(opts.tf32), rope_restored():  # the kernels' RoPE patch is process-wide: undo it after the row
             record.update(RUNNERS[mode](workload, opts, clock))
@@ -302,7 +376,7 @@ def measure_row(workload: Workload, mode: str, opts: argparse.Namespace) -> dict
 def child_command(opts: argparse.Namespace, workload: Workload, mode: str, result: Path) -> list[str]:
     command = [sys.executable, str(Path(__file__).resolve()), "--child", str(result)]
     command += ["--workloads", workload.name, "--modes", mode, "--device", str(opts.device)]
-    command += ["--steps", str(opts.steps), "--warmup", str(opts.warmup)]
+    command += ["--steps", str(opts.steps), "--warmup", str(opts.warmup), "--profile-steps", str(opts.profile_steps)]
     return command + ["--tiny"] * opts.tiny + ["--no-tf32"] * (not opts.tf32)
 
 
@@ -391,6 +465,35 @@ def markdown(report: dict[str, Any]) -> str:
         *table(header, rows),
         "",
     ]
+    profiled = [r for r in report["records"] if r.get("profile")]
+    if profiled:
+        lines += [
+            "Profile of the steps after the timed ones (per step; host operators are top-level `aten::` calls):",
+            "",
+        ]
+        prows = []
+        for r in profiled:
+            prof = r["profile"]
+            ranges = ", ".join(f"{k.removeprefix('opake::')} {v:.1f}" for k, v in prof["opake_ranges_host_ms"].items())
+            heavy = ", ".join(
+                f"{k.removeprefix('aten::')} {v['self_ms']:.1f}" for k, v in list(prof["top_host_ops_ms"].items())[:5]
+            )
+            cells = [
+                f"{prof['host_ops_per_step']:.0f}",
+                f"{prof['kernels_per_step']:.0f}",
+                f"{prof['kernel_ms_per_step']:.1f}",
+            ]
+            prows.append([r["workload"], r["mode"], *cells, ranges or "-", heavy])
+        header = [
+            "workload",
+            "mode",
+            "host ops",
+            "kernels",
+            "kernel ms",
+            "opake ranges, host ms",
+            "heaviest host ops, ms",
+        ]
+        lines += [*table(header, prows), ""]
     return "\n".join(lines)
 
 
@@ -410,6 +513,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), help="default: cuda (the first visible GPU; cpu with --tiny)"
     )
+    parser.add_argument(
+        "--profile-steps", type=int, default=0, help="after the timed steps, profile this many more (0: none)"
+    )
     parser.add_argument("--tiny", action="store_true", help="the tiny CPU workloads of the smoke suite")
     parser.add_argument("--in-process", action="store_true", help="run every row in this process, not a subprocess")
     parser.add_argument("--budget-s", type=float, default=1800.0, help="rows not started after this are skipped")
@@ -428,6 +534,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error(f"unknown modes {sorted(set(opts.modes) - set(MODES))}; choose from {list(MODES)}")
     opts.steps = (4 if opts.tiny else 30) if opts.steps is None else opts.steps
     opts.warmup = (1 if opts.tiny else 5) if opts.warmup is None else opts.warmup
+    if opts.profile_steps < 0:
+        parser.error("--profile-steps must be >= 0")
     if opts.steps < 1 or opts.warmup < 1:
         parser.error("--steps and --warmup must be at least 1 (the first timed gap starts at the last warm-up step)")
     opts.device = torch.device(opts.device or ("cpu" if opts.tiny else "cuda"))

@@ -2,10 +2,13 @@
 
 For a layer ``y = W a (+ b)`` applied to the ``T`` positions of example ``i``, the example's weight gradient is
 ``G_i = sum_t g_it a_it^T`` where ``g_it = dL_i / dy_it``. Both factors come out of one ordinary batched pass: the
-inputs ``a`` from a forward hook, the output gradients ``g`` from a backward tap. From them, per layer:
+inputs ``a`` from a forward hook, the output gradients ``g`` from a tensor hook on the output (or, for the first
+layers, whose outputs need no gradient yet, a tap that links them to a scalar anchor: the backward runs to the anchor
+and forms no parameter gradient). From them, per layer:
 
 * **instantiate**: ``G_i`` itself (``[m, out, in]``), cheap when ``out * in`` is small (LoRA adapters, biases,
-  norm weights);
+  norm weights), written into one buffer per (dtype, size) group so that norms and scaled sums take one launch per
+  group;
 * **ghost norm** (Li et al. 2022, arXiv 2110.05679, section 4.2): ``||G_i||^2 = sum_{t,s} (a_it . a_is)(g_it . g_is)``,
   taken in float64 from two ``T x T`` Gram matrices when ``T (in + out) < in * out``; the clipped sum is then
   ``sum_i c_i G_i = (c * g)^T a``, one matmul, the same as a non-private weight gradient ("book-keeping",
@@ -37,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opake_core.clipping import MaterializedGradients
 from opake_core.errors import ConfigurationError, InputTypeError
 
 __all__ = ["LayerwiseGradients", "unsupported_parameters"]
@@ -173,47 +175,91 @@ def _live_ids(call: _Call, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _gram(x: torch.Tensor) -> torch.Tensor:
+    """float64 ``[m, T, T]`` Gram matrices of ``x`` ``[m, T, d]``."""
     x = x.to(torch.float64)
-    return x @ x.transpose(1, 2)
+    return torch.bmm(x, x.transpose(1, 2))
+
+
+def _frobenius(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``[m]`` inner products ``sum_{t,s} a_its b_its`` of two ``[m, T, T]`` tensors, in one launch."""
+    m = a.shape[0]
+    return torch.bmm(a.reshape(m, 1, -1), b.reshape(m, -1, 1)).reshape(m)
+
+
+@dataclass
+class _Group:
+    """Instantiated per-example gradients of the names that share an accumulation dtype and a size: one contiguous
+    buffer ``[c, m, numel]`` (name ``j``'s gradients are ``buffer[j]``), so that their norms and their scaled sum
+    take one batched operation each instead of one per name."""
+
+    names: list[str]
+    buffer: torch.Tensor  # [c, m, numel], zeros until the backward writes it
 
 
 @dataclass
 class _Gradients:
-    """The chunk's per-example gradients: per trainable name, instantiated ``[m, *shape]`` or ghost calls."""
+    """The chunk's per-example gradients: per trainable name, instantiated ``[m, *shape]`` or ghost calls.
+
+    Instantiated gradients live in the buffers of :class:`_Group` (``dense[name]`` is a view of its rows), allocated
+    once the forward has shown which names they are (:meth:`allocate`).
+    """
 
     names: list[str]
     shapes: dict[str, torch.Size]
     dtypes: dict[str, torch.dtype]  # accumulation dtype: float64 for float64 parameters, else float32
     m: int
     device: torch.device
-    dense: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [m, *shape]
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [m, *shape], a view of its group's buffer
     ghost: dict[str, tuple[_Call, torch.Tensor]] = field(default_factory=dict)  # name -> (call, squared norms)
+    groups: list[_Group] = field(default_factory=list)
+
+    def allocate(self, names: Sequence[str]) -> None:
+        """Zeroed buffers for the instantiated gradients of ``names``, one per (dtype, size) group."""
+        by_size: dict[tuple[torch.dtype, int], list[str]] = {}
+        for name in names:
+            by_size.setdefault((self.dtypes[name], math.prod(self.shapes[name])), []).append(name)
+        for (dtype, numel), members in by_size.items():
+            buffer = torch.zeros(len(members), self.m, numel, dtype=dtype, device=self.device)
+            self.groups.append(_Group(members, buffer))
+            for name, rows in zip(members, buffer.unbind(0), strict=True):
+                self.dense[name] = rows.view(self.m, *self.shapes[name])
 
     def squared_norms(self) -> torch.Tensor:
-        out = []
-        for name in self.names:
-            if name in self.ghost:
-                out.append(self.ghost[name][1])
-            elif name in self.dense:
-                out.append(MaterializedGradients([self.dense[name]]).squared_norms()[0])
-            else:
-                out.append(torch.zeros(self.m, dtype=torch.float64, device=self.device))
-        return torch.stack(out)
+        rows = {name: sq for name, (_, sq) in self.ghost.items()}
+        for group in self.groups:  # vector_norm accumulates in float64 without a float64 copy of the buffer
+            sq = torch.linalg.vector_norm(group.buffer, dim=2, dtype=torch.float64).square()
+            rows.update(zip(group.names, sq.unbind(0), strict=True))
+        zeros = torch.zeros(self.m, dtype=torch.float64, device=self.device)
+        return torch.stack([rows.get(name, zeros) for name in self.names])
 
     def add_scaled(self, scales: dict[torch.dtype, torch.Tensor], sums: list[torch.Tensor]) -> None:
-        for k, (name, total) in enumerate(zip(self.names, sums, strict=True)):
-            scale = scales[total.dtype][k]
-            if name in self.dense:
-                MaterializedGradients([self.dense[name]]).add_scaled({total.dtype: scale[None]}, [total])
-            elif name in self.ghost:
-                _add_ghost(self.ghost[name][0], scale, total)
+        """Consumes the instantiated buffers (scaled in place): call once, after :meth:`squared_norms`."""
+        index = {name: k for k, name in enumerate(self.names)}
+        for group in self.groups:
+            leaves = [index[name] for name in group.names]
+            rows = scales[group.buffer.dtype]  # [L, m]; stride 0: one row for every leaf
+            scale = rows[0].expand(len(leaves), -1) if not rows.stride(0) else torch.stack([rows[k] for k in leaves])
+            scaled = group.buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(scale[:, :, None])
+            torch._foreach_add_([sums[k].view(-1) for k in leaves], list(scaled.sum(dim=1).unbind(0)))
+        safe: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, (call, _) in self.ghost.items():
+            if call.grad is None:  # the loss does not depend on this layer's output: a zero gradient
+                continue
+            k = index[name]
+            total = sums[k]
+            rows = scales[total.dtype]
+            key = (total.dtype, k if rows.stride(0) else 0)  # one row for all leaves (stride 0): one mask
+            if key not in safe:
+                scale = rows[k].reshape(self.m, 1, 1)
+                safe[key] = (scale != 0, scale)
+            _add_ghost(call, *safe[key], total)
 
 
-def _add_ghost(call: _Call, scale: torch.Tensor, total: torch.Tensor) -> None:
-    """``total += sum_i scale_i G_i`` from the call's input and output gradient (examples with scale 0 add 0)."""
+def _add_ghost(call: _Call, keep: torch.Tensor, scale: torch.Tensor, total: torch.Tensor) -> None:
+    """``total += sum_i scale_i G_i`` from the call's input and output gradient; ``scale`` and ``keep`` (whether the
+    scale is not 0) are ``[m, 1, 1]``; an example with scale 0 adds exactly 0 whatever its values."""
     m = scale.shape[0]
-    keep = (scale != 0).reshape(m, 1, 1)
-    g = torch.where(keep, _rows(call.grad, m).to(total.dtype) * scale.reshape(m, 1, 1), 0.0)
+    g = torch.where(keep, _rows(call.grad, m).to(total.dtype) * scale, 0.0)
     if call.kind == "embedding":
         ids, live = _live_ids(call, m)
         g = torch.where(live[..., None], g, 0.0)
@@ -232,32 +278,41 @@ def _ghost_norms(call: _Call, m: int) -> torch.Tensor:
     if call.kind == "embedding":
         ids, live = _live_ids(call, m)
         same = (ids[:, :, None] == ids[:, None, :]) & live[:, :, None] & live[:, None, :]
-        return (same * _gram(g)).sum(dim=(1, 2))
-    return (_gram(_rows(call.inputs, m)) * _gram(g)).sum(dim=(1, 2))
+        return _frobenius(same.to(torch.float64), _gram(g))
+    return _frobenius(_gram(_rows(call.inputs, m)), _gram(g))
 
 
-def _dense(call: _Call, attr: str, m: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """``[m, *shape]`` per-example gradient of ``call.module.<attr>`` in this call, in ``dtype``."""
+def _add_dense(call: _Call, attr: str, out: torch.Tensor, *, first: bool) -> None:
+    """``out += `` the ``[m, *shape]`` per-example gradient of ``call.module.<attr>`` in this call (``out``'s dtype);
+    ``first``: ``out`` holds zeros, so it is written instead."""
+    m, dtype = out.shape[0], out.dtype
     g = call.grad.to(dtype)
     if call.kind in _NORMS:
         dims = len(call.module.normalized_shape) if call.kind != "llama_rms_norm" else 1
         g = g.reshape(m, -1, *g.shape[-dims:])
-        if attr == "bias":
-            return g.sum(dim=1)
-        return (g * _normalized(call).to(dtype).reshape(g.shape)).sum(dim=1)
+        if attr == "weight":
+            g = g * _normalized(call).to(dtype).reshape(g.shape)
+        _add_sum(g, out, first=first)
+        return
     g = _rows(g, m)
     if attr == "bias":
-        return g.sum(dim=1)
-    if call.kind == "embedding":
+        _add_sum(g, out, first=first)
+    elif call.kind == "embedding":
         ids, live = _live_ids(call, m)
-        g = torch.where(live[..., None], g, 0.0)
-        out = torch.zeros(m, *shape, dtype=dtype, device=g.device)
         rows = torch.arange(m, device=g.device)[:, None].expand_as(ids)
-        return out.index_put_((rows, ids), g, accumulate=True)
-    a = _rows(call.inputs.to(dtype), m)
-    if call.kind == "linear":
-        return torch.bmm(g.transpose(1, 2), a)  # [m, out, in]
-    return torch.bmm(a.transpose(1, 2), g)  # conv1d: [m, in, out]
+        out.index_put_((rows, ids), torch.where(live[..., None], g, 0.0), accumulate=True)
+    elif call.kind == "linear":
+        out.baddbmm_(g.transpose(1, 2), _rows(call.inputs.to(dtype), m))  # [m, out, in]
+    else:  # conv1d: [m, in, out]
+        out.baddbmm_(_rows(call.inputs.to(dtype), m).transpose(1, 2), g)
+
+
+def _add_sum(g: torch.Tensor, out: torch.Tensor, *, first: bool) -> None:
+    """``out += g.sum(dim=1)`` (one launch when ``out`` holds zeros)."""
+    if first:
+        torch.sum(g, dim=1, out=out)
+    else:
+        out.add_(g.sum(dim=1))
 
 
 _NORMS = ("layer_norm", "rms_norm", "llama_rms_norm")
@@ -273,6 +328,22 @@ def _normalized(call: _Call) -> torch.Tensor:
     hidden = x.to(torch.float32)
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
     return hidden.to(x.dtype)
+
+
+def _ghost_names(calls: list[_Call], out: _Gradients) -> dict[str, tuple[_Call, torch.Tensor]]:
+    """The weights whose norms come from Gram matrices (zero until the backward reaches their call): used by one
+    call, of a linear, Conv1D or embedding layer, where that costs less than instantiating them."""
+    uses: dict[str, int] = {}
+    for call in calls:
+        for name in call.names.values():
+            uses[name] = uses.get(name, 0) + 1
+    zeros = torch.zeros(out.m, dtype=torch.float64, device=out.device)
+    return {
+        name: (call, zeros)
+        for call in calls
+        if call.kind not in _NORMS and (name := call.names.get("weight")) is not None and uses[name] == 1
+        if _prefers_ghost(call, out.shapes[name], out.m)
+    }
 
 
 def _prefers_ghost(call: _Call, shape: torch.Size, m: int) -> bool:
@@ -303,6 +374,8 @@ class LayerwiseGradients:
         self.model = model
         self.batch_loss = batch_loss
         self._layout: tuple[tuple[str, ...], dict[nn.Module, tuple[str, dict[str, str]]]] | None = None
+        self._batch_norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        self._others: list[torch.Tensor] = []  # the model's parameters outside the trainable names
 
     def _layers(self, params: dict[str, torch.Tensor]) -> dict[nn.Module, tuple[str, dict[str, str]]]:
         """``{layer: (kind, {attribute: trainable name})}``, checked and computed once per set of names."""
@@ -322,6 +395,7 @@ class LayerwiseGradients:
             for module, attr, kind in where:
                 by_module.setdefault(module, (kind, {}))[1][attr] = name
         self._layout = (names, by_module)
+        self._others = [p for name, p in self.model.named_parameters() if name not in params]
         return by_module
 
     def __call__(
@@ -377,7 +451,7 @@ class LayerwiseGradients:
         return worst
 
     def _run(self, params: dict[str, torch.Tensor], batch: tuple[Any, ...], *, instantiate: bool) -> tuple[Any, Any]:
-        if any(_mixes(module) for module in self.model.modules()):
+        if any(_mixes(module) for module in self._batch_norms):
             self._layout = None  # a layer switched to training mode since: check again
         by_module = self._layers(params)
         names = [path[0] for path in optree.tree_paths(params)]
@@ -385,26 +459,30 @@ class LayerwiseGradients:
         anchor = torch.zeros((), device=first.device, requires_grad=True)
         shapes = {k: v.shape for k, v in params.items()}
         dtypes = {k: torch.float64 if v.dtype == torch.float64 else torch.float32 for k, v in params.items()}
-        sizes = {x.shape[0] for x in optree.tree_leaves(batch) if isinstance(x, torch.Tensor) and x.dim()}
+        leaves = optree.tree_leaves(batch)
+        sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim()}
         if len(sizes) != 1:
             raise ConfigurationError(f"batched tensors need one leading batch dimension, got sizes {sorted(sizes)}.")
         out = _Gradients(names, shapes, dtypes, sizes.pop(), first.device)
-        uses: dict[str, int] = {}
+        # Nothing outside the taps needs a gradient (the parameters are detached; the batch and the other parameters
+        # need none): a layer output that requires one is then downstream of a tap, so the backward to the anchor
+        # reaches it and a tensor hook on it suffices (cheaper than another tap).
+        hooks_suffice = not any(p.requires_grad for p in self._others) and not any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in leaves
+        )
+        calls: list[_Call] = []
+        written: set[str] = set()  # instantiated names the backward has written (their buffers held zeros)
 
         def record(call: _Call, grad: torch.Tensor) -> None:
             """Runs inside the backward: instantiated gradients are formed at once and the layer's tensors freed."""
             call.grad = grad.detach()
-            keep = False
             for attr, name in call.names.items():
-                shape = out.shapes[name]
-                ghost = not instantiate and attr == "weight" and uses[name] == 1 and call.kind not in _NORMS
-                if ghost and _prefers_ghost(call, shape, out.m):
+                if name in out.ghost:
                     out.ghost[name] = (call, _ghost_norms(call, out.m))
-                    keep = True  # its input and output gradient form the scaled sum later
-                    continue
-                g = _dense(call, attr, out.m, shape, out.dtypes[name])
-                out.dense[name] = out.dense[name] + g if name in out.dense else g
-            if not keep:
+                else:
+                    _add_dense(call, attr, out.dense[name], first=name not in written)
+                    written.add(name)
+            if not any(name in out.ghost for name in call.names.values()):
                 call.inputs = call.grad = None
 
         def forward_hook(module: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
@@ -418,13 +496,16 @@ class LayerwiseGradients:
                     f"{out.m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
                 )
             call = _Call(kind, module, attrs, x)
-            for name in attrs.values():
-                uses[name] = uses.get(name, 0) + 1
+            calls.append(call)
+            if hooks_suffice and output.requires_grad:
+                output.register_hook(lambda grad: record(call, grad))
+                return None
             return _Tap.apply(output, anchor, lambda grad: record(call, grad))
 
         handles = [module.register_forward_hook(forward_hook) for module in by_module]
         try:
-            result = self.batch_loss({k: v.detach() for k, v in params.items()}, *batch)
+            detached = {k: v.detach() if v.requires_grad else v for k, v in params.items()}
+            result = self.batch_loss(detached, *batch)
         finally:
             for handle in handles:
                 handle.remove()
@@ -433,6 +514,10 @@ class LayerwiseGradients:
             raise ConfigurationError(f"batch_loss must return per-example losses [m], got {losses!r:.80}.")
         if losses.shape[0] != out.m:
             raise ConfigurationError(f"batch_loss returned {losses.shape[0]} losses for a batch of {out.m} examples.")
+        if not instantiate:
+            out.ghost.update(_ghost_names(calls, out))
+        used = {name for call in calls for name in call.names.values()}
+        out.allocate([name for name in names if name in used and name not in out.ghost])
         if losses.requires_grad:
             torch.autograd.backward(losses.sum(), inputs=[anchor])
         if aux is None:

@@ -102,22 +102,25 @@ class Engine:
         gradients: ``gradients(example_grad, args, batch_argnums) -> (PerExampleGradients, values)`` for the chunk's
             arguments ``args`` (batched ones ``[m, ...]`` at ``batch_argnums``); see the module docstring.
         transform: wraps the chunk function ``chunk(rule, bounds, live, *chunk_args) -> (sums, norms, clipped,
-            values)`` once, when ``clipped_grad`` is built. With a transform and a ``microbatch_size``, every chunk
-            is padded to exactly ``microbatch_size`` rows (copies of its last example, marked dead by ``live`` so that
-            they add exactly nothing), so that every chunk has one shape. The wrapped function must return tensors of
-            its own: the sums are accumulated and divided in place.
-        row_multiple: without a transform, each chunk's rows are rounded up to a multiple of this (at most the
-            ``microbatch_size``) with dead rows, so that Poisson batches of varying size meet a few shapes (the
-            allocator and the kernels see them again); 1 runs the real rows only.
+            values)`` once, when ``clipped_grad`` is built (one capture or compilation per argument shape). With a
+            transform and a ``microbatch_size``, every chunk gets a ``live`` mask, so that its arguments keep one
+            structure. The wrapped function must return tensors of its own: the sums are accumulated and divided in
+            place.
+        row_multiple: each chunk's rows are rounded up to a multiple of this (at most the ``microbatch_size``) with
+            dead rows (copies of its last example, marked dead by ``live``, that add exactly nothing), so that
+            Poisson batches of varying size meet ``ceil(microbatch_size / row_multiple)`` shapes (the allocator,
+            the kernels and a transform see them again); 1 runs the real rows only. None (the default): the whole
+            ``microbatch_size`` with a transform (one shape), 1 without.
     """
 
     gradients: Callable[..., tuple[PerExampleGradients, Any]] = VmapGradients()
     transform: Callable[[Chunk], Chunk] | None = None
-    row_multiple: int = 1
+    row_multiple: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.row_multiple, bool) or not isinstance(self.row_multiple, int) or self.row_multiple < 1:
-            raise ConfigurationError(f"row_multiple must be an int >= 1, got {self.row_multiple!r}.")
+        multiple = self.row_multiple
+        if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
+            raise ConfigurationError(f"row_multiple must be None or an int >= 1, got {multiple!r}.")
 
 
 VMAP = Engine()

@@ -142,6 +142,23 @@ def _advance(plan: StreamPlan, z: torch.Tensor, buffers: list[torch.Tensor]) -> 
     return x, [buf.mul(d).add_(x) for d, buf in zip(plan.decay, buffers, strict=True)]
 
 
+def _add_scaled(
+    values: list[torch.Tensor], noise: list[torch.Tensor], stds: list[float], dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """``[v + std * x]`` in ``dtype``, new tensors: one fused launch per distinct std (per group)."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(values)
+    by_std: dict[float, list[int]] = {}
+    for i, std in enumerate(stds):
+        by_std.setdefault(std, []).append(i)
+    for std, indices in by_std.items():
+        sums = torch._foreach_add(
+            [values[i].to(dtype) for i in indices], [noise[i].to(dtype) for i in indices], alpha=std
+        )
+        for i, total in zip(indices, sums, strict=True):
+            out[i] = total
+    return out
+
+
 def _check_clipped(name: str, clipped: Any) -> None:
     if isinstance(clipped, Noised):
         raise InputTypeError(
@@ -263,12 +280,13 @@ def matrix_mechanism(
                 step_key = random.fold_in(state.key, stream, t)
                 keys = [random.fold_in(step_key, i) for i in range(len(values))]
                 draws = random.normal_like(keys, values, dtype=draw_dtype)  # every leaf in one pass
-                out, per_buffer = [], [[] for _ in range(plan.num_buffers)]
-                for i, (leaf, leaf_std, draw) in enumerate(zip(values, stds, draws, strict=True)):
+                xs, per_buffer = [], [[] for _ in range(plan.num_buffers)]
+                for i, draw in enumerate(draws):
                     x, leaf_buffers = _advance(plan, draw, [b[i] for b in state.buffers])
                     for j, b in enumerate(leaf_buffers):
                         per_buffer[j].append(b)
-                    out.append(leaf.to(dtype).add(x.to(dtype), alpha=leaf_std))
+                    xs.append(x)
+                out = _add_scaled(values, xs, stds, dtype)
                 new_buffers = tuple(tuple(b) for b in per_buffer)
         latched = clipped.sensitivity if n_steps is not None else None
         reported = noise_std_for(clipped.sensitivity, scale * row)

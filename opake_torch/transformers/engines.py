@@ -28,7 +28,7 @@ from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
 __all__ = ["ROW_MULTIPLE", "chunk_transform", "engine", "layerwise_engine", "step_factory", "verified"]
 
 ROW_MULTIPLE = 1
-"""Each chunk's rows, without a chunk transform, are rounded up to a multiple of this with dead rows
+"""Each chunk's rows, without CUDA graphs, are rounded up to a multiple of this with dead rows
 (:class:`~opake_core.clipping.Engine`); 1 runs the real rows only."""
 
 logger = logging.getLogger(__name__)
@@ -96,8 +96,8 @@ def verified(
 def chunk_transform(args: Any, keep: Callable[[CudaGraphChunk], None]) -> Callable[[Any], Any] | None:
     """The wrapper of the per-chunk clip function that ``cuda_graphs`` or ``torch_compile`` ask for, else None.
 
-    Every chunk is padded to the microbatch size (dead rows add nothing), so that Poisson batches of any size replay
-    the same graphs. ``keep`` receives the
+    Chunks are padded with dead rows (which add nothing) to a few shapes (:func:`engine`), so that Poisson batches of
+    any size replay the same graphs. ``keep`` receives the
     :class:`~opake_torch.transformers.compile.CudaGraphChunk` holding the captures.
     """
     if args.cuda_graphs:
@@ -113,15 +113,28 @@ def chunk_transform(args: Any, keep: Callable[[CudaGraphChunk], None]) -> Callab
     return None
 
 
-def engine(args: Any, layerwise: LayerwiseGradients | None, transform: Callable[[Any], Any] | None) -> Engine:
-    """The step's engine: layerwise gradients when available, else ``vmap(grad)`` with the fused Triton norms and
-    scaled sums on CUDA (the identical torch path where they cannot run), but not inside a captured or compiled
-    chunk."""
+def engine(
+    args: Any, layerwise: LayerwiseGradients | None, transform: Callable[[Any], Any] | None, *, microbatch: int
+) -> Engine:
+    """The step's engine for chunks of at most ``microbatch`` rows: layerwise gradients when available, else
+    ``vmap(grad)`` with the fused Triton norms and scaled sums on CUDA (the identical torch path where they cannot
+    run), but not inside a captured or compiled chunk.
+
+    Rows: with ``cuda_graphs = k``, each chunk is rounded up to a multiple of ``ceil(microbatch / k)`` (dead rows), so
+    that Poisson draws of any size meet at most ``k`` shapes, one captured graph each; compiled chunks are padded
+    to ``microbatch``; otherwise :data:`ROW_MULTIPLE`.
+    """
+    if args.cuda_graphs:
+        row_multiple = -(-microbatch // args.cuda_graphs)
+    elif transform is not None:
+        row_multiple = microbatch
+    else:
+        row_multiple = ROW_MULTIPLE
     if layerwise is not None:
-        return Engine(gradients=layerwise, transform=transform, row_multiple=ROW_MULTIPLE)
+        return Engine(gradients=layerwise, transform=transform, row_multiple=row_multiple)
     fused = args.device.type == "cuda" and transform is None
     gradients = VmapGradients(FusedGradients if fused else MaterializedGradients)
-    return Engine(gradients=gradients, transform=transform, row_multiple=ROW_MULTIPLE)
+    return Engine(gradients=gradients, transform=transform, row_multiple=row_multiple)
 
 
 def step_factory(

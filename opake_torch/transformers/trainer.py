@@ -295,6 +295,9 @@ class DPTrainer(DataLoaders):
                 batch=self._batch(self.train_dataset, np.arange(min(2, len(self.train_dataset)))),
             )
         transform = engines.chunk_transform(args, keep=lambda graphs: setattr(self, "chunk_graphs", graphs))
+        # default chunk: the expected batch per device, the memory of one non-private step; a larger Poisson draw
+        # runs as equal chunks
+        microbatch = args.microbatch_size or max(1, math.ceil(plan.expected_batch_size / args.world_size))
         make_step = step_factory(
             plan,
             args,
@@ -303,13 +306,10 @@ class DPTrainer(DataLoaders):
             optimizer=optimizer,
             clipping=clipping_rule(args, self._params),
             key=keys.noise,
-            engine=engines.engine(args, self._layerwise, transform),
+            engine=engines.engine(args, self._layerwise, transform, microbatch=microbatch),
             topology=self.topology,
             has_aux=self._example_metrics is not None,
         )
-        # default chunk: the expected batch per device, the memory of one non-private step; a larger Poisson draw
-        # runs as equal chunks
-        microbatch = args.microbatch_size or max(1, math.ceil(plan.expected_batch_size / args.world_size))
         step_fn, dp_state = make_step(microbatch)
         if args.auto_find_microbatch_size:
             step_fn = ShrinkingStep(make_step, step_fn, microbatch)

@@ -90,6 +90,34 @@ def test_padded_chunks_have_one_shape_and_add_nothing(name):
     assert _rel_err(clipped.value, {k: v.double() for k, v in plain.value.items()}) < 1e-6
 
 
+@pytest.mark.parametrize("name", ["mlp", "tied"])
+def test_bucketed_chunks_meet_few_shapes_and_equal_the_loop(name):
+    """Draws of 1..16 rows in chunks of at most 8 rounded to multiples of 4 (the trainer's ``cuda_graphs=2``): the
+    transform sees 4 or 8 rows only, every chunk with a live mask marking its real rows, and every sum equals the
+    float64 loop over the real rows."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    params, frozen = _split(model)
+    x_all, y_all = _data(name, 16, torch.Generator().manual_seed(5))
+    bound = _median_norm(model, params, frozen, x_all, y_all)
+    recorder = Recorder()
+    grad_fn, state = clipped_grad(
+        _loss(model),
+        clipping_norm=bound,
+        batch_argnums=(2, 3),
+        normalize_by=8.0,
+        microbatch_size=8,
+        engine=Engine(transform=recorder, row_multiple=4),
+    )
+    for n in range(1, 17):
+        recorder.calls.clear()
+        clipped, _ = grad_fn(params, frozen, x_all[:n], y_all[:n], state=state)
+        assert set().union(*(call["rows"] for call in recorder.calls)) <= {4, 8}
+        reals = [real for real, _ in chunk_sizes(n, 8, row_multiple=4)]
+        assert [int(call["live"].sum()) for call in recorder.calls] == reals
+        assert _rel_err(clipped.value, _reference(model, x_all[:n], y_all[:n], bound, 8.0)) < 1e-6
+
+
 def test_padding_copies_a_non_finite_last_example_without_adding_it():
     """The dead copies of a last example with a NaN gradient add nothing, as the example itself."""
 
@@ -168,7 +196,7 @@ def test_adaptive_bound_reaches_the_chunk_as_a_tensor():
 @pytest.mark.parametrize("multiple", [1, 2, 4, 5])
 def test_chunk_sizes_split_evenly_within_the_bound(microbatch, multiple):
     for n in range(0, 4 * microbatch + 3):
-        sizes = chunk_sizes(n, microbatch, pad=False, row_multiple=multiple)
+        sizes = chunk_sizes(n, microbatch, row_multiple=multiple)
         reals = [real for real, _ in sizes]
         assert sum(reals) == n and len(sizes) == -(-n // microbatch)  # every row once, in the fewest chunks
         assert not reals or max(reals) - min(reals) <= 1  # as equal as possible
@@ -176,9 +204,9 @@ def test_chunk_sizes_split_evenly_within_the_bound(microbatch, multiple):
             assert real <= rows <= microbatch  # never above the memory bound
             assert rows == microbatch or rows % multiple == 0  # a multiple, or the bound itself
             assert rows - real < multiple  # the fewest dead rows that reach a multiple
-        padded = chunk_sizes(n, microbatch, pad=True)
+        padded = chunk_sizes(n, microbatch, row_multiple=microbatch)  # one shape: the bound
         assert [real for real, _ in padded] == reals and all(rows == microbatch for _, rows in padded)
-    assert chunk_sizes(9, None, pad=False) == [(9, 9)] and chunk_sizes(0, 4, pad=False) == []
+    assert chunk_sizes(9, None) == [(9, 9)] and chunk_sizes(0, 4) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

@@ -223,3 +223,36 @@ def test_the_check_catches_a_parameter_used_outside_its_layer():
         engine.check(params, lambda p, xi: apply(p, frozen, xi[None])[0] ** 2, x)
     model, params, loss, batch_loss, batch = _mixer_case()
     assert LayerwiseGradients(model, batch_loss).check(params, loss, *batch) < 1e-12
+
+
+@pytest.mark.parametrize("source", ["batch", "frozen_parameter"])
+def test_gradients_outside_the_taps_leave_the_sum_unchanged(source):
+    """A batch tensor, or a parameter outside the trainable ones, that requires a gradient: layer outputs then need
+    a gradient whether or not a tapped layer feeds them, and every layer is tapped; the sum still equals the loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    apply, params, frozen = functional_model(model)
+    params = {k: v for k, v in params.items() if not k.startswith("0.")}  # the first layer frozen
+    frozen = {**frozen, **{k: v for k, v in model.named_parameters() if k.startswith("0.")}}
+    if source == "frozen_parameter":  # the first layer's output needs a gradient, and no tapped layer feeds it
+        frozen = {k: v.detach().requires_grad_(k.startswith("0.")) for k, v in frozen.items()}
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(name.startswith("0."))
+    else:
+        model.requires_grad_(False)
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=source == "batch")
+    y = torch.randint(0, 3, (5,))
+
+    def loss(p, xi, yi):
+        return F.cross_entropy(apply(p, frozen, xi[None]), yi[None])
+
+    def batch_loss(p, xb, yb):
+        return F.cross_entropy(apply(p, frozen, xb), yb, reduction="none")
+
+    grad_fn, state = clipped_grad(
+        loss, clipping_norm=0.5, batch_argnums=(1, 2), engine=Engine(gradients=LayerwiseGradients(model, batch_loss))
+    )
+    clipped, _ = grad_fn(params, x, y, state=state)
+    expected, _ = _loop_reference(loss, params, (x.detach(), y), 0.5)
+    for k in params:
+        torch.testing.assert_close(clipped.value[k].double(), expected[k], rtol=1e-9, atol=1e-12)
