@@ -193,15 +193,18 @@ class _Group:
     take one batched operation each instead of one per name."""
 
     names: list[str]
-    buffer: torch.Tensor  # [c, m, numel], zeros until the backward writes it
+    dtype: torch.dtype
+    numel: int
+    buffer: torch.Tensor | None = None  # zeros from the backward's first write into the group; None before
 
 
 @dataclass
 class _Gradients:
     """The chunk's per-example gradients: per trainable name, instantiated ``[m, *shape]`` or ghost calls.
 
-    Instantiated gradients live in the buffers of :class:`_Group` (``dense[name]`` is a view of its rows), allocated
-    once the forward has shown which names they are (:meth:`allocate`).
+    Instantiated gradients live in the buffers of :class:`_Group` (``dense[name]`` is a view of its rows), grouped
+    once the forward has shown which names they are (:meth:`group`); a group's buffer is allocated at the backward's
+    first write into it (:meth:`block`), past the forward's peak, and a group never written holds zero gradients.
     """
 
     names: list[str]
@@ -212,21 +215,32 @@ class _Gradients:
     dense: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [m, *shape], a view of its group's buffer
     ghost: dict[str, tuple[_Call, torch.Tensor]] = field(default_factory=dict)  # name -> (call, squared norms)
     groups: list[_Group] = field(default_factory=list)
+    group_of: dict[str, _Group] = field(default_factory=dict)
 
-    def allocate(self, names: Sequence[str]) -> None:
-        """Zeroed buffers for the instantiated gradients of ``names``, one per (dtype, size) group."""
+    def group(self, names: Sequence[str]) -> None:
+        """The (dtype, size) groups of the instantiated gradients of ``names``."""
         by_size: dict[tuple[torch.dtype, int], list[str]] = {}
         for name in names:
             by_size.setdefault((self.dtypes[name], math.prod(self.shapes[name])), []).append(name)
         for (dtype, numel), members in by_size.items():
-            buffer = torch.zeros(len(members), self.m, numel, dtype=dtype, device=self.device)
-            self.groups.append(_Group(members, buffer))
-            for name, rows in zip(members, buffer.unbind(0), strict=True):
-                self.dense[name] = rows.view(self.m, *self.shapes[name])
+            self.groups.append(_Group(members, dtype, numel))
+            self.group_of.update(dict.fromkeys(members, self.groups[-1]))
+
+    def block(self, name: str) -> torch.Tensor:
+        """``[m, *shape]``: where the gradients of ``name`` are written (its group's buffer, allocated at the first
+        request)."""
+        if name not in self.dense:
+            group = self.group_of[name]
+            group.buffer = torch.zeros(len(group.names), self.m, group.numel, dtype=group.dtype, device=self.device)
+            for member, rows in zip(group.names, group.buffer.unbind(0), strict=True):
+                self.dense[member] = rows.view(self.m, *self.shapes[member])
+        return self.dense[name]
 
     def squared_norms(self) -> torch.Tensor:
         rows = {name: sq for name, (_, sq) in self.ghost.items()}
         for group in self.groups:  # vector_norm accumulates in float64 without a float64 copy of the buffer
+            if group.buffer is None:
+                continue
             sq = torch.linalg.vector_norm(group.buffer, dim=2, dtype=torch.float64).square()
             rows.update(zip(group.names, sq.unbind(0), strict=True))
         zeros = torch.zeros(self.m, dtype=torch.float64, device=self.device)
@@ -236,6 +250,8 @@ class _Gradients:
         """Consumes the instantiated buffers (scaled in place): call once, after :meth:`squared_norms`."""
         index = {name: k for k, name in enumerate(self.names)}
         for group in self.groups:
+            if group.buffer is None:
+                continue
             leaves = [index[name] for name in group.names]
             rows = scales[group.buffer.dtype]  # [L, m]; stride 0: one row for every leaf
             scale = rows[0].expand(len(leaves), -1) if not rows.stride(0) else torch.stack([rows[k] for k in leaves])
@@ -480,7 +496,7 @@ class LayerwiseGradients:
                 if name in out.ghost:
                     out.ghost[name] = (call, _ghost_norms(call, out.m))
                 else:
-                    _add_dense(call, attr, out.dense[name], first=name not in written)
+                    _add_dense(call, attr, out.block(name), first=name not in written)
                     written.add(name)
             if not any(name in out.ghost for name in call.names.values()):
                 call.inputs = call.grad = None
@@ -517,7 +533,7 @@ class LayerwiseGradients:
         if not instantiate:
             out.ghost.update(_ghost_names(calls, out))
         used = {name for call in calls for name in call.names.values()}
-        out.allocate([name for name in names if name in used and name not in out.ghost])
+        out.group([name for name in names if name in used and name not in out.ghost])
         if losses.requires_grad:
             torch.autograd.backward(losses.sum(), inputs=[anchor])
         if aux is None:

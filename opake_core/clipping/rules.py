@@ -113,7 +113,8 @@ def adaptive(
         target_quantile: the fraction of examples that should stay unclipped, in (0, 1).
         learning_rate: ``eta`` of the geometric update, > 0.
         count_noise_fraction: the count's noise std as a fraction of the expected batch size, > 0.
-        clipping_norm_min, clipping_norm_max: the bound stays in this range.
+        clipping_norm_min: the smallest bound, > 0.
+        clipping_norm_max: the largest bound, above ``clipping_norm_min``.
     """
     quantile = validate.in_range("target_quantile", target_quantile, 0.0, 1.0, low_open=True, high_open=True)
     low = validate.positive("clipping_norm_min", clipping_norm_min)

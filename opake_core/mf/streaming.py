@@ -325,7 +325,11 @@ def mf_gaussian_noise(
         strategy: an ``opake_core.mf`` strategy; ``band_mf`` / ``blt`` are optimized here for ``n_steps`` and
             ``participation`` (pass the result of ``opake_core.mf.optimize`` to reuse an optimization).
         n_steps: the horizon, an int >= 1; a call at step ``>= n_steps`` raises.
-        noise_multiplier, key, compute_dtype, participation, state_dtype: see :func:`matrix_mechanism`.
+        noise_multiplier: as in :func:`matrix_mechanism`.
+        key: as in :func:`matrix_mechanism`.
+        compute_dtype: as in :func:`matrix_mechanism`.
+        participation: as in :func:`matrix_mechanism`.
+        state_dtype: as in :func:`matrix_mechanism`.
         second_moment_strategy: if given, ``noise_fn`` takes and returns a pair ``(first, second)``: the second
             clipped stream (private second moments for Adam) is noised with this strategy on the stream
             ``SECOND_MOMENT_STREAM``, independent of the first under the same key, and the state is a pair of states.

@@ -122,7 +122,7 @@ class CudaGraphChunk:
     calls served each way. All captures share one memory pool.
 
     Raises:
-        ConfigurationError at construction without CUDA.
+        ConfigurationError: at construction without CUDA.
     """
 
     def __init__(self, fn: Callable[..., Any], max_graphs: int) -> None:

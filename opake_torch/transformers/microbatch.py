@@ -94,7 +94,7 @@ def run_with_oom_retry(
         the search happens once per run, not once per step.
 
     Raises:
-        ConfigurationError when the step runs out of memory with a chunk of 1 (the original error is chained).
+        ConfigurationError: when the step runs out of memory with a chunk of 1 (the original error is chained).
     """
     chunk = max(1, min(_check_size(microbatch_size, "microbatch_size"), max(batch_size, 1)))
     while True:

@@ -256,3 +256,38 @@ def test_gradients_outside_the_taps_leave_the_sum_unchanged(source):
     expected, _ = _loop_reference(loss, params, (x.detach(), y), 0.5)
     for k in params:
         torch.testing.assert_close(clipped.value[k].double(), expected[k], rtol=1e-9, atol=1e-12)
+
+
+def test_a_layer_the_loss_does_not_reach_has_zero_gradients():
+    """A layer that runs but does not feed the loss (its own size group, never written by the backward): zero
+    per-example gradients, and the other layers' sum equals the loop."""
+
+    class Branch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = nn.Linear(4, 3)
+            self.unused = nn.Linear(4, 7)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.unused(x)  # runs, feeds nothing
+            return self.used(x)
+
+    torch.manual_seed(0)
+    model = Branch().double()
+    apply, params, frozen = functional_model(model)
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def loss(p, xi, yi):
+        return F.cross_entropy(apply(p, frozen, xi[None]), yi[None])
+
+    def batch_loss(p, xb, yb):
+        return F.cross_entropy(apply(p, frozen, xb), yb, reduction="none")
+
+    layerwise = LayerwiseGradients(model, batch_loss)
+    assert layerwise.check(params, loss, x[:2], y[:2]) < 1e-10
+    grad_fn, state = clipped_grad(loss, clipping_norm=0.5, batch_argnums=(1, 2), engine=Engine(gradients=layerwise))
+    clipped, _ = grad_fn(params, x, y, state=state)
+    expected, _ = _loop_reference(loss, params, (x, y), 0.5)
+    assert not clipped.value["unused.weight"].any() and not clipped.value["unused.bias"].any()
+    for k in params:
+        torch.testing.assert_close(clipped.value[k].double(), expected[k], rtol=1e-9, atol=1e-12)
