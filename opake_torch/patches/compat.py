@@ -6,6 +6,14 @@ already turns the shortcut off while a graph is being traced; :func:`apply_compa
 ``is_tracing`` test in ``transformers.masking_utils`` to also answer True inside a ``torch.func`` transform, so the
 mask is always materialized there. Outside ``torch.func`` nothing changes.
 
+Autocast does not reach ``scaled_dot_product_attention`` inside ``torch.func`` transforms (torch 2.9 to 2.13:
+under ``vmap`` of a bf16 autocast region a float query with a bf16 value raises "Expected query, key, and value to
+have the same dtype"; outside the transforms autocast casts all three to bf16). Llama-style models meet it as soon
+as their rotary embedding, in float32, promotes the query and key while the value stays bf16: in the per-example
+pass and in the recompute of a checkpointed layer. :func:`apply_compat_patches` registers a ``"sdpa"`` attention
+function that, inside a ``torch.func`` transform with autocast on, casts query, key and value to the autocast dtype
+itself, which is what autocast does outside the transforms; everywhere else it is Hugging Face's own.
+
 FlashAttention-2 unpads sequences with ``torch.nonzero`` (data-dependent shapes) and cannot run under vmap:
 :func:`check_attention_implementation` refuses it with the fix.
 """
@@ -42,7 +50,27 @@ def apply_compat_patches() -> list[str]:
 
         is_tracing._opake_patched = True  # type: ignore[attr-defined]
         masking.is_tracing = is_tracing
-    return ["transformers.masking_utils.is_tracing"]
+    interface = importlib.import_module("transformers.modeling_utils").AttentionInterface
+    sdpa = interface._global_mapping.get("sdpa")
+    if sdpa is not None and not getattr(sdpa, "_opake_patched", False):
+        interface.register("sdpa", _autocast_sdpa(sdpa))
+    return ["transformers.masking_utils.is_tracing", "AttentionInterface['sdpa']"]
+
+
+def _autocast_sdpa(original: Any) -> Any:
+    """Hugging Face's SDPA attention, with autocast's cast of query, key and value done explicitly inside
+    ``torch.func`` transforms (module docstring)."""
+
+    @functools.wraps(original)
+    def sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        device = query.device.type
+        if inside_functorch() and torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        return original(module, query, key, value, *args, **kw)
+
+    sdpa._opake_patched = True  # type: ignore[attr-defined]
+    return sdpa
 
 
 def check_attention_implementation(model: torch.nn.Module) -> str:
