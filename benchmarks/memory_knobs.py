@@ -129,6 +129,7 @@ def main() -> None:
             "compile",
             "cuda_graphs",
             "layerwise",
+            "layerwise+checkpointing",
             "layerwise+cuda_graphs",
         ],
     )

@@ -19,6 +19,14 @@ stays in :mod:`opake_core.clipping.rules`, which takes the squared norms, forms 
 margin as for materialized gradients and asks for the scaled sum: the two engines release the same clipped sum up to
 float rounding.
 
+Under activation checkpointing (:func:`opake_torch.patches.checkpointing.checkpoint_layer`) a checkpointed layer's
+forward runs without gradients and keeps nothing: the hooks note only which layers ran. Its recompute in the
+backward takes the pass's anchor as an input (:func:`active_anchor`) and runs in plain autograd, so the recomputed
+layers are tapped like the others and their gradients are formed there, inside the backward, while the layer's
+recomputed activations exist. Those gradients are always instantiated (a ghost norm would keep the inputs and output
+gradients of the layer until the scaled sum, which is what checkpointing avoids): the engine suits adapters inside
+checkpointed layers, not a full fine-tune of them.
+
 Supported layers: ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, Hugging Face's ``Conv1D`` and
 Llama-style ``*RMSNorm`` layers, with their stock ``forward``; every layer must see the batch in dimension 0 (Hugging
 Face models are batch-first). A parameter used by several layers or calls (tied embeddings) is instantiated per
@@ -31,6 +39,7 @@ supported layer and any other coupling. Hooks exist only for the duration of one
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,7 +51,15 @@ from torch import nn
 
 from opake_core.errors import ConfigurationError, InputTypeError
 
-__all__ = ["LayerwiseGradients", "unsupported_parameters"]
+__all__ = ["LayerwiseGradients", "active_anchor", "unsupported_parameters"]
+
+_ACTIVE = threading.local()
+
+
+def active_anchor() -> torch.Tensor | None:
+    """The anchor of the layerwise pass running on this thread, None outside one: a checkpointed layer takes it as an
+    input, so that its recompute runs in the backward and its taps link to it."""
+    return getattr(_ACTIVE, "anchor", None)
 
 
 def _conv1d_type() -> type | None:
@@ -158,8 +175,13 @@ class _Call:
     kind: str
     module: nn.Module
     names: dict[str, str]  # attribute -> trainable name
-    inputs: torch.Tensor
+    inputs: torch.Tensor | None  # None for the forward of a checkpointed layer, which keeps nothing
+    positions: int  # T: the positions of one example the layer runs on
     grad: torch.Tensor | None = None
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.inputs is None
 
 
 def _rows(x: torch.Tensor, m: int) -> torch.Tensor:
@@ -357,7 +379,8 @@ def _ghost_names(calls: list[_Call], out: _Gradients) -> dict[str, tuple[_Call, 
     return {
         name: (call, zeros)
         for call in calls
-        if call.kind not in _NORMS and (name := call.names.get("weight")) is not None and uses[name] == 1
+        if call.kind not in _NORMS and not call.checkpointed
+        if (name := call.names.get("weight")) is not None and uses[name] == 1
         if _prefers_ghost(call, out.shapes[name], out.m)
     }
 
@@ -366,8 +389,7 @@ def _prefers_ghost(call: _Call, shape: torch.Size, m: int) -> bool:
     """Ghost norm when its Gram matrices cost less than instantiating ``[m, *shape]`` (Li et al. 2022)."""
     if call.kind == "embedding":
         return True
-    positions = call.inputs.numel() // (m * call.inputs.shape[-1])
-    return positions * sum(shape) < math.prod(shape)
+    return call.positions * sum(shape) < math.prod(shape)
 
 
 class LayerwiseGradients:
@@ -504,6 +526,10 @@ class LayerwiseGradients:
         def forward_hook(module: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
             kind, attrs = by_module[module]
             x = inputs[0].detach()
+            positions = x.numel() // max(1, x.shape[0] * (1 if kind == "embedding" else x.shape[-1]))
+            if not torch.is_grad_enabled():  # a checkpointed layer's forward: its recompute is tapped
+                calls.append(_Call(kind, module, attrs, None, positions))
+                return None
             if kind == "embedding" and x.shape[0] == 1 and out.m > 1:  # positions shared by the batch: one per example
                 x, output = x.expand(out.m, *x.shape[1:]), output.expand(out.m, *output.shape[1:])
             if x.shape[0] != out.m:
@@ -511,7 +537,7 @@ class LayerwiseGradients:
                     f"a {type(module).__name__} layer runs on a tensor of leading size {x.shape[0]}, not the batch of "
                     f"{out.m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
                 )
-            call = _Call(kind, module, attrs, x)
+            call = _Call(kind, module, attrs, x, positions)
             calls.append(call)
             if hooks_suffice and output.requires_grad:
                 output.register_hook(lambda grad: record(call, grad))
@@ -519,12 +545,21 @@ class LayerwiseGradients:
             return _Tap.apply(output, anchor, lambda grad: record(call, grad))
 
         handles = [module.register_forward_hook(forward_hook) for module in by_module]
+        _ACTIVE.anchor = anchor
         try:
             detached = {k: v.detach() if v.requires_grad else v for k, v in params.items()}
-            result = self.batch_loss(detached, *batch)
+            with torch.enable_grad():
+                result = self.batch_loss(detached, *batch)
+            return self._backward(result, out, calls, anchor, instantiate=instantiate)
         finally:
+            _ACTIVE.anchor = None
             for handle in handles:
                 handle.remove()
+
+    @staticmethod
+    def _backward(result: Any, out: _Gradients, calls: list[_Call], anchor: torch.Tensor, *, instantiate: bool) -> Any:
+        """The backward of the batched pass to ``anchor``: the hooks, still in place, record every layer's gradients
+        (a checkpointed layer's recompute runs its forward hooks in the backward)."""
         losses, aux = result if isinstance(result, tuple) else (result, None)
         if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
             raise ConfigurationError(f"batch_loss must return per-example losses [m], got {losses!r:.80}.")
@@ -533,7 +568,7 @@ class LayerwiseGradients:
         if not instantiate:
             out.ghost.update(_ghost_names(calls, out))
         used = {name for call in calls for name in call.names.values()}
-        out.group([name for name in names if name in used and name not in out.ghost])
+        out.group([name for name in out.names if name in used and name not in out.ghost])
         if losses.requires_grad:
             torch.autograd.backward(losses.sum(), inputs=[anchor])
         if aux is None:

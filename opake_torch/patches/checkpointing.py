@@ -22,6 +22,11 @@ functorch, i.e. with ``setup_context`` and ``generate_vmap_rule = True``.
   are the forward's masks. Without active dropout no RNG state is touched, which is what lets CUDA graphs capture a
   checkpointed step (a graph cannot read the generator state during capture).
 
+Under the layerwise engine (:mod:`opake_torch.layerwise`, plain autograd, no vmap) the Function also takes the
+pass's anchor as an input, and its backward recomputes the layer in plain autograd (``torch.autograd.grad``, the
+anchor among the inputs), so that the engine's hooks tap the recomputed layers and form their per-example
+gradients there.
+
 First-order only (the backward is not itself differentiable twice). It also works outside functorch, in plain
 autograd. It cannot be traced by ``torch.compile`` (the recompute runs a nested ``torch.func.vjp`` inside a
 backward), hence :func:`check_memory_knobs`.
@@ -40,6 +45,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from opake_core.errors import ConfigurationError
+from opake_torch.layerwise import active_anchor
 
 __all__ = ["check_memory_knobs", "checkpoint_layer", "enable_vmap_checkpointing", "has_active_dropout"]
 
@@ -79,6 +85,8 @@ class _Recompute(torch.autograd.Function):
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
         if not wanted:
             return (None,) * (len(inputs) + 1)
+        if ctx.run.anchor is not None:
+            return (None, *_plain_recompute(ctx.run, inputs, wanted, grad_outputs))
 
         def partial_run(*diff: torch.Tensor) -> tuple[torch.Tensor, ...]:
             full = list(inputs)
@@ -93,6 +101,24 @@ class _Recompute(torch.autograd.Function):
         for index, value in zip(wanted, grads, strict=True):
             out[index] = value
         return (None, *out)
+
+
+def _plain_recompute(
+    run: Any, inputs: tuple[torch.Tensor, ...], wanted: list[int], grad_outputs: tuple[torch.Tensor, ...]
+) -> list[torch.Tensor | None]:
+    """The gradients of ``run``'s inputs at ``wanted`` by a recompute in plain autograd; the last input is the
+    layerwise anchor (``run.anchor``, the object the recomputed layers' taps link to)."""
+    with torch.enable_grad():
+        full = [x.detach().requires_grad_(i in wanted) for i, x in enumerate(inputs[:-1])] + [run.anchor]
+        outputs = run(*full, recompute=True)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad and g is not None]
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs], [full[i] for i in wanted], [g for _, g in pairs], allow_unused=True
+        )
+    out: list[torch.Tensor | None] = [None] * len(inputs)
+    for index, value in zip(wanted, grads, strict=True):
+        out[index] = value
+    return out
 
 
 @contextlib.contextmanager
@@ -135,7 +161,9 @@ def checkpoint_layer(layer: nn.Module, function: Callable[..., Any], *args: Any)
     names = list(state)
     leaves, spec = pytree.tree_flatten((args, keywords))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    anchor = active_anchor()  # under the layerwise engine: an input, so that the backward recomputes the layer
     tensors = [leaves[i] for i in positions] + [state[name] for name in names]
+    tensors += [anchor] if anchor is not None else []
     device = next((t.device for t in tensors if t.is_floating_point()), torch.device("cpu"))
     autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
     rng = None
@@ -150,7 +178,7 @@ def checkpoint_layer(layer: nn.Module, function: Callable[..., Any], *args: Any)
         for index, value in zip(positions, inputs[: len(positions)], strict=True):
             values[index] = value
         call_args, call_kwargs = pytree.tree_unflatten(values, spec)
-        params = dict(zip(names, inputs[len(positions) :], strict=True))
+        params = dict(zip(names, inputs[len(positions) : len(positions) + len(names)], strict=True))
         with (
             _replay_rng(rng if recompute else None),
             torch.autocast(device.type, dtype=autocast[1], enabled=autocast[0]),
@@ -163,6 +191,7 @@ def checkpoint_layer(layer: nn.Module, function: Callable[..., Any], *args: Any)
             constants.update({i: leaf for i, leaf in enumerate(out_leaves) if not isinstance(leaf, torch.Tensor)})
         return tuple(leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor))
 
+    run.anchor = anchor  # type: ignore[attr-defined]
     results = iter(_Recompute.apply(run, *tensors))
     count = out_spec[0].num_leaves
     return pytree.tree_unflatten([constants[i] if i in constants else next(results) for i in range(count)], out_spec[0])

@@ -581,12 +581,6 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
         self.per_example_gradients = p.as_choice(
             self.per_example_gradients, "per_example_gradients", ("auto", "layerwise", "vmap")
         )
-        if self.per_example_gradients == "layerwise" and self.gradient_checkpointing:
-            raise ConfigurationError(
-                "per_example_gradients='layerwise' is incompatible with gradient_checkpointing (the recomputed "
-                "layers would be recorded twice); it needs no checkpointing to fit: its memory is that of "
-                "non-private training. Drop gradient_checkpointing, or use per_example_gradients='vmap'."
-            )
         self.performance_kernels_config = (
             None
             if self.performance_kernels_config is None

@@ -291,3 +291,49 @@ def test_a_layer_the_loss_does_not_reach_has_zero_gradients():
     assert not clipped.value["unused.weight"].any() and not clipped.value["unused.bias"].any()
     for k in params:
         torch.testing.assert_close(clipped.value[k].double(), expected[k], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_checkpointed_layers_give_the_float64_loop_sum(family, monkeypatch):
+    """LoRA adapters inside checkpointed decoder layers (``enable_vmap_checkpointing``, training mode, no dropout):
+    the layers' forward keeps nothing, their recompute in the backward is tapped, and the clipped sum equals the
+    float64 loop (whose per-example gradients run the same checkpointing under torch.func)."""
+    from opake_torch.patches import checkpointing
+
+    recomputes = []
+    plain = checkpointing._plain_recompute
+    monkeypatch.setattr(checkpointing, "_plain_recompute", lambda *a: recomputes.append(1) or plain(*a))
+    apply_compat_patches()
+    model = tiny_lora(family, targets=LORA_TARGETS, std=1.0, model=tiny_model(family).double())
+    layers = checkpointing.enable_vmap_checkpointing(model)
+    assert layers > 0
+    model.train()
+    apply, params, frozen = functional_model(model)
+    batch = language_modeling_labels(collate(token_data(6), pad_token_id=0))
+
+    def loss(p, example):
+        return per_example_loss(apply, p, frozen, example, task="causal_lm")
+
+    def batch_loss(p, b):
+        return batch_losses(apply, p, frozen, b, task="causal_lm")
+
+    layerwise = LayerwiseGradients(model, batch_loss)
+    recorded = []
+    layerwise_run = layerwise._run
+
+    def spy(*args, **kwargs):
+        out = layerwise_run(*args, **kwargs)
+        recorded.append(out[0])
+        return out
+
+    layerwise._run = spy
+    grad_fn, state = clipped_grad(
+        loss, clipping_norm=0.05, batch_argnums=1, microbatch_size=4, engine=Engine(gradients=layerwise)
+    )
+    clipped, _ = grad_fn(params, batch, state=state)
+    expected, _ = _loop_reference(loss, params, (batch,), 0.05)
+    flat = torch.cat([clipped.value[k].reshape(-1) for k in sorted(params)])
+    ref = torch.cat([expected[k].reshape(-1) for k in sorted(params)])
+    assert ((flat - ref).norm() / ref.norm()).item() < 1e-9
+    assert recorded and all(not grads.ghost for grads in recorded)  # inside checkpointed layers: instantiated
+    assert len(recomputes) == layers * len(recorded)  # every checkpointed layer recomputed once per chunk

@@ -59,10 +59,26 @@ def test_layerwise_and_vmap_train_the_same_model(tmp_path, build, data, mechanis
 def test_auto_picks_layerwise_where_it_serves_and_vmap_elsewhere(tmp_path, caplog):
     assert DPTrainer(tiny_lora(), _args(tmp_path), train_dataset=DATA)._layerwise is not None
     assert DPTrainer(tiny_model("llama"), _args(tmp_path), train_dataset=DATA)._layerwise is not None
+    checkpointed = _args(tmp_path, gradient_checkpointing=True)
+    assert DPTrainer(tiny_lora(), checkpointed, train_dataset=DATA)._layerwise is not None  # adapters: served
     with caplog.at_level(logging.INFO, logger="opake_torch.transformers.engines"):
-        trainer = DPTrainer(tiny_model("llama"), _args(tmp_path, gradient_checkpointing=True), train_dataset=DATA)
+        trainer = DPTrainer(tiny_model("llama"), checkpointed, train_dataset=DATA)  # a full fine-tune: vmap
     assert trainer._layerwise is None
-    assert "gradient_checkpointing" in caplog.text
+    assert "gradient_checkpointing" in caplog.text and "inside checkpointed layers" in caplog.text
+
+
+def test_checkpointed_lora_trains_as_without_checkpointing(tmp_path):
+    """LoRA with gradient_checkpointing on the layerwise engine: the same keys and batches give the model that the
+    run without checkpointing gives (the recompute changes nothing but memory)."""
+    trained = {}
+    for checkpointing in (False, True):
+        args = _args(tmp_path / str(checkpointing), gradient_checkpointing=checkpointing)
+        trainer = DPTrainer(tiny_lora(), args, train_dataset=DATA)
+        trainer.train()
+        assert trainer._layerwise is not None
+        trained[checkpointing] = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
+    for name, value in trained[False].items():
+        torch.testing.assert_close(trained[True][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 class _SFTLike(DPTrainer):
@@ -73,8 +89,9 @@ class _SFTLike(DPTrainer):
 def test_layerwise_refuses_what_it_cannot_serve(tmp_path):
     with pytest.raises(ConfigurationError, match="overrides compute_per_example_loss"):
         _SFTLike(tiny_model("llama"), _args(tmp_path, per_example_gradients="layerwise"), train_dataset=DATA)
-    with pytest.raises(ConfigurationError, match="gradient_checkpointing"):
-        _args(tmp_path, per_example_gradients="layerwise", gradient_checkpointing=True)
+    full = _args(tmp_path, per_example_gradients="layerwise", gradient_checkpointing=True)
+    with pytest.raises(ConfigurationError, match="inside checkpointed layers"):
+        DPTrainer(tiny_model("llama"), full, train_dataset=DATA)
     with pytest.raises(ConfigurationError, match="per_example_gradients"):
         _args(tmp_path, per_example_gradients="ghost")
 
