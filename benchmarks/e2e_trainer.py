@@ -265,9 +265,8 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
         )
         trainer = DPTrainer(model_for(workload, opts.device), args, train_dataset=data, callbacks=[clock.callback()])
         trainer.train()
-    layerwise = getattr(trainer, "_layerwise", ...)  # private: the engine after the trainer's check, None for vmap
     return {
-        "engine": "unknown" if layerwise is ... else "vmap" if layerwise is None else "layerwise",
+        "engine": trainer.per_example_gradients_engine,
         "optim": args.optim,
         "sampling_mode": args.sampling_mode,
         "clipping_norm": args.clipping_norm,

@@ -221,7 +221,7 @@ def opake_trainer(
         with rope_restored():  # the kernels' RoPE patch is process-wide: later modes and workloads run without it
             trainer = DPTrainer(build_model(workload, device), args, train_dataset=rows, callbacks=[StepTimer()])
             trainer.train()
-    engine = "layerwise" if trainer._layerwise is not None else "vmap"
+    engine = trainer.per_example_gradients_engine
     return {
         "times": times,
         "peak_gib": peak_gib(device),

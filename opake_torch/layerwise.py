@@ -38,9 +38,10 @@ supported layer and any other coupling. Hooks exist only for the duration of one
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -280,17 +281,31 @@ class _Gradients:
             scaled = group.buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(scale[:, :, None])
             torch._foreach_add_([sums[k].view(-1) for k in leaves], list(scaled.sum(dim=1).unbind(0)))
         safe: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        for name, (call, _) in self.ghost.items():
-            if call.grad is None:  # the loss does not depend on this layer's output: a zero gradient
-                continue
-            k = index[name]
-            total = sums[k]
-            rows = scales[total.dtype]
-            key = (total.dtype, k if rows.stride(0) else 0)  # one row for all leaves (stride 0): one mask
-            if key not in safe:
-                scale = rows[k].reshape(self.m, 1, 1)
-                safe[key] = (scale != 0, scale)
-            _add_ghost(call, *safe[key], total)
+        with _ieee_float32_matmuls():
+            for name, (call, _) in self.ghost.items():
+                if call.grad is None:  # the loss does not depend on this layer's output: a zero gradient
+                    continue
+                k = index[name]
+                total = sums[k]
+                rows = scales[total.dtype]
+                key = (total.dtype, k if rows.stride(0) else 0)  # one row for all leaves (stride 0): one mask
+                if key not in safe:
+                    scale = rows[k].reshape(self.m, 1, 1)
+                    safe[key] = (scale != 0, scale)
+                _add_ghost(call, *safe[key], total)
+
+
+@contextlib.contextmanager
+def _ieee_float32_matmuls() -> Iterator[None]:
+    """float32 matmuls at full precision while the ghost layers' scaled sums are formed, whatever TF32 setting the
+    run uses: their norms come from float64 Gram matrices, and the sum must be computed at the precision the clipping
+    margin assumes (TF32 rounds each factor to about 1e-3, enough for a contribution to exceed its bound)."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 def _add_ghost(call: _Call, keep: torch.Tensor, scale: torch.Tensor, total: torch.Tensor) -> None:

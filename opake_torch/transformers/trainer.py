@@ -513,6 +513,12 @@ class DPTrainer(DataLoaders):
     def remove_callback(self, callback: Any) -> None:
         self.callback_handler.remove_callback(callback)
 
+    @property
+    def per_example_gradients_engine(self) -> str:
+        """The engine that forms the per-example gradients: ``"layerwise"`` or ``"vmap"`` (what
+        ``per_example_gradients="auto"`` chose; after ``train()``, what its check against ``grad`` left)."""
+        return "vmap" if self._layerwise is None else "layerwise"
+
     def is_world_process_zero(self) -> bool:
         """Whether this is the global main process (rank 0)."""
         return self.args.process_index == 0

@@ -337,3 +337,59 @@ def test_checkpointed_layers_give_the_float64_loop_sum(family, monkeypatch):
     assert ((flat - ref).norm() / ref.norm()).item() < 1e-9
     assert recorded and all(not grads.ghost for grads in recorded)  # inside checkpointed layers: instantiated
     assert len(recomputes) == layers * len(recorded)  # every checkpointed layer recomputed once per chunk
+
+
+def test_checkpointed_layers_under_bf16_autocast_give_the_plain_pass():
+    """bf16 autocast with SDPA attention: the checkpointed layers' recompute re-enters the autocast state, so the
+    clipped sum equals the one without checkpointing up to the summation order (the same bf16 roundings)."""
+    from opake_torch.patches.checkpointing import enable_vmap_checkpointing
+
+    apply_compat_patches()
+    batch = language_modeling_labels(collate(token_data(6), pad_token_id=0))
+    sums = []
+    for checkpointing in (False, True):
+        model = tiny_lora("llama", targets=LORA_TARGETS, std=1.0, model=tiny_model("llama"))
+        model.config._attn_implementation = "sdpa"
+        if checkpointing:
+            enable_vmap_checkpointing(model)
+        model.train()
+        apply, params, frozen = functional_model(model)
+
+        def loss(p, example, apply=apply, frozen=frozen):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return per_example_loss(apply, p, frozen, example, task="causal_lm")
+
+        def batch_loss(p, b, apply=apply, frozen=frozen):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return batch_losses(apply, p, frozen, b, task="causal_lm")
+
+        engine = Engine(gradients=LayerwiseGradients(model, batch_loss))
+        grad_fn, state = clipped_grad(loss, clipping_norm=0.05, batch_argnums=1, engine=engine)
+        clipped, _ = grad_fn(params, batch, state=state)
+        sums.append(clipped.value)
+    for name in sums[0]:
+        torch.testing.assert_close(sums[1][name], sums[0][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_ghost_sums_run_at_full_float32_precision_whatever_the_tf32_setting(monkeypatch):
+    """The ghost layers' scaled sums (their norms come from float64 Gram matrices) run with float32 matmuls at full
+    precision even when the run allows TF32, and the run's setting is restored afterwards."""
+    from opake_torch import layerwise
+
+    seen = []
+    add_ghost = layerwise._add_ghost
+    monkeypatch.setattr(
+        layerwise, "_add_ghost", lambda *a: seen.append(torch.get_float32_matmul_precision()) or add_ghost(*a)
+    )
+    model, params, loss, batch_loss, batch = _mixer_case()
+    grad_fn, state = clipped_grad(
+        loss, clipping_norm=0.5, batch_argnums=(1, 2), engine=Engine(gradients=LayerwiseGradients(model, batch_loss))
+    )
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 allowed
+    try:
+        grad_fn(params, *batch, state=state)
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert seen and set(seen) == {"highest"}

@@ -50,20 +50,23 @@ def test_layerwise_and_vmap_train_the_same_model(tmp_path, build, data, mechanis
         args = _args(tmp_path / engine, per_example_gradients=engine, privacy_noise_mechanism=mechanism, **options)
         trainer = DPTrainer(build(), args, train_dataset=data)
         trainer.train()
-        assert (trainer._layerwise is not None) == (engine == "layerwise")
+        assert trainer.per_example_gradients_engine == engine
         trained[engine] = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
     for name, value in trained["vmap"].items():
         torch.testing.assert_close(trained["layerwise"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_auto_picks_layerwise_where_it_serves_and_vmap_elsewhere(tmp_path, caplog):
-    assert DPTrainer(tiny_lora(), _args(tmp_path), train_dataset=DATA)._layerwise is not None
-    assert DPTrainer(tiny_model("llama"), _args(tmp_path), train_dataset=DATA)._layerwise is not None
+    def engine(model, args):
+        return DPTrainer(model, args, train_dataset=DATA).per_example_gradients_engine
+
+    assert engine(tiny_lora(), _args(tmp_path)) == "layerwise"
+    assert engine(tiny_model("llama"), _args(tmp_path)) == "layerwise"
     checkpointed = _args(tmp_path, gradient_checkpointing=True)
-    assert DPTrainer(tiny_lora(), checkpointed, train_dataset=DATA)._layerwise is not None  # adapters: served
+    assert engine(tiny_lora(), checkpointed) == "layerwise"  # adapters: served
     with caplog.at_level(logging.INFO, logger="opake_torch.transformers.engines"):
         trainer = DPTrainer(tiny_model("llama"), checkpointed, train_dataset=DATA)  # a full fine-tune: vmap
-    assert trainer._layerwise is None
+    assert trainer.per_example_gradients_engine == "vmap"
     assert "gradient_checkpointing" in caplog.text and "inside checkpointed layers" in caplog.text
 
 
@@ -75,7 +78,7 @@ def test_checkpointed_lora_trains_as_without_checkpointing(tmp_path):
         args = _args(tmp_path / str(checkpointing), gradient_checkpointing=checkpointing)
         trainer = DPTrainer(tiny_lora(), args, train_dataset=DATA)
         trainer.train()
-        assert trainer._layerwise is not None
+        assert trainer.per_example_gradients_engine == "layerwise"
         trained[checkpointing] = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
     for name, value in trained[False].items():
         torch.testing.assert_close(trained[True][name], value, rtol=1e-5, atol=1e-6, msg=name)
@@ -106,7 +109,7 @@ def test_a_failed_check_falls_back_to_vmap_in_auto_and_raises_when_asked(tmp_pat
     monkeypatch.setattr(layerwise.LayerwiseGradients, "check", failing_check)
     trainer = DPTrainer(tiny_lora(), _args(tmp_path), train_dataset=DATA)
     trainer.train()
-    assert trainer._layerwise is None
+    assert trainer.per_example_gradients_engine == "vmap"
     strict = DPTrainer(tiny_lora(), _args(tmp_path, per_example_gradients="layerwise"), train_dataset=DATA)
     with pytest.raises(error, match="injected"):
         strict.train()

@@ -147,7 +147,7 @@ def test_layerwise_engine_serves_nll_and_trains_the_same_model(tmp_path, loss_ty
         )  # fmt: skip
         trainer.train()
         if engine == "auto":
-            assert (trainer._layerwise is not None) == (loss_type == "nll")
+            assert trainer.per_example_gradients_engine == ("layerwise" if loss_type == "nll" else "vmap")
         trained[engine] = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     for name, value in trained["vmap"].items():
         torch.testing.assert_close(trained["auto"][name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -141,7 +141,7 @@ def test_training_logs_carry_trl_s_metric_names_from_the_step(tmp_path, engine):
     args = {**BASE, "max_steps": 2, "logging_steps": 1, "per_example_gradients": engine}
     sft = SFTTrainer(tiny_model("llama"), SFTConfig(str(tmp_path / "sft"), **args),
                      train_dataset=prompt_completion_rows(8), processing_class=tiny_tokenizer())  # fmt: skip
-    assert (sft._layerwise is not None) == (engine == "layerwise")
+    assert sft.per_example_gradients_engine == engine
     sft.train()
     rows = [row for row in sft.state.log_history if "loss" in row]
     assert len(rows) == 2 and all(set(SFT_METRICS) <= set(row) for row in rows)
