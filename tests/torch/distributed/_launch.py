@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
+GLOO_ABORT = "terminate called without an active exception"
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -18,8 +19,14 @@ def launch(mode: str, out: Path, timeout: float = 120, **env: str) -> list[dict]
     environ = {k: v for k, v in os.environ.items() if k not in {"WORLD_SIZE", "RANK", "LOCAL_RANK"}}
     environ.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env})
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    done = subprocess.run(
-        [*command, str(WORKER), mode, str(out)], env=environ, capture_output=True, text=True, timeout=timeout
-    )
+    for attempt in range(2):
+        done = subprocess.run(
+            [*command, str(WORKER), mode, str(out)], env=environ, capture_output=True, text=True, timeout=timeout
+        )
+        # Gloo's threads can abort a rank at teardown under heavy load ("terminate called without an active
+        # exception", SIGABRT): the launch is retried once for that signature only; any other failure, and the
+        # same abort twice, fails the test, and the results are always those of a run in which every rank finished.
+        if done.returncode == 0 or GLOO_ABORT not in done.stderr or attempt:
+            break
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
