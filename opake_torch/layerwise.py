@@ -185,6 +185,11 @@ class _Call:
         return self.inputs is None
 
 
+def _in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype`` (itself when it already is: no dispatch for a no-op conversion)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _rows(x: torch.Tensor, m: int) -> torch.Tensor:
     """``[m, ..., d]`` as ``[m, T, d]`` (``T = 1`` for a layer applied once per example)."""
     return x.reshape(m, -1, x.shape[-1])
@@ -312,13 +317,13 @@ def _add_ghost(call: _Call, keep: torch.Tensor, scale: torch.Tensor, total: torc
     """``total += sum_i scale_i G_i`` from the call's input and output gradient; ``scale`` and ``keep`` (whether the
     scale is not 0) are ``[m, 1, 1]``; an example with scale 0 adds exactly 0 whatever its values."""
     m = scale.shape[0]
-    g = torch.where(keep, _rows(call.grad, m).to(total.dtype) * scale, 0.0)
+    g = torch.where(keep, _in(_rows(call.grad, m), total.dtype) * scale, 0.0)
     if call.kind == "embedding":
         ids, live = _live_ids(call, m)
         g = torch.where(live[..., None], g, 0.0)
         total.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1]))
         return
-    a = torch.where(keep, _rows(call.inputs, m).to(total.dtype), 0.0)
+    a = torch.where(keep, _in(_rows(call.inputs, m), total.dtype), 0.0)
     if call.kind == "linear":
         total.addmm_(g.reshape(-1, g.shape[-1]).T, a.reshape(-1, a.shape[-1]))  # sum_bt g^T a
     else:  # conv1d: weight [in, out]
@@ -339,12 +344,12 @@ def _add_dense(call: _Call, attr: str, out: torch.Tensor, *, first: bool) -> Non
     """``out += `` the ``[m, *shape]`` per-example gradient of ``call.module.<attr>`` in this call (``out``'s dtype);
     ``first``: ``out`` holds zeros, so it is written instead."""
     m, dtype = out.shape[0], out.dtype
-    g = call.grad.to(dtype)
+    g = _in(call.grad, dtype)
     if call.kind in _NORMS:
         dims = len(call.module.normalized_shape) if call.kind != "llama_rms_norm" else 1
         g = g.reshape(m, -1, *g.shape[-dims:])
         if attr == "weight":
-            g = g * _normalized(call).to(dtype).reshape(g.shape)
+            g = g * _in(_normalized(call), dtype).reshape(g.shape)
         _add_sum(g, out, first=first)
         return
     g = _rows(g, m)
@@ -355,9 +360,9 @@ def _add_dense(call: _Call, attr: str, out: torch.Tensor, *, first: bool) -> Non
         rows = torch.arange(m, device=g.device)[:, None].expand_as(ids)
         out.index_put_((rows, ids), torch.where(live[..., None], g, 0.0), accumulate=True)
     elif call.kind == "linear":
-        out.baddbmm_(g.transpose(1, 2), _rows(call.inputs.to(dtype), m))  # [m, out, in]
+        out.baddbmm_(g.transpose(1, 2), _rows(_in(call.inputs, dtype), m))  # [m, out, in]
     else:  # conv1d: [m, in, out]
-        out.baddbmm_(_rows(call.inputs.to(dtype), m).transpose(1, 2), g)
+        out.baddbmm_(_rows(_in(call.inputs, dtype), m).transpose(1, 2), g)
 
 
 def _add_sum(g: torch.Tensor, out: torch.Tensor, *, first: bool) -> None:

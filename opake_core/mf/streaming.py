@@ -152,11 +152,16 @@ def _add_scaled(
         by_std.setdefault(std, []).append(i)
     for std, indices in by_std.items():
         sums = torch._foreach_add(
-            [values[i].to(dtype) for i in indices], [noise[i].to(dtype) for i in indices], alpha=std
+            [_in(values[i], dtype) for i in indices], [_in(noise[i], dtype) for i in indices], alpha=std
         )
         for i, total in zip(indices, sums, strict=True):
             out[i] = total
     return out
+
+
+def _in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype`` (itself when it already is: no dispatch for a no-op conversion)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _check_clipped(name: str, clipped: Any) -> None:
