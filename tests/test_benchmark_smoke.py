@@ -112,6 +112,7 @@ def test_e2e_trainer_tiny_in_process(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny CPU ops: threads only add contention
     modes = ("hf", "dp", "dp_q1")
     command = [sys.executable, str(E2E_TRAINER), "--tiny", "--in-process", "--modes", *modes, "--out", str(tmp_path)]
+    command += ["--profile-steps", "1"]  # one more step per row, profiled
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
@@ -129,5 +130,10 @@ def test_e2e_trainer_tiny_in_process(tmp_path: Path) -> None:
             assert r["engine"] in ("layerwise", "vmap") and r["sampling_mode"] == "poisson"
             assert r["sampling_rate"] == (1.0 if r["mode"] == "dp_q1" else 0.01)
             assert r["diagnostic"] == (r["mode"] == "dp_q1")
+            assert r["profile"]["opake_ranges_host_ms"]["opake::clipped_grad"] > 0  # the private step's ranges
+        assert r["profile"]["steps"] == 1 and r["profile"]["host_ops_per_step"] > 0
+        assert r["profile"]["kernels_per_step"] == 0  # CPU: no GPU kernels
     text = (tmp_path / "results.md").read_text()
     assert text.count("| ok |") == len(records) and "dp_q1 (diagnostic)" in text
+    profile = text.split("Profile of the steps after the timed ones", 1)[1]  # its table: a row per profiled row
+    assert all(f"| {r['workload']} | {r['mode']} |" in profile for r in records)
