@@ -28,7 +28,7 @@ from transformers.trainer_callback import (
     ProgressCallback,
     TrainerControl,
 )
-from transformers.trainer_utils import PredictionOutput, TrainOutput
+from transformers.trainer_utils import PredictionOutput, TrainOutput, speed_metrics
 from transformers.utils import logging as hf_logging
 
 from opake_core import accounting
@@ -423,7 +423,10 @@ class DPTrainer(DataLoaders):
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add ``epoch`` to ``logs`` in place (as Hugging Face's), record them in the history, send them ``on_log``."""
+        """Add ``epoch`` to ``logs`` in place (as Hugging Face's; with ``start_time``, a ``time.time()``, also its
+        ``train_runtime``), record them in the history, send them ``on_log``."""
+        if start_time is not None:
+            logs.update(speed_metrics("train", start_time))
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})

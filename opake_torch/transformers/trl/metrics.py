@@ -135,13 +135,6 @@ def dpo_example_metrics(
     return out
 
 
-_COUNT = "_examples"
-
-
-def _device(values: Mapping[str, torch.Tensor]) -> torch.device:
-    return next(iter(values.values())).device
-
-
 def trl_log_metrics(sums: Mapping[str, float], count: float, num_tokens: float) -> dict[str, float]:
     """TRL's log names from the per-example values summed over ``count`` examples (``num_tokens``: the cumulative
     token count). A metric whose inputs are absent (``mean_token_accuracy`` under ``chunked_nll``) is left out; a
@@ -169,6 +162,7 @@ class TRLMetrics:
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
+        self.count = 0  # examples since the last drain (their number is public to this rank: the batch size)
         self.num_tokens = 0.0
 
     def add(self, values: Mapping[str, torch.Tensor] | None) -> None:
@@ -177,16 +171,18 @@ class TRLMetrics:
         sizes = {int(v.shape[0]) if v.ndim else 1 for v in values.values()}
         if len(sizes) != 1:
             raise InputTypeError(f"per-example metric values must share their batch size, got sizes {sorted(sizes)}.")
-        size = sizes.pop()
-        for name, value in {**values, _COUNT: torch.full((size,), 1.0, device=_device(values))}.items():
+        self.count += sizes.pop()
+        for name, value in values.items():
             total = value.detach().float().sum()
             self.sums[name] = self.sums[name] + total if name in self.sums else total
 
     def drain(self, mean: Callable[[Any], Any] = lambda value: value) -> dict[str, float]:
         if not self.sums:
             return {}
+        device = next(iter(self.sums.values())).device
+        count = float(mean(torch.tensor(float(self.count), device=device)))  # averaged like the sums
         sums = {name: float(mean(total)) for name, total in self.sums.items()}
         self.num_tokens += sums.get("num_tokens", 0.0)
-        logs = trl_log_metrics(sums, sums.pop(_COUNT), self.num_tokens)
-        self.sums = {}
+        logs = trl_log_metrics(sums, count, self.num_tokens)
+        self.sums, self.count = {}, 0
         return logs

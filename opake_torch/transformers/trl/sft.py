@@ -229,11 +229,15 @@ class SFTTrainer(DPTrainer):
     def compute_batch_losses(self, params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Every example's loss from one batched forward, for the layerwise engine: ``loss_type="nll"`` only (the
         other loss types raise, and ``per_example_gradients="auto"`` then uses vmap)."""
+        self._require_batched()
+        return super().compute_batch_losses(params, batch)
+
+    def _require_batched(self) -> None:
+        """Refuse the batched forms for loss types that have none (``per_example_gradients="auto"`` then uses vmap)."""
         if self.args.loss_type != "nll":
             raise ConfigurationError(
                 f"loss_type={self.args.loss_type!r} has no batched form; the layerwise engine serves loss_type='nll'."
             )
-        return super().compute_batch_losses(params, batch)
 
     def compute_per_example_loss(
         self, params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]
@@ -273,7 +277,11 @@ class SFTTrainer(DPTrainer):
             return dft_loss(logits, labels), sft_example_metrics(logits, labels, mask)
         inputs = {k: v[None] for k, v in example.items() if k not in self.label_names}
         logits = self.apply_model(params, **inputs).logits[0]
-        loss = loss_from_logits(
+        return self._nll(logits, labels), sft_example_metrics(logits, labels, mask)
+
+    def _nll(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One example's ``loss_type="nll"`` loss from its logits ``[T, V]`` and labels ``[T]``."""
+        return loss_from_logits(
             logits,
             labels,
             task=self.task,
@@ -281,31 +289,17 @@ class SFTTrainer(DPTrainer):
             label_smoothing=self.args.label_smoothing_factor,
             kernel=self._ce_kernel,
         )
-        return loss, sft_example_metrics(logits, labels, mask)
 
     def compute_batch_losses_and_metrics(
         self, params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The batched form of :meth:`compute_per_example_loss_and_metrics` (``loss_type="nll"``, one forward): row
         ``i`` holds example ``i``'s loss and values, for the layerwise engine."""
-        if self.args.loss_type != "nll":
-            raise ConfigurationError(
-                f"loss_type={self.args.loss_type!r} has no batched form; the layerwise engine serves loss_type='nll'."
-            )
+        self._require_batched()
         labels = batch["labels"]
         logits = self.apply_model(params, **{k: v for k, v in batch.items() if k not in self.label_names}).logits
-
-        def one(row_logits: torch.Tensor, row_labels: torch.Tensor) -> torch.Tensor:
-            return loss_from_logits(
-                row_logits,
-                row_labels,
-                task=self.task,
-                compute_loss_func=self.compute_loss_func,
-                label_smoothing=self.args.label_smoothing_factor,
-                kernel=self._ce_kernel,
-            )
-
-        return torch.vmap(one)(logits, labels), torch.vmap(sft_example_metrics)(logits, labels, batch["attention_mask"])
+        metrics = torch.vmap(sft_example_metrics)(logits, labels, batch["attention_mask"])
+        return torch.vmap(self._nll)(logits, labels), metrics
 
     def example_metrics(self) -> TRLMetrics:
         """A fresh accumulator of this trainer's per-example log values, read out under TRL's names."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 
 import numpy as np
 import pytest
@@ -326,3 +327,10 @@ def test_epoch_is_added_to_logs_as_hugging_face_does(tmp_path):
     trainer.log(logs)
     assert logs["epoch"] == trainer.state.epoch and trainer.state.log_history[-1]["custom"] == 2.0
     assert not math.isnan(logs["epoch"])
+
+
+def test_log_with_a_start_time_adds_the_runtime_as_hugging_face_does(tmp_path):
+    trainer = _trainer(tmp_path)
+    logs = {"custom": 1.0}
+    trainer.log(logs, start_time=time.time() - 2.0)
+    assert 2.0 <= logs["train_runtime"] < 60.0 and logs["custom"] == 1.0
