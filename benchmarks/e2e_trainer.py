@@ -39,6 +39,11 @@ not started when ``--budget-s`` is spent are recorded as skipped.
     python benchmarks/e2e_trainer.py --out e2e_results                  # one GPU, the four workloads, every mode
     python benchmarks/e2e_trainer.py --workloads bert_base_s128_b32 --modes hf dp --out e2e_bert
     python benchmarks/e2e_trainer.py --tiny --in-process --out e2e_tiny   # tiny CPU configuration (smoke)
+    python benchmarks/e2e_trainer.py --workloads llama8b_lora16_s4096_b8_ckpt --modes hf dp --out e2e_8b
+
+The models at scale (``workloads.SCALE``: an 8B-shaped Llama with LoRA, a 1.1B full fine-tune) run only when named;
+their ``trainer_args`` (gradient checkpointing, bf16) go to both trainers. ``--seq`` runs the named workloads at
+another sequence length (``max_sequence.py`` searches the longest that fits with it).
 
 Writes ``results.json`` and ``results.md`` to ``--out`` after every row.
 """
@@ -46,6 +51,7 @@ Writes ``results.json`` and ``results.md`` to ``--out`` after every row.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -66,7 +72,7 @@ from environment import environment
 from modes import LR, opacus_available, trainable
 from settings import Settings
 from timing import failure, fmt, free, peak_gib, reserved_gib, rope_restored, sync, table, tf32
-from workloads import SUITES, Workload, build_model, make_batch
+from workloads import SCALE, SUITES, Workload, build_model, make_batch
 
 MODES = (
     "hf",
@@ -233,6 +239,7 @@ def run_hf(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, ke
             learning_rate=LR,
             max_steps=clock.max_steps,
             use_cpu=opts.device.type == "cpu",
+            **workload.trainer_args,
         )
         if args.n_gpu > 1:  # HF's Trainer would wrap the model in DataParallel over every visible GPU
             raise RuntimeError(f"{args.n_gpu} GPUs are visible; set CUDA_VISIBLE_DEVICES to one GPU")
@@ -261,6 +268,7 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
             max_steps=clock.max_steps,
             privacy_noise_multiplier=NOISE_MULTIPLIER,
             use_cpu=opts.device.type == "cpu",
+            **workload.trainer_args,
             **extra,
         )
         trainer = DPTrainer(model_for(workload, opts.device), args, train_dataset=data, callbacks=[clock.callback()])
@@ -277,6 +285,9 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
 
 def run_opacus(workload: Workload, opts: argparse.Namespace, clock: StepClock) -> dict[str, Any]:
     from opacus import PrivacyEngine
+
+    if workload.trainer_args:
+        raise ValueError(f"the Opacus loop has no counterpart of {sorted(workload.trainer_args)}: not compared")
 
     model = model_for(workload, opts.device)
     data = dataset(workload, dataset_size(workload, "opacus"))
@@ -336,6 +347,7 @@ def record_for(workload: Workload, mode: str) -> dict[str, Any]:
         "dtype": workload.dtype,
         "dataset_size": size,
         "sampling_rate": None if mode.startswith("hf") else workload.batch / size,
+        "trainer_args": workload.trainer_args,
         "ok": False,
     }
 
@@ -374,7 +386,7 @@ def measure_row(workload: Workload, mode: str, opts: argparse.Namespace) -> dict
 
 def child_command(opts: argparse.Namespace, workload: Workload, mode: str, result: Path) -> list[str]:
     command = [sys.executable, str(Path(__file__).resolve()), "--child", str(result)]
-    command += ["--workloads", workload.name, "--modes", mode, "--device", str(opts.device)]
+    command += ["--workloads", workload.name, "--modes", mode, "--device", str(opts.device), "--seq", str(workload.seq)]
     command += ["--steps", str(opts.steps), "--warmup", str(opts.warmup), "--profile-steps", str(opts.profile_steps)]
     return command + ["--tiny"] * opts.tiny + ["--no-tf32"] * (not opts.tf32)
 
@@ -515,6 +527,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--profile-steps", type=int, default=0, help="after the timed steps, profile this many more (0: none)"
     )
+    parser.add_argument("--seq", type=int, help="run every named workload at this sequence length instead of its own")
     parser.add_argument("--tiny", action="store_true", help="the tiny CPU workloads of the smoke suite")
     parser.add_argument("--in-process", action="store_true", help="run every row in this process, not a subprocess")
     parser.add_argument("--budget-s", type=float, default=1800.0, help="rows not started after this are skipped")
@@ -523,11 +536,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: measure one row, write it here
     opts = parser.parse_args(argv)
     suite = SUITES["smoke" if opts.tiny else "gpu"]
+    known = {w.name: w for w in suite + SCALE}  # the scale workloads run when named
     names = [n for item in opts.workloads or [w.name for w in suite] for n in item.split(",")]
-    unknown = sorted(set(names) - {w.name for w in suite})
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        parser.error(f"unknown workloads {unknown}; choose from {[w.name for w in suite]}")
-    opts.workloads = [w for w in suite if w.name in names]
+        parser.error(f"unknown workloads {unknown}; choose from {list(known)}")
+    opts.workloads = [known[name] for name in dict.fromkeys(names)]
+    if opts.seq is not None:
+        if opts.seq < 2:
+            parser.error("--seq must be at least 2 (a causal LM predicts from the second token)")
+        opts.workloads = [dataclasses.replace(w, seq=opts.seq) for w in opts.workloads]
     opts.modes = [m for item in opts.modes for m in item.split(",")]
     if set(opts.modes) - set(MODES):
         parser.error(f"unknown modes {sorted(set(opts.modes) - set(MODES))}; choose from {list(MODES)}")

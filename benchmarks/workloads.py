@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SUITES", "Workload", "build_model", "make_batch", "model_inputs", "per_example_losses"]
+__all__ = ["SCALE", "SUITES", "Workload", "build_model", "make_batch", "model_inputs", "per_example_losses"]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -25,12 +25,15 @@ class Workload:
     Attributes:
         name: identifier used in the outputs and on the command line.
         family: ``"bert"`` (sequence classification, full fine-tune), ``"llama_lora"`` (causal LM, frozen base with
-            LoRA adapters on every linear layer of the blocks) or ``"gpt2"`` (causal LM, full fine-tune).
+            LoRA adapters on every linear layer of the blocks), ``"llama"`` (causal LM, full fine-tune) or ``"gpt2"``
+            (causal LM, full fine-tune).
         batch: examples per step (the same fixed batch in every mode).
         seq: tokens per example.
         dtype: dtype of the base weights (``"float32"`` or ``"bfloat16"``); LoRA adapters stay float32 (PEFT's default).
         config: keyword overrides of the ``transformers`` config (the defaults are the full-size models).
         lora_rank: LoRA rank for ``llama_lora``.
+        trainer_args: keyword arguments that both trainers' ``TrainingArguments`` get (``gradient_checkpointing``,
+            ``bf16``), so that the private and the non-private rows run with the same knobs.
         description: one line for the tables.
     """
 
@@ -41,6 +44,7 @@ class Workload:
     dtype: str = "float32"
     config: dict[str, Any] = field(default_factory=dict)
     lora_rank: int = 16
+    trainer_args: dict[str, Any] = field(default_factory=dict)
     description: str = ""
 
     @property
@@ -49,7 +53,8 @@ class Workload:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.config.get("vocab_size", {"bert": 30522, "gpt2": 50257, "llama_lora": 32000}[self.family]))
+        default = {"bert": 30522, "gpt2": 50257}.get(self.family, 32000)  # llama families: 32000
+        return int(self.config.get("vocab_size", default))
 
 
 LLAMA_1B = {
@@ -61,6 +66,17 @@ LLAMA_1B = {
     "vocab_size": 32000,
     "max_position_embeddings": 4096,
 }
+LLAMA3_8B = {  # the shape of Llama-3-8B (random weights)
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 32768,
+    "rope_theta": 500000.0,
+}
+CHECKPOINTING = {"gradient_checkpointing": True}
 TINY_BERT = {
     "hidden_size": 32,
     "intermediate_size": 64,
@@ -129,16 +145,49 @@ SUITES: dict[str, tuple[Workload, ...]] = {
     ),
 }
 
+# Models at scale, with activation checkpointing on both sides. Not in a suite's default run: name them.
+SCALE: tuple[Workload, ...] = (
+    Workload(
+        "llama8b_lora16_s4096_b8_ckpt",
+        "llama_lora",
+        8,
+        4096,
+        "bfloat16",
+        LLAMA3_8B,
+        trainer_args=CHECKPOINTING,
+        description="Llama-3-8B shape, bf16 base, LoRA r=16 on all linear layers, gradient checkpointing",
+    ),
+    Workload(
+        "llama1b_full_s512_b16_ckpt",
+        "llama",
+        16,
+        512,
+        config=LLAMA_1B,
+        trainer_args={**CHECKPOINTING, "bf16": True},
+        description="Llama-style 1.1B, full fine-tune, fp32 weights, bf16 autocast, gradient checkpointing",
+    ),
+    # A tiny stand-in of the full fine-tune with checkpointing and bf16: fast on CPU (the harness's smoke test).
+    Workload(
+        "tiny_llama_full_s16_b4_ckpt",
+        "llama",
+        4,
+        16,
+        config=TINY_LLAMA,
+        trainer_args={**CHECKPOINTING, "bf16": True},
+        description="tiny Llama, full fine-tune, bf16 autocast, gradient checkpointing",
+    ),
+)
+
 
 def build_model(workload: Workload, device: torch.device, *, seed: int = 0) -> torch.nn.Module:
     """The workload's model with random weights (identical for a given seed), on ``device``, in train mode."""
     from transformers import (
+        AutoModelForCausalLM,
         BertConfig,
         BertForSequenceClassification,
         GPT2Config,
         GPT2LMHeadModel,
         LlamaConfig,
-        LlamaForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -150,10 +199,12 @@ def build_model(workload: Workload, device: torch.device, *, seed: int = 0) -> t
             model = BertForSequenceClassification(config)
         elif workload.family == "gpt2":
             model = GPT2LMHeadModel(GPT2Config(attn_implementation="sdpa", **workload.config))
-        elif workload.family == "llama_lora":
-            model = LlamaForCausalLM(LlamaConfig(attn_implementation="sdpa", **workload.config))
+        elif workload.family in ("llama", "llama_lora"):  # built in its dtype: an 8B model is not built in fp32 first
+            config = LlamaConfig(attn_implementation="sdpa", **workload.config)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:
-            raise ValueError(f"unknown workload family {workload.family!r}; use 'bert', 'gpt2' or 'llama_lora'.")
+            families = "'bert', 'gpt2', 'llama' or 'llama_lora'"
+            raise ValueError(f"unknown workload family {workload.family!r}; use {families}.")
     model = model.to(dtype)
     if workload.family == "llama_lora":
         from peft import LoraConfig, get_peft_model

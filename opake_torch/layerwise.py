@@ -23,9 +23,10 @@ Under activation checkpointing (:func:`opake_torch.patches.checkpointing.checkpo
 forward runs without gradients and keeps nothing: the hooks note only which layers ran. Its recompute in the
 backward takes the pass's anchor as an input (:func:`active_anchor`) and runs in plain autograd, so the recomputed
 layers are tapped like the others and their gradients are formed there, inside the backward, while the layer's
-recomputed activations exist. Those gradients are always instantiated (a ghost norm would keep the inputs and output
-gradients of the layer until the scaled sum, which is what checkpointing avoids): the engine suits adapters inside
-checkpointed layers, not a full fine-tune of them.
+recomputed activations exist: small gradients (adapters) are instantiated at once; a large weight keeps its
+recomputed input and output gradient for the book-keeping sum, ``T (in + out)`` numbers per example instead of the
+``in * out`` of its per-example gradient (so a full fine-tune under checkpointing keeps, per layer, the inputs and
+output gradients of its linear layers, not the layer's whole activations).
 
 Supported layers: ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, Hugging Face's ``Conv1D`` and
 Llama-style ``*RMSNorm`` layers, with their stock ``forward``; every layer must see the batch in dimension 0 (Hugging
@@ -179,10 +180,6 @@ class _Call:
     inputs: torch.Tensor | None  # None for the forward of a checkpointed layer, which keeps nothing
     positions: int  # T: the positions of one example the layer runs on
     grad: torch.Tensor | None = None
-
-    @property
-    def checkpointed(self) -> bool:
-        return self.inputs is None
 
 
 def _in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -399,7 +396,7 @@ def _ghost_names(calls: list[_Call], out: _Gradients) -> dict[str, tuple[_Call, 
     return {
         name: (call, zeros)
         for call in calls
-        if call.kind not in _NORMS and not call.checkpointed
+        if call.kind not in _NORMS
         if (name := call.names.get("weight")) is not None and uses[name] == 1
         if _prefers_ghost(call, out.shapes[name], out.m)
     }

@@ -137,3 +137,37 @@ def test_e2e_trainer_tiny_in_process(tmp_path: Path) -> None:
     assert text.count("| ok |") == len(records) and "dp_q1 (diagnostic)" in text
     profile = text.split("Profile of the steps after the timed ones", 1)[1]  # its table: a row per profiled row
     assert all(f"| {r['workload']} | {r['mode']} |" in profile for r in records)
+
+
+def test_e2e_trainer_passes_the_workload_knobs_to_both_trainers(tmp_path: Path) -> None:
+    """A workload's ``trainer_args`` (gradient checkpointing and bf16 on a full fine-tune) reach both trainers:
+    HF's Trainer checkpoints the model's layers, and DPTrainer serves the run with the layerwise engine."""
+    command = [sys.executable, str(E2E_TRAINER), "--tiny", "--in-process", "--modes", "hf", "dp", "--out", str(tmp_path)]
+    command += ["--workloads", "tiny_llama_full_s16_b4_ckpt", "--seq", "12", "--steps", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = json.loads((tmp_path / "results.json").read_text())["records"]
+    assert [r["mode"] for r in records] == ["hf", "dp"] and all(r["ok"] for r in records), records
+    for r in records:
+        assert r["seq"] == 12 and r["trainer_args"] == {"gradient_checkpointing": True, "bf16": True}
+    assert records[1]["engine"] == "layerwise"
+
+
+def test_max_sequence_search_brackets_the_limit() -> None:
+    """The search of ``max_sequence.py`` against a known limit: the longest length that ran and the shortest that
+    failed are one resolution apart around it, whatever the start."""
+    sys.path.insert(0, str(HARNESS.parent))
+    from max_sequence import search
+
+    for limit, start in ((10_000, 4096), (3000, 4096), (40_000, 1024)):
+        tried: list[int] = []
+
+        def run(seq: int, limit: int = limit) -> bool:
+            tried.append(seq)
+            return seq <= limit
+
+        fits, fails = search(run, start=start, factor=1.5, resolution=1024, budget_s=60)
+        assert fits is not None and fails is not None
+        assert fits <= limit < fails and fails - fits == 1024 and fits % 1024 == 0, (limit, fits, fails, tried)
+        assert len(tried) == len(set(tried))  # no length tried twice

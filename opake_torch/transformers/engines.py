@@ -27,7 +27,6 @@ from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
 
 __all__ = [
     "ROW_MULTIPLE",
-    "checkpointed_trainable",
     "chunk_transform",
     "engine",
     "layerwise_engine",
@@ -40,16 +39,6 @@ ROW_MULTIPLE = 1
 (:class:`~opake_core.clipping.Engine`); 1 runs the real rows only."""
 
 logger = logging.getLogger(__name__)
-
-
-def checkpointed_trainable(model: nn.Module, params: dict[str, torch.Tensor]) -> int:
-    """The number of trainable elements (``params``, by dotted name) inside the layers of ``model`` that
-    ``gradient_checkpointing`` checkpoints (Hugging Face's ``GradientCheckpointingLayer``)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [name for name, module in model.named_modules() if isinstance(module, GradientCheckpointingLayer)]
-    prefixes = tuple(f"{name}." for name in layers if name)
-    return sum(value.numel() for name, value in params.items() if name.startswith(prefixes))
 
 
 def layerwise_engine(
@@ -67,16 +56,6 @@ def layerwise_engine(
     if mode == "vmap":
         return None
     reasons = unsupported_parameters(model, params) + reasons
-    if args.gradient_checkpointing:
-        rows = args.microbatch_size or args.per_device_train_batch_size
-        inside = checkpointed_trainable(model, params)
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        if rows * inside * 4 > weights:
-            reasons.append(
-                f"gradient_checkpointing with {inside:,} trainable elements inside checkpointed layers: the layerwise "
-                f"engine instantiates their per-example gradients in the recompute ({rows} x {inside:,} floats, more "
-                "than the model's weights); it serves adapters there, not a full fine-tune"
-            )
     if reasons:
         if mode == "layerwise":
             raise ConfigurationError(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from tiny_hf import tiny_lora, tiny_model, token_data
@@ -63,20 +61,18 @@ def test_auto_picks_layerwise_where_it_serves_and_vmap_elsewhere(tmp_path, caplo
     assert engine(tiny_lora(), _args(tmp_path)) == "layerwise"
     assert engine(tiny_model("llama"), _args(tmp_path)) == "layerwise"
     checkpointed = _args(tmp_path, gradient_checkpointing=True)
-    assert engine(tiny_lora(), checkpointed) == "layerwise"  # adapters: served
-    with caplog.at_level(logging.INFO, logger="opake_torch.transformers.engines"):
-        trainer = DPTrainer(tiny_model("llama"), checkpointed, train_dataset=DATA)  # a full fine-tune: vmap
-    assert trainer.per_example_gradients_engine == "vmap"
-    assert "gradient_checkpointing" in caplog.text and "inside checkpointed layers" in caplog.text
+    assert engine(tiny_lora(), checkpointed) == "layerwise"  # adapters
+    assert engine(tiny_model("llama"), checkpointed) == "layerwise"  # a full fine-tune
 
 
-def test_checkpointed_lora_trains_as_without_checkpointing(tmp_path):
-    """LoRA with gradient_checkpointing on the layerwise engine: the same keys and batches give the model that the
-    run without checkpointing gives (the recompute changes nothing but memory)."""
+@pytest.mark.parametrize("build", [tiny_lora, lambda: tiny_model("llama")], ids=["lora", "full"])
+def test_checkpointed_training_equals_training_without_checkpointing(tmp_path, build):
+    """gradient_checkpointing on the layerwise engine, adapters or a full fine-tune: the same keys and batches give
+    the model that the run without checkpointing gives (the recompute changes nothing but memory)."""
     trained = {}
     for checkpointing in (False, True):
         args = _args(tmp_path / str(checkpointing), gradient_checkpointing=checkpointing)
-        trainer = DPTrainer(tiny_lora(), args, train_dataset=DATA)
+        trainer = DPTrainer(build(), args, train_dataset=DATA)
         trainer.train()
         assert trainer.per_example_gradients_engine == "layerwise"
         trained[checkpointing] = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
@@ -92,9 +88,6 @@ class _SFTLike(DPTrainer):
 def test_layerwise_refuses_what_it_cannot_serve(tmp_path):
     with pytest.raises(ConfigurationError, match="overrides compute_per_example_loss"):
         _SFTLike(tiny_model("llama"), _args(tmp_path, per_example_gradients="layerwise"), train_dataset=DATA)
-    full = _args(tmp_path, per_example_gradients="layerwise", gradient_checkpointing=True)
-    with pytest.raises(ConfigurationError, match="inside checkpointed layers"):
-        DPTrainer(tiny_model("llama"), full, train_dataset=DATA)
     with pytest.raises(ConfigurationError, match="per_example_gradients"):
         _args(tmp_path, per_example_gradients="ghost")
 
