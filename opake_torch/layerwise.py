@@ -480,22 +480,16 @@ class LayerwiseGradients:
         the largest difference, when an example's whole gradient differs by more than ``rtol`` (relative L2 over
         all parameters): a parameter used outside the supported layers, or examples that interact in the batched
         pass. The default tolerance leaves room for bf16 autocast, whose batched and per-example passes round
-        differently. Both passes run in evaluation mode (no dropout), except that layers with
-        ``gradient_checkpointing`` on stay in training mode and keep checkpointing, so the check needs no more memory
-        than a training step (a layer that applies dropout itself then fails the check: the trainer falls back).
+        differently.
         """
-        training = {module: module.training for module in self.model.modules()}
+        training = self.model.training
         self.model.eval()  # no dropout: both passes see the same function
-        for module in self.model.modules():  # checkpointed layers keep checkpointing: the check fits where a step does
-            if training[module] and getattr(module, "gradient_checkpointing", False) is True:
-                module.training = True
         try:
             grads, _ = self._run(params, batch, instantiate=True)
             rows = [_example_grad(loss_fn, params, optree.tree_map(lambda x, i=i: x[i], batch)) for i in range(grads.m)]
             expected = {k: torch.stack([row[k] for row in rows]) for k in grads.names}
         finally:
-            for module, flag in training.items():
-                module.training = flag
+            self.model.train(training)
         diff_sq = torch.zeros(grads.m, dtype=torch.float64, device=grads.device)
         ref_sq = torch.zeros_like(diff_sq)
         worst_diff, worst_name = -1.0, ""

@@ -348,10 +348,6 @@ def test_checkpointed_layers_give_the_float64_loop_sum(family, adapters, monkeyp
             assert set(inside) <= {n[n.rindex(".", 0, n.rindex(".")) :] for n in ghosts}, ghosts
             assert all(grads.ghost[n][0].grad is not None for n in ghosts)
     assert len(recomputes) == layers * len(recorded)  # every checkpointed layer recomputed once per chunk
-    recomputes.clear()
-    assert layerwise.check(params, loss, {k: v[:2] for k, v in batch.items()}) < 1e-9
-    assert len(recomputes) == layers  # the check's batched pass checkpoints too (memory as in a training step)
-    assert model.training and all(m.training for m in model.modules())  # training mode restored
 
 
 def test_checkpointed_layers_under_bf16_autocast_give_the_plain_pass():
