@@ -26,6 +26,7 @@ from opake_torch.patches.kernels import FusedGradients
 from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
 
 __all__ = [
+    "CHECK_POSITIONS",
     "ROW_MULTIPLE",
     "chunk_transform",
     "engine",
@@ -72,6 +73,17 @@ def layerwise_engine(
     return LayerwiseGradients(model, loss)
 
 
+CHECK_POSITIONS = 1024
+"""The positions (tokens) of each example that the layerwise engine's check runs on."""
+
+
+def _first_positions(batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` with every tensor of more than :data:`CHECK_POSITIONS` entries in dimension 1 (tokens, in the
+    ``[batch, positions, ...]`` layout of text batches) cut to its first ones."""
+    long = lambda v: isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] > CHECK_POSITIONS  # noqa: E731
+    return {k: v[:, :CHECK_POSITIONS] if long(v) else v for k, v in batch.items()}
+
+
 def verified(
     layerwise: LayerwiseGradients | None,
     *,
@@ -82,14 +94,15 @@ def verified(
     batch: dict[str, torch.Tensor],
 ) -> LayerwiseGradients | None:
     """``layerwise`` after comparing it with ``grad`` of the per-example loss ``loss_fn`` on ``batch`` (two training
-    examples). On a mismatch, or any error of the layerwise pass, ``'auto'`` falls back to
-    ``vmap(grad)`` (returns None) with a warning and ``'layerwise'`` raises."""
+    examples, cut to their first :data:`CHECK_POSITIONS` positions: the check runs without dropout, hence without
+    checkpointing, and must fit where a step does). On a mismatch, or any error of the layerwise pass, ``'auto'``
+    falls back to ``vmap(grad)`` (returns None) with a warning and ``'layerwise'`` raises."""
     if layerwise is None:
         return None
     low = (torch.bfloat16, torch.float16)
     low_precision = args.bf16 or any(p.dtype in low for p in model.parameters())
     try:
-        layerwise.check(params, loss_fn, batch, rtol=5e-2 if low_precision else 1e-2)
+        layerwise.check(params, loss_fn, _first_positions(batch), rtol=5e-2 if low_precision else 1e-2)
     except Exception as exc:  # a mismatch, or a model the batched pass cannot run: auto falls back
         if args.per_example_gradients == "layerwise":
             raise

@@ -106,3 +106,25 @@ def test_a_failed_check_falls_back_to_vmap_in_auto_and_raises_when_asked(tmp_pat
     strict = DPTrainer(tiny_lora(), _args(tmp_path, per_example_gradients="layerwise"), train_dataset=DATA)
     with pytest.raises(error, match="injected"):
         strict.train()
+
+
+def test_the_check_runs_on_the_first_positions_of_two_examples(tmp_path, monkeypatch):
+    """The engine check runs without checkpointing: it takes each example's first CHECK_POSITIONS positions (so it
+    fits where a step does) and still passes on them."""
+    from opake_torch import layerwise
+    from opake_torch.transformers import engines
+
+    seen = []
+    check = layerwise.LayerwiseGradients.check
+
+    def spy(self, params, loss_fn, batch, **kwargs):
+        seen.append({k: tuple(v.shape) for k, v in batch.items()})
+        return check(self, params, loss_fn, batch, **kwargs)
+
+    monkeypatch.setattr(layerwise.LayerwiseGradients, "check", spy)
+    monkeypatch.setattr(engines, "CHECK_POSITIONS", 4)
+    trainer = DPTrainer(tiny_lora(), _args(tmp_path, gradient_checkpointing=True, max_steps=1), train_dataset=DATA)
+    trainer.train()
+    assert trainer.per_example_gradients_engine == "layerwise"
+    (shapes,) = seen
+    assert shapes["input_ids"] == (2, 4) and shapes["attention_mask"] == (2, 4)
