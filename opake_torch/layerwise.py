@@ -180,6 +180,7 @@ class _Call:
     inputs: torch.Tensor | None  # None for the forward of a checkpointed layer, which keeps nothing
     positions: int  # T: the positions of one example the layer runs on
     grad: torch.Tensor | None = None
+    input_key: tuple[Any, ...] | None = None  # the identity of ``inputs`` (:func:`_same_tensor`)
 
 
 def _in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -327,14 +328,47 @@ def _add_ghost(call: _Call, keep: torch.Tensor, scale: torch.Tensor, total: torc
         total.addmm_(a.reshape(-1, a.shape[-1]).T, g.reshape(-1, g.shape[-1]))
 
 
-def _ghost_norms(call: _Call, m: int) -> torch.Tensor:
-    """float64 ``[m]`` squared norms of the call's per-example weight gradients, from Gram matrices."""
+def _ghost_norms(call: _Call, m: int, input_gram: Callable[[_Call], torch.Tensor]) -> torch.Tensor:
+    """float64 ``[m]`` squared norms of the call's per-example weight gradients, from Gram matrices (the input's
+    from ``input_gram``, which shares one among the calls that read the same tensor)."""
     g = _rows(call.grad, m)
     if call.kind == "embedding":
         ids, live = _live_ids(call, m)
         same = (ids[:, :, None] == ids[:, None, :]) & live[:, :, None] & live[:, None, :]
         return _frobenius(same.to(torch.float64), _gram(g))
-    return _frobenius(_gram(_rows(call.inputs, m)), _gram(g))
+    return _frobenius(input_gram(call), _gram(g))
+
+
+def _same_tensor(x: torch.Tensor) -> tuple[Any, ...]:
+    """What identifies a layer input among the calls of one pass (q, k and v read the same hidden states)."""
+    return (x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
+
+
+class _InputGrams:
+    """The float64 Gram matrices of layer inputs, each formed once for the calls that read the same tensor and kept
+    until the last of those calls has been recorded (``readers`` counts them as the forward registers them)."""
+
+    def __init__(self, m: int) -> None:
+        self.m = m
+        self.readers: dict[tuple[Any, ...], int] = {}
+        self.grams: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def read_by(self, call: _Call) -> None:
+        self.readers[call.input_key] = self.readers.get(call.input_key, 0) + 1
+
+    def __call__(self, call: _Call) -> torch.Tensor:
+        gram = self.grams.get(call.input_key)
+        if gram is None:
+            gram = _gram(_rows(call.inputs, self.m))
+            if self.readers.get(call.input_key, 0) > 1:
+                self.grams[call.input_key] = gram
+        return gram
+
+    def done(self, call: _Call) -> None:
+        left = self.readers.get(call.input_key, 0) - 1
+        self.readers[call.input_key] = left
+        if left <= 0:
+            self.grams.pop(call.input_key, None)
 
 
 def _add_dense(call: _Call, attr: str, out: torch.Tensor, *, first: bool) -> None:
@@ -532,16 +566,19 @@ class LayerwiseGradients:
         )
         calls: list[_Call] = []
         written: set[str] = set()  # instantiated names the backward has written (their buffers held zeros)
+        grams = _InputGrams(out.m)
 
         def record(call: _Call, grad: torch.Tensor) -> None:
             """Runs inside the backward: instantiated gradients are formed at once and the layer's tensors freed."""
             call.grad = grad.detach()
             for attr, name in call.names.items():
                 if name in out.ghost:
-                    out.ghost[name] = (call, _ghost_norms(call, out.m))
+                    out.ghost[name] = (call, _ghost_norms(call, out.m, grams))
                 else:
                     _add_dense(call, attr, out.block(name), first=name not in written)
                     written.add(name)
+            if call.input_key is not None:
+                grams.done(call)
             if not any(name in out.ghost for name in call.names.values()):
                 call.inputs = call.grad = None
 
@@ -561,6 +598,9 @@ class LayerwiseGradients:
                 )
             call = _Call(kind, module, attrs, x, positions)
             calls.append(call)
+            if kind != "embedding":
+                call.input_key = _same_tensor(x)
+                grams.read_by(call)
             if hooks_suffice and output.requires_grad:
                 output.register_hook(lambda grad: record(call, grad))
                 return None

@@ -404,3 +404,43 @@ def test_ghost_sums_run_at_full_float32_precision_whatever_the_tf32_setting(monk
     finally:
         torch.set_float32_matmul_precision(previous)
     assert seen and set(seen) == {"highest"}
+
+
+def test_layers_reading_one_tensor_share_its_gram_matrix(monkeypatch):
+    """Three ghost-norm layers that read the same hidden states (q, k and v) take one Gram matrix of it; a fourth
+    that reads another tensor of the same shape gets its own. The clipped sum equals the float64 loop."""
+    from opake_torch import layerwise
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v, self.other = (nn.Linear(16, 16, bias=False) for _ in range(4))
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mixed = self.q(x) * self.k(x).sigmoid() + self.v(x) + self.other(torch.tanh(x))
+            return self.head(mixed.mean(dim=1))
+
+    torch.manual_seed(0)
+    model = Shared().double()
+    apply, params, frozen = functional_model(model)
+    x, y = torch.randn(5, 2, 16, dtype=torch.float64), torch.randint(0, 3, (5,))  # T = 2: ghost norms for 16 x 16
+
+    def loss(p, xi, yi):
+        return F.cross_entropy(apply(p, frozen, xi[None]), yi[None])
+
+    def batch_loss(p, xb, yb):
+        return F.cross_entropy(apply(p, frozen, xb), yb, reduction="none")
+
+    shapes = []
+    gram = layerwise._gram
+    monkeypatch.setattr(layerwise, "_gram", lambda t: shapes.append(t.shape[-1]) or gram(t))
+    grad_fn, state = clipped_grad(
+        loss, clipping_norm=0.5, batch_argnums=(1, 2), engine=Engine(gradients=LayerwiseGradients(model, batch_loss))
+    )
+    clipped, _ = grad_fn(params, x, y, state=state)
+    expected, _ = _loop_reference(loss, params, (x, y), 0.5)
+    for k in params:
+        torch.testing.assert_close(clipped.value[k].double(), expected[k], rtol=1e-9, atol=1e-12)
+    # inputs: x once for q, k and v, tanh(x) once, the head's input once; outputs: q, k, v, other (16), head (3)
+    assert sorted(shapes) == [3] + [16] * 7
