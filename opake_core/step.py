@@ -34,7 +34,8 @@ from opake_core.clipping import ADAPTIVE_STREAM, VMAP, AdaptiveRule, AutoSRule, 
 from opake_core.errors import ConfigurationError, InputTypeError, StateError
 from opake_core.mf import mf_gaussian_noise
 from opake_core.mf.participation import SINGLE, Participation
-from opake_core.noise import NoiseFn, gaussian_noise
+from opake_core.moments import ClippedMoments, NoisedMoments
+from opake_core.noise import NoiseFn, gaussian_noise, paired_mf_gaussian_noise
 from opake_core.optim import apply_updates
 from opake_core.tree import NAMESPACE, Clipped, Noised, PerGroup
 
@@ -84,6 +85,7 @@ def dp_step(
     reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
     clipping_key: random.Key | None = None,
     has_aux: bool = False,
+    second_moment: bool = False,
 ) -> tuple[StepFn, DPState]:
     """A composed DP step as ``(step_fn, dp_state)``: clip, sum, noise with any privatizer, update.
 
@@ -108,6 +110,11 @@ def dp_step(
         clipping_key: the key of adaptive clipping's count noise (required for adaptive clipping, refused
             otherwise); it lives in ``dp_state.clip``.
         has_aux: ``loss_fn`` returns ``(loss, aux)``; the per-example ``aux`` values reach ``metrics.aux``.
+        second_moment: also clip and release the sum of squared clipped gradients (private second moments,
+            :mod:`opake_core.moments`): the noise then gets a :class:`~opake_core.moments.ClippedMoments` pair
+            (``gaussian_noise`` noises it as one release) and the optimizer must take the noised pair
+            (:func:`~opake_core.optim.private_moments.private_moments_adam`). Refused with a noise-variance
+            bias-corrected optimizer (``noise_bias_correction=True``): the two are alternatives.
 
     Returns:
         ``step_fn(params, opt_state, dp_state, batch) -> (params, opt_state, dp_state, metrics)`` where ``batch`` is
@@ -119,6 +126,8 @@ def dp_step(
             f"noise must be a privatizer's (noise_fn, state) pair, such as gaussian_noise(...), got {noise!r:.80}."
         )
     noise_fn, noise_state = noise
+    if second_moment:
+        _check_moments_optimizer(optimizer, "second_moment=True")
     grad_fn, clip_state = clipped_grad(
         loss_fn,
         clipping_norm=clipping,
@@ -130,6 +139,7 @@ def dp_step(
         engine=engine,
         reduce_count=reduce_count,
         has_aux=has_aux,
+        second_moment=second_moment,
     )
 
     def step_fn(
@@ -142,6 +152,8 @@ def dp_step(
         with torch.profiler.record_function("opake::dp_step"):
             (clipped, *aux, diagnostics), clip = grad_fn(params, *batch, state=dp_state.clip)
             noised, noise = noise_fn(_reduced(reduce, clipped), dp_state.noise)
+            if isinstance(noised, NoisedMoments):
+                _check_moments_optimizer(optimizer, f"the noise mechanism's {type(noised).__name__} output")
             updates, opt_state = optimizer.update(noised, opt_state, params=params)
             params = apply_updates(params, updates)
         losses = diagnostics.losses
@@ -158,10 +170,31 @@ def dp_step(
     return step_fn, DPState(0, clip_state, noise_state)
 
 
-def _reduced(reduce: Callable[[Clipped], Clipped] | None, clipped: Clipped) -> Clipped:
-    """``reduce(clipped)`` (a cross-rank sum), checked to keep the type and the sensitivity of the clipped sum."""
+def _check_moments_optimizer(optimizer: Any, what: str) -> None:
+    """Second moments from a private stream need an optimizer that takes them, and exclude bias correction."""
+    if getattr(optimizer, "noise_aware", False):
+        raise ConfigurationError(
+            f"{what} (private second moments) cannot be combined with the noise-variance bias correction of "
+            f"{getattr(optimizer, 'name', type(optimizer).__name__)} (noise_bias_correction=True): both remove the "
+            "noise from Adam's second moment, together they would correct twice. Pick one: "
+            "opake_core.optim.private_moments_adam for the private second moments, or a bias-corrected optimizer "
+            "with second_moment=False and a single-stream noise."
+        )
+    if not getattr(optimizer, "takes_moments", False):
+        raise ConfigurationError(
+            f"{what} releases a pair of streams (NoisedMoments) that "
+            f"{getattr(optimizer, 'name', type(optimizer).__name__)} cannot take; use "
+            "opake_core.optim.private_moments_adam(...), or drop the second moment."
+        )
+
+
+def _reduced(reduce: Callable[[Clipped], Clipped] | None, clipped: Clipped | ClippedMoments) -> Any:
+    """``reduce(clipped)`` (a cross-rank sum), checked to keep the type and the sensitivity of the clipped sum; a
+    :class:`~opake_core.moments.ClippedMoments` pair is reduced stream by stream."""
     if reduce is None:
         return clipped
+    if isinstance(clipped, ClippedMoments):
+        return ClippedMoments(_reduced(reduce, clipped.first), _reduced(reduce, clipped.second))
     out = reduce(clipped)
     if not isinstance(out, Clipped) or isinstance(out, Noised) or out.sensitivity != clipped.sensitivity:
         raise InputTypeError(
@@ -208,6 +241,7 @@ def dp_ftrl(
     key: random.Key,
     compute_dtype: torch.dtype | str = torch.float32,
     participation: Participation = SINGLE,
+    second_moment_strategy: Any = None,
     **step_options: Any,
 ) -> tuple[StepFn, DPState]:
     """DP-FTRL: :func:`dp_step` with the correlated noise of :func:`~opake_core.mf.mf_gaussian_noise`.
@@ -228,8 +262,12 @@ def dp_ftrl(
         compute_dtype: dtype the noise is added in.
         participation: the pattern the noise is scaled for (single participation: the per-round convention of
             amplified accounting).
+        second_moment_strategy: with ``second_moment=True`` (private second moments), the strategy of the second
+            stream's own correlated noise (:func:`~opake_core.noise.paired_mf_gaussian_noise`; the same strategy as
+            ``strategy`` keeps ``mf_process(strategy, ...)`` valid for every sampler). Required then, refused
+            otherwise.
         **step_options: the other arguments of :func:`dp_step` (``optimizer``, ``expected_batch_size``, and
-            optionally ``microbatch_size``, ``engine``, ``reduce``).
+            optionally ``microbatch_size``, ``engine``, ``reduce``, ``second_moment``).
     """
     if isinstance(clipping_norm, bool) or not isinstance(clipping_norm, numbers.Real | PerGroup | AutoSRule):
         raise ConfigurationError(
@@ -237,15 +275,31 @@ def dp_ftrl(
             "adaptive clipping is refused under matrix-factorization noise, whose privacy proof assumes a constant "
             "per-step sensitivity. Use a fixed bound (or dp_sgd for adaptive clipping)."
         )
-    noise = mf_gaussian_noise(
-        params,
-        strategy,
-        n_steps=n_steps,
-        noise_multiplier=noise_multiplier,
-        key=key,
-        compute_dtype=compute_dtype,
-        participation=participation,
-    )
+    second_moment = step_options.get("second_moment", False)
+    if second_moment and second_moment_strategy is None:
+        raise ConfigurationError(
+            "dp_ftrl with second_moment=True needs second_moment_strategy=<an opake_core.mf strategy> for the "
+            "second-moment stream's correlated noise, for example the same strategy as strategy= (then the "
+            "first strategy's accountant covers the pair unchanged)."
+        )
+    if second_moment_strategy is not None and not second_moment:
+        raise ConfigurationError(
+            "dp_ftrl got second_moment_strategy= without second_moment=True; pass second_moment=True to release "
+            "private second moments, or drop second_moment_strategy."
+        )
+    noise_options = {
+        "n_steps": n_steps,
+        "noise_multiplier": noise_multiplier,
+        "key": key,
+        "compute_dtype": compute_dtype,
+        "participation": participation,
+    }
+    if second_moment:
+        noise = paired_mf_gaussian_noise(
+            params, strategy, second_moment_strategy=second_moment_strategy, **noise_options
+        )
+    else:
+        noise = mf_gaussian_noise(params, strategy, **noise_options)
     step_fn, dp_state = dp_step(loss_fn, clipping=clipping_norm, noise=noise, **step_options)
 
     def within_horizon(

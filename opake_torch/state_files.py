@@ -46,8 +46,15 @@ from opake_core.errors import CheckpointError, InputTypeError, OpakeError
 from opake_core.noise import GaussianNoiseState
 from opake_core.optim._foreach import AdamState
 from opake_core.optim._lr import LearningRateState
+from opake_core.optim.adadelta import AdadeltaState
 from opake_core.optim.adafactor import FactoredRmsState
+from opake_core.optim.adagrad import AdagradState
+from opake_core.optim.ademamix import AdEMAMixState
 from opake_core.optim.bias_correction import BiasCorrectedAdamState
+from opake_core.optim.lion import LionState
+from opake_core.optim.radam import RAdamState
+from opake_core.optim.rmsprop import RMSpropState
+from opake_core.optim.schedule_free import ScheduleFreeState
 from opake_core.step import DPState
 from opake_core.tree import PerGroup
 
@@ -67,6 +74,13 @@ _CLASSES: dict[str, type] = {
     "opake.BiasCorrectedAdamState": BiasCorrectedAdamState,
     "opake.FactoredRmsState": FactoredRmsState,
     "opake.LearningRateState": LearningRateState,
+    "opake.LionState": LionState,
+    "opake.AdEMAMixState": AdEMAMixState,
+    "opake.RMSpropState": RMSpropState,
+    "opake.AdagradState": AdagradState,
+    "opake.RAdamState": RAdamState,
+    "opake.AdadeltaState": AdadeltaState,
+    "opake.ScheduleFreeState": ScheduleFreeState,
     "torchopt.TraceState": TraceState,
     "torchopt.EmptyState": EmptyState,
 }

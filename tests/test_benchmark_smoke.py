@@ -142,8 +142,8 @@ def test_e2e_trainer_tiny_in_process(tmp_path: Path) -> None:
 def test_e2e_trainer_passes_the_workload_knobs_to_both_trainers(tmp_path: Path) -> None:
     """A workload's ``trainer_args`` (gradient checkpointing and bf16 on a full fine-tune) reach both trainers:
     HF's Trainer checkpoints the model's layers, and DPTrainer serves the run with the layerwise engine."""
-    command = [sys.executable, str(E2E_TRAINER), "--tiny", "--in-process", "--modes", "hf", "dp", "--out", str(tmp_path)]
-    command += ["--workloads", "tiny_llama_full_s16_b4_ckpt", "--seq", "12", "--steps", "2"]
+    command = [sys.executable, str(E2E_TRAINER), "--tiny", "--in-process", "--modes", "hf", "dp"]
+    command += ["--out", str(tmp_path), "--workloads", "tiny_llama_full_s16_b4_ckpt", "--seq", "12", "--steps", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -163,7 +163,7 @@ def test_max_sequence_search_brackets_the_limit() -> None:
     for limit, start in ((10_000, 4096), (3000, 4096), (40_000, 1024)):
         tried: list[int] = []
 
-        def run(seq: int, limit: int = limit) -> bool:
+        def run(seq: int, limit: int = limit, tried: list[int] = tried) -> bool:
             tried.append(seq)
             return seq <= limit
 

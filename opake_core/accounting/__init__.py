@@ -16,6 +16,7 @@ from opake_core.accounting.calibration import (
 from opake_core.accounting.ledger import Ledger
 from opake_core.accounting.mf import COMPATIBLE_SAMPLERS, MFProcess, mf_process, sampler_participation
 from opake_core.accounting.mf_monte_carlo import BallsInBinsMF, BMinSepMF
+from opake_core.accounting.moe import moe_aux, moe_aux_multiplier
 from opake_core.accounting.processes import (
     AdaptiveClipping,
     Compose,
@@ -71,6 +72,8 @@ __all__ = [
     "k_out_of_t",
     "library_versions",
     "mf_process",
+    "moe_aux",
+    "moe_aux_multiplier",
     "poisson",
     "random_allocation",
     "repeat",

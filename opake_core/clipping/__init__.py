@@ -8,11 +8,22 @@ Modules, one concept each:
   (``vmap(grad)`` by default) and how the chunk runs.
 * :mod:`~opake_core.clipping.microbatching`: a batch as chunks of ``microbatch_size`` examples, padded to one shape
   where a chunk transform asks for it.
-* :mod:`~opake_core.clipping.grad`: :func:`clipped_grad`, which composes the three.
+* :mod:`~opake_core.clipping.grad`: :func:`clipped_grad`, which composes the three (``second_moment=True`` also
+  releases the clipped sum of squares, :mod:`opake_core.moments`).
+* :mod:`~opake_core.clipping.outputs`: :func:`clipped_fun` and :func:`auto_clipped_fun`, the same rules applied to
+  the per-example outputs of any function.
 """
 
-from opake_core.clipping.engine import VMAP, Engine, MaterializedGradients, PerExampleGradients, VmapGradients
+from opake_core.clipping.engine import (
+    VMAP,
+    Engine,
+    MaterializedGradients,
+    PerExampleGradients,
+    SquaringGradients,
+    VmapGradients,
+)
 from opake_core.clipping.grad import ClipDiagnostics, clipped_grad
+from opake_core.clipping.outputs import OutputDiagnostics, auto_clipped_fun, clipped_fun
 from opake_core.clipping.rules import (
     ADAPTIVE_STREAM,
     AdaptiveClipState,
@@ -34,10 +45,14 @@ __all__ = [
     "Engine",
     "FixedClipState",
     "MaterializedGradients",
+    "OutputDiagnostics",
     "PerExampleGradients",
+    "SquaringGradients",
     "VmapGradients",
     "adaptive",
+    "auto_clipped_fun",
     "auto_s",
     "clip_scales",
+    "clipped_fun",
     "clipped_grad",
 ]

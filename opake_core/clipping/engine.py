@@ -30,7 +30,15 @@ from torch.func import grad, vmap
 
 from opake_core.errors import ConfigurationError, VmapCompatibilityError
 
-__all__ = ["VMAP", "Engine", "MaterializedGradients", "PerExampleGradients", "VmapGradients", "example_grad"]
+__all__ = [
+    "VMAP",
+    "Engine",
+    "MaterializedGradients",
+    "PerExampleGradients",
+    "SquaringGradients",
+    "VmapGradients",
+    "example_grad",
+]
 
 Chunk = Callable[..., tuple[Any, ...]]
 """``chunk(rule, bounds, live, *chunk_args) -> (sums, norms [m], clipped [m], values)``: tensors in (the rule is
@@ -58,6 +66,20 @@ class PerExampleGradients(Protocol):
         ...
 
 
+class SquaringGradients(PerExampleGradients, Protocol):
+    """Per-example gradients that can also add their scaled element-wise squares (private second moments,
+    ``clipped_grad(..., second_moment=True)``); an engine whose form lacks this refuses that option."""
+
+    def add_squared_scaled(self, scales: dict[torch.dtype, torch.Tensor], sums: list[torch.Tensor]) -> None:
+        """Add ``sum_i (s[k, i] * g_i[k])^2`` (element-wise) to ``sums[k]`` for every leaf ``k``, in place.
+
+        The square of the very contribution :meth:`add_scaled` adds, formed in the dtype of ``sums[k]``, so that
+        ``||fl(s g) ⊙ fl(s g)||_2 <= ||fl(s g)||_2^2 <= C^2`` holds for the stored values (up to the rounding of the
+        square, which the clipping margin of 4 unit roundoffs absorbs). An example whose scale is 0 adds nothing.
+        """
+        ...
+
+
 class MaterializedGradients:
     """Per-example gradients held as tensors ``[m, *leaf.shape]`` (what ``vmap(grad)`` returns)."""
 
@@ -72,6 +94,12 @@ class MaterializedGradients:
             leaf_scale = scales[total.dtype][k].reshape(g.shape[0], *([1] * (g.dim() - 1)))
             contribution = torch.nan_to_num(g.to(total.dtype) * leaf_scale, nan=0.0, posinf=0.0, neginf=0.0)
             total.add_(contribution.sum(dim=0))
+
+    def add_squared_scaled(self, scales: dict[torch.dtype, torch.Tensor], sums: list[torch.Tensor]) -> None:
+        for k, (g, total) in enumerate(zip(self.leaves, sums, strict=True)):
+            leaf_scale = scales[total.dtype][k].reshape(g.shape[0], *([1] * (g.dim() - 1)))
+            contribution = torch.nan_to_num(g.to(total.dtype) * leaf_scale, nan=0.0, posinf=0.0, neginf=0.0)
+            total.add_(contribution.square().sum(dim=0))
 
 
 @dataclass(frozen=True)

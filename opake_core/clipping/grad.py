@@ -4,11 +4,13 @@ It composes the three parts of this package: the rule (:mod:`~opake_core.clippin
 norms into scales, the engine (:mod:`~opake_core.clipping.engine`) forms the per-example gradients of a chunk and
 runs it, and microbatching (:mod:`~opake_core.clipping.microbatching`) cuts the batch into chunks and adds their
 clipped sums. The released value is ``sum_i g_i * scale_i / n`` (see the rules module for the scales and the
-sensitivity).
+sensitivity); with ``second_moment=True`` also ``sum_i (g_i * scale_i)^2 / n`` (private second moments,
+:mod:`opake_core.moments`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +24,7 @@ from opake_core.clipping.engine import VMAP, Engine, example_grad
 from opake_core.clipping.microbatching import Chunked, run_chunks
 from opake_core.clipping.rules import AdaptiveClipState, AdaptiveRule, AutoSRule, ClipRule, FixedClipState
 from opake_core.errors import ConfigurationError, InputTypeError
+from opake_core.moments import ClippedMoments
 from opake_core.tree import Clipped, PerGroup
 
 __all__ = ["ClipDiagnostics", "clipped_grad"]
@@ -61,6 +64,7 @@ def clipped_grad(
     key: random.Key | None = None,
     engine: Engine = VMAP,
     reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    second_moment: bool = False,
 ) -> tuple[Callable[..., Any], FixedClipState | AdaptiveClipState]:
     """Build a function that returns the clipped, summed and normalized per-example gradients of ``loss_fn``.
 
@@ -91,12 +95,20 @@ def clipped_grad(
         reduce_count: for adaptive clipping under data parallelism, sums the float64 tensor ``[clipped count, batch
             size]`` across ranks before the noisy count is formed (every rank then draws the same count noise and
             moves to the same bound). ``None``: the counts of this call only.
+        second_moment: also release the clipped sum of element-wise squares, ``(1/n) sum_i c_i ⊙ c_i`` with
+            ``c_i`` example ``i``'s clipped gradient, sensitivity ``C^2 / n`` (per group ``C_k^2 / n``, AUTO-S
+            ``R^2 / n``): private second moments for Adam (:mod:`opake_core.moments`). The engine's per-example
+            gradients must form squares (the default VMAP engine does; layerwise ghost norms do not).
 
     Returns:
         ``(grad_fn, state)``. ``grad_fn(*args, state=state) -> (out, state)`` where ``out`` is a
         :class:`~opake_core.tree.Clipped` tree with ``sensitivity = C / n``; with ``has_aux`` and/or
         ``return_diagnostics`` it is a tuple ``(clipped, aux?, diagnostics?)`` in that order. The clipped values are
         float32 (float64 for float64 parameters). An empty batch (``B = 0``) gives zeros with the same sensitivity.
+        With ``second_moment`` the first output is a :class:`~opake_core.moments.ClippedMoments` ``(first,
+        second)`` instead of the ``Clipped`` tree: ``first`` is that tree and ``second`` the clipped sum of squares
+        (same structure, shapes and dtypes). Noise it with :func:`~opake_core.noise.gaussian_noise` (one Gaussian
+        release for both streams) or :func:`~opake_core.noise.paired_mf_gaussian_noise`.
     """
     bound = rules.check_rule(clipping_norm)
     diff_args = _argnums("argnums", argnums)
@@ -110,6 +122,8 @@ def clipped_grad(
         raise ConfigurationError("per-group clipping needs a single argnums (one parameter tree).")
     if not isinstance(engine, Engine):
         raise InputTypeError(f"engine must be an opake_core.clipping.Engine, got {type(engine).__name__}.")
+    if not isinstance(second_moment, bool):
+        raise InputTypeError(f"second_moment must be a bool, got {type(second_moment).__name__} {second_moment!r}.")
     initial = rules.initial_state(bound, key)
     example = example_grad(loss_fn, diff_args[0] if isinstance(argnums, int) else diff_args, has_aux)
 
@@ -139,6 +153,8 @@ def clipped_grad(
             params = params_of(args)
             current = state.clipping_norm if isinstance(state, AdaptiveClipState) else bound
             rule, floats = ClipRule.of(params, current)
+            if second_moment:
+                rule = dataclasses.replace(rule, second_moment=True)
             leaves, treedef = optree.tree_flatten(params)
             device = leaves[0].device
             chunks = run_chunks(
@@ -151,11 +167,18 @@ def clipped_grad(
                 device=device,
                 row_multiple=engine.row_multiple,
             )
-            sums = rules.accumulators(leaves) if chunks.sums is None else chunks.sums
+            width = 2 * len(leaves) if second_moment else len(leaves)
+            sums = rules.accumulators(leaves * (width // len(leaves))) if chunks.sums is None else chunks.sums
             torch._foreach_div_(sums, normalize_by)  # the accumulators are this call's own
-            outputs: list[Any] = [
-                Clipped(optree.tree_unflatten(treedef, sums), rules.sensitivity(current, normalize_by))
-            ]
+            clipped = Clipped(
+                optree.tree_unflatten(treedef, sums[: len(leaves)]), rules.sensitivity(current, normalize_by)
+            )
+            if second_moment:
+                squares = optree.tree_unflatten(treedef, sums[len(leaves) :])
+                clipped = ClippedMoments(
+                    clipped, Clipped(squares, rules.second_moment_sensitivity(current, normalize_by))
+                )
+            outputs: list[Any] = [clipped]
             losses, aux = (
                 _split_values(chunks.values, has_aux, device) if has_aux or return_diagnostics else (None, None)
             )

@@ -16,6 +16,10 @@ normalizer ``n`` (the expected batch size in DP-SGD).
 for every dtype, so the scale is exact well below the storage precision, and the margin ``4u`` absorbs the rounding
 of the scale and of the product: every stored contribution satisfies ``||fl(scale * g_i)|| <= C`` in its dtype. An
 example whose norm is not finite (or a padding row) gets scale 0 and adds exactly nothing.
+
+Private second moments (``ClipRule.second_moment``, :mod:`opake_core.moments`): the same scales also sum the squares
+``(1/n) sum_i (scale_i g_i) ⊙ (scale_i g_i)``, sensitivity ``C^2 / n`` (``C_k^2 / n`` per group, ``R^2 / n`` for
+AUTO-S) since ``||c ⊙ c||_2 <= ||c||_2^2`` (:func:`second_moment_sensitivity`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ __all__ = [
     "clip_scales",
     "initial_state",
     "next_adaptive_state",
+    "second_moment_sensitivity",
     "sensitivity",
 ]
 
@@ -167,6 +172,15 @@ def sensitivity(bound: Rule | AutoSRule, normalize_by: float) -> float | PerGrou
     return (bound.bound if isinstance(bound, AutoSRule) else bound) / normalize_by
 
 
+def second_moment_sensitivity(bound: Rule | AutoSRule, normalize_by: float) -> float | PerGroup:
+    """The L2 sensitivity of the clipped sum of element-wise squares divided by ``normalize_by``: ``C^2 / n`` (per
+    group ``C_k^2 / n``; AUTO-S ``R^2 / n``), from ``||c ⊙ c||_2 = ||c||_4^2 <= ||c||_2^2 <= C^2``."""
+    if isinstance(bound, PerGroup):
+        return bound.map(lambda c: c * c / normalize_by)
+    value = bound.bound if isinstance(bound, AutoSRule) else bound
+    return value * value / normalize_by
+
+
 def next_adaptive_state(
     rule: AdaptiveRule, state: AdaptiveClipState, counts: torch.Tensor, normalize_by: float
 ) -> AdaptiveClipState:
@@ -238,7 +252,8 @@ def accumulators(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @dataclass(frozen=True)
 class ClipRule:
-    """The static part of one call's rule as hashable data: each leaf's group and AUTO-S's ``gamma``.
+    """The static part of one call's rule as hashable data: each leaf's group, AUTO-S's ``gamma``, and whether the
+    clipped sum of squares is formed too (``second_moment``).
 
     The bounds reach a chunk as a float64 tensor ``[G, 1]``, so that a captured or compiled chunk follows a moving
     (adaptive) bound without a new capture.
@@ -247,6 +262,7 @@ class ClipRule:
     group_index: tuple[int, ...]
     groups: int
     gamma: float | None = None
+    second_moment: bool = False
 
     @staticmethod
     def of(params: Any, bound: Rule | AutoSRule) -> tuple[ClipRule, tuple[float, ...]]:
@@ -275,7 +291,8 @@ class ClipRule:
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """``(sums, norms [m] float32, clipped [m] bool)``: the clipped sum of the chunk in fresh accumulators
         shaped like ``params``, each example's norm, and whether any of its groups exceeded its bound. Examples with
-        ``live`` False (padding rows) add nothing."""
+        ``live`` False (padding rows) add nothing. With ``second_moment``, ``sums`` holds ``2 L`` tensors: the
+        ``L`` clipped sums, then the ``L`` clipped sums of squares."""
         sums = accumulators(params)
         leaf_sq = grads.squared_norms()  # float64 [L, m]
         if self.groups == 1:
@@ -294,4 +311,15 @@ class ClipRule:
         else:
             per_leaf = {dtype: torch.stack([s[k] for k in self.group_index]) for dtype, s in scales.items()}
         grads.add_scaled(per_leaf, sums)
+        if self.second_moment:
+            add_squares = getattr(grads, "add_squared_scaled", None)
+            if add_squares is None:
+                raise ConfigurationError(
+                    f"second_moment=True needs per-example gradients that can form their squares; this engine's "
+                    f"{type(grads).__name__} cannot. Use the default engine (VMAP, or VmapGradients(...)) for private "
+                    "second moments, or drop second_moment."
+                )
+            squares = accumulators(params)
+            add_squares(per_leaf, squares)
+            sums = sums + squares
         return sums, norms.float(), (group_norms > bounds).any(dim=0)

@@ -319,8 +319,7 @@ def mf_gaussian_noise(
     compute_dtype: torch.dtype | str = torch.float32,
     participation: Participation = SINGLE,
     state_dtype: torch.dtype | str | None = None,
-    second_moment_strategy: Any = None,
-) -> tuple[Callable[..., tuple[Any, Any]], Any]:
+) -> tuple[NoiseFn, GaussianNoiseState]:
     """DP-FTRL's correlated Gaussian noise as a ``(noise_fn, state)`` pair: :func:`matrix_mechanism` over a declared
     horizon on the stream ``STREAM``.
 
@@ -335,10 +334,6 @@ def mf_gaussian_noise(
         compute_dtype: as in :func:`matrix_mechanism`.
         participation: as in :func:`matrix_mechanism`.
         state_dtype: as in :func:`matrix_mechanism`.
-        second_moment_strategy: if given, ``noise_fn`` takes and returns a pair ``(first, second)``: the second
-            clipped stream (private second moments for Adam) is noised with this strategy on the stream
-            ``SECOND_MOMENT_STREAM``, independent of the first under the same key, and the state is a pair of states.
-            How the budget is split between the streams is the clipping side's business (their sensitivities).
 
     Returns:
         ``(noise_fn, state)`` with ``noise_fn(clipped, state) -> (Noised, state)``.
@@ -354,21 +349,4 @@ def mf_gaussian_noise(
         "name": "mf_gaussian_noise",
     }
     with torch.profiler.record_function("opake::mf_gaussian_noise_init"):
-        first_fn, first_state = matrix_mechanism(template, strategy, stream=STREAM, **options)
-        if second_moment_strategy is None:
-            return first_fn, first_state
-        second_fn, second_state = matrix_mechanism(
-            template, second_moment_strategy, stream=SECOND_MOMENT_STREAM, **options
-        )
-
-    def pair_fn(clipped: tuple[Clipped, Clipped], state: tuple[Any, Any]) -> tuple[Any, Any]:
-        if not (isinstance(clipped, tuple) and len(clipped) == 2):
-            raise InputTypeError(
-                "with second_moment_strategy, noise_fn expects a pair (first Clipped, second-moment Clipped), got "
-                f"{type(clipped).__name__}."
-            )
-        first, s1 = first_fn(clipped[0], state[0])
-        second, s2 = second_fn(clipped[1], state[1])
-        return (first, second), (s1, s2)
-
-    return pair_fn, (first_state, second_state)
+        return matrix_mechanism(template, strategy, stream=STREAM, **options)

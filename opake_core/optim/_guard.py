@@ -55,6 +55,8 @@ class Optimizer:
         non_private: accept plain trees of tensors (an explicitly non-private run).
         needs_params: ``update`` needs ``params`` (weight decay, parameter-scaled steps).
         noise_aware: pass each leaf's noise standard deviation to ``transform.update`` (0 for a plain tree).
+        eval_fn: ``(state, params) -> weights`` for an optimizer whose trained parameters are not the weights
+            to evaluate and publish (schedule-free: the averaged iterate ``x``); None for every other optimizer.
     """
 
     name: str
@@ -62,6 +64,7 @@ class Optimizer:
     non_private: bool
     needs_params: bool = False
     noise_aware: bool = False
+    eval_fn: Any = None
 
     def init(self, params: Any) -> Any:
         """The initial state for a tree of parameter tensors (moments shaped like the parameters)."""
@@ -96,6 +99,18 @@ class Optimizer:
                 stds = leaf_noise_std(value, noise_std)
                 return self.transform.update(value, state, params=params, noise_std=stds)
             return self.transform.update(value, state, params=params, inplace=False)
+
+    def eval_params(self, state: Any, params: Any) -> Any:
+        """The weights to evaluate and publish, given the optimizer ``state`` and the trained ``params``.
+
+        ``params`` itself (the same tree) for every optimizer but the schedule-free one, whose training
+        parameters are its interpolation sequence ``y`` and whose published weights are the average ``x``
+        (:func:`opake_core.optim.schedule_free_adamw`). Pure: neither input is modified.
+        """
+        if self.eval_fn is None:
+            return params
+        with record_function(f"opake::optim.{self.name}.eval_params"):
+            return self.eval_fn(state, params)
 
     def _unwrap(self, updates: Any) -> tuple[Any, float | PerGroup]:
         if isinstance(updates, Noised):

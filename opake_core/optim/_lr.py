@@ -28,6 +28,19 @@ def check_lr(lr: LearningRate) -> LearningRate:
     return lr if callable(lr) else validate.positive("lr", lr)
 
 
+def lr_at(lr: LearningRate, step: int) -> float:
+    """The learning rate of update ``step`` (0 for the first): ``lr`` itself, or ``lr(step)`` checked to be finite
+    and >= 0 (ConfigurationError naming the step otherwise)."""
+    if not callable(lr):
+        return lr
+    rate = float(lr(step))
+    if not (rate >= 0 and math.isfinite(rate)):
+        raise ConfigurationError(
+            f"the learning-rate schedule returned {rate!r} at step {step}; it must be finite and >= 0."
+        )
+    return rate
+
+
 def scale_by_neg_lr(lr: LearningRate) -> GradientTransformation:
     """Multiply every update by ``-lr`` (``-lr(count)`` for a schedule).
 
@@ -40,11 +53,7 @@ def scale_by_neg_lr(lr: LearningRate) -> GradientTransformation:
         return LearningRateState(count=torch.zeros((), dtype=torch.int64))
 
     def update_fn(updates, state, *, params=None, inplace=False):
-        rate = float(lr(int(state.count))) if callable(lr) else lr
-        if not (rate >= 0 and math.isfinite(rate)):
-            raise ConfigurationError(
-                f"the learning-rate schedule returned {rate!r} at step {int(state.count)}; it must be finite and >= 0."
-            )
+        rate = lr_at(lr, int(state.count))
         leaves, treedef = optree.tree_flatten(updates)
         updates = optree.tree_unflatten(treedef, torch._foreach_mul(leaves, -rate))
         return updates, LearningRateState(count=state.count + 1)

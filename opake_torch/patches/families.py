@@ -49,6 +49,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2", "Qwen2", note="sliding window"),
     Family("qwen3", "Qwen3", note="sliding window"),
     Family("qwen3_moe", "Qwen3-MoE", note="HF v5 stacked experts"),
+    Family(
+        "gpt_oss",
+        "gpt-oss (MoE)",
+        attention="eager",
+        note="HF v5 stacked experts; attention sinks; no SDPA in transformers 5.24",
+    ),
     Family("gemma", "Gemma"),
     Family("gemma2", "Gemma2", attention="eager", note="no SDPA in transformers 5.24; softcapping"),
     Family("gemma3_text", "Gemma3 (text)", note="sliding window"),

@@ -212,8 +212,11 @@ DROPPED_BY_FROM_HF = (
     "include_inputs_for_metrics",
 )  # fmt: skip
 _REFUSED_OPTIM_MARKERS = ("8bit", "paged", "apex", "galore", "bnb", "lomo")
+# HF names whose optimizer has the same update here (the 32-bit bitsandbytes Lion is Lion); "rmsprop", "adagrad",
+# "ademamix" and "schedule_free_adamw" keep their names. Not mapped: the schedule-free RAdam and SGD variants.
 _HF_OPTIMS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adafactor": "adafactor",
-              "sgd": "sgd"}  # fmt: skip
+              "sgd": "sgd", "lion_32bit": "lion", "rmsprop": "rmsprop", "adagrad": "adagrad", "ademamix": "ademamix",
+              "schedule_free_adamw": "schedule_free_adamw"}  # fmt: skip
 
 
 def refusal(name: str) -> str:

@@ -39,8 +39,29 @@ __all__ = [
 ]
 
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adam-bc", "adamw-bc", "adafactor")
-OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw"}
+OPTIMIZERS = (
+    "sgd",
+    "momentum",
+    "adam",
+    "adamw",
+    "adam-bc",
+    "adamw-bc",
+    "adafactor",
+    "lion",
+    "ademamix",
+    "rmsprop",
+    "adagrad",
+    "radam",
+    "adadelta",
+    "schedule_free_adamw",
+)
+OPTIMIZER_ALIASES = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw",
+    "adamw_hf": "adamw",
+    "lion_32bit": "lion",
+    "schedule_free": "schedule_free_adamw",
+}
 _REFUSED_OPTIM_MARKERS = ("8bit", "paged", "apex", "galore", "bnb", "lomo")
 SCHEDULERS = ("linear", "cosine", "constant")
 SCHEDULER_ALIASES = {"constant_with_warmup": "constant"}

@@ -31,7 +31,7 @@ from transformers.trainer_callback import (
 from transformers.trainer_utils import PredictionOutput, TrainOutput, speed_metrics
 from transformers.utils import logging as hf_logging
 
-from opake_core import accounting
+from opake_core import accounting, optim
 from opake_core.errors import ConfigurationError
 from opake_torch.functional import functional_model
 from opake_torch.transformers import checkpoint as ckpt
@@ -156,6 +156,7 @@ class DPTrainer(DataLoaders):
         self._ledger = accounting.Ledger()  # what this trainer's train() calls released, in order
         self._trained = False  # a later fresh train() call is a new segment, with new keys
         self._plan: PrivacyPlan | None = None
+        self._optimizer: optim.Optimizer | None = None  # the last train()'s: eval_params gives the published weights
         # a loss with per-example log values (TRL's metrics): example_metrics() sums them, *_and_metrics compute them
         self._example_metrics = getattr(self, "example_metrics", None)
         overrides = type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss
@@ -284,7 +285,7 @@ class DPTrainer(DataLoaders):
             keys = fresh() if self._trained else self._keys
         else:
             keys = checkpointing.resumed_keys(args, saved, folder, plan, unchanged=unchanged, fresh=fresh)
-        optimizer = build_optimizer(args, plan.total_steps)
+        optimizer = self._optimizer = build_optimizer(args, plan.total_steps)
         if self._layerwise is not None and len(self.train_dataset):  # checked once per train() on two examples
             self._layerwise = engines.verified(
                 self._layerwise,
@@ -383,9 +384,9 @@ class DPTrainer(DataLoaders):
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             best = Path(self.state.best_model_checkpoint)
             run.params = checkpointing.restore_weights(self.model, best, args.device, set(self._params))
-        self._params = run.params
+        self._params = self._optimizer.eval_params(run.opt_state, run.params)  # schedule-free: the average x
         self._plan, self._ledger, self._trained = plan, run.ledger, True
-        checkpointing.copy_into(self.model, run.params)
+        checkpointing.copy_into(self.model, self._params)
         self.topology.check_params(run.params)
         steps = self.state.global_step
         metrics = run.final_metrics(begin, steps=steps, trained=steps - first, dataset_size=len(self.train_dataset))
@@ -468,9 +469,10 @@ class DPTrainer(DataLoaders):
 
     def evaluate(self, eval_dataset: Any = None, metric_key_prefix: str = "eval", *, _run: Run | None = None) -> dict:
         """Mean per-example loss (and ``compute_metrics``) on ``eval_dataset``; fires ``on_evaluate``."""
-        if _run is not None:  # during training: the model shows the run's current weights
-            checkpointing.copy_into(self.model, _run.params)
-        params = _run.params if _run is not None else self._params
+        params = self._params
+        if _run is not None:  # during training: the model shows the run's current weights (schedule-free: x)
+            params = self._optimizer.eval_params(_run.opt_state, _run.params)
+            checkpointing.copy_into(self.model, params)
         output = self._prediction_loop(eval_dataset or self.eval_dataset, metric_key_prefix, params)
         self.log(output.metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=output.metrics)

@@ -15,6 +15,7 @@ in ``FTRL_STEP_BUILDERS`` (it is listed there).
 from __future__ import annotations
 
 import importlib
+import math
 
 import numpy as np
 import pytest
@@ -381,3 +382,281 @@ def test_trap_ddp_sum_of_two_shards():
     report = t.assert_sensitivity(all_reduced, (x[:8], y[:8]), key=KEY, kinds=("remove", "replace"))
     assert report.sensitivity == C / n_global
     assert noise_std_for(all_reduced((x[:8], y[:8])).sensitivity, Z) == pytest.approx(Z * C / n_global)
+
+
+# -- private second moments and projected JME ----------------------------------------------------------------------
+# The release of these mechanisms is a pair of noised streams (NoisedMoments). A step with a recording optimizer
+# applies the first stream with learning rate 1 and keeps the pair; each stream must move by at most its own declared
+# sensitivity (twice it for replace-one) and, whitened by the noise actually drawn, the pair by at most 1 / (z s)
+# (s: the strategy's sensitivity, 1 for DP-SGD and JME): one Gaussian release with multiplier z.
+
+
+class _Recorder:
+    """Takes the noised pair, returns the first stream as the update (SGD with learning rate 1), keeps the pair."""
+
+    takes_moments = True
+    noise_aware = False
+
+    def __init__(self):
+        self.seen = []
+
+    def init(self, params):
+        return ()
+
+    def update(self, noised, state, *, params=None):
+        self.seen.append(noised)
+        return {k: -v for k, v in noised.first.value.items()}, state
+
+
+def _moments_release(build):
+    recorder = _Recorder()
+    step_fn, dp_state = build(recorder)
+
+    def release(params, state, batch):
+        _, _, new_state, _ = step_fn(params, (), state, batch)
+        return recorder.seen[-1], new_state
+
+    return release, dp_state
+
+
+def _paired_sgd(expected_batch_size):
+    return _moments_release(
+        lambda opt: dp_sgd(
+            _loss,
+            optimizer=opt,
+            clipping_norm=C,
+            noise_multiplier=Z,
+            expected_batch_size=expected_batch_size,
+            compute_dtype=torch.float64,
+            key=KEY,
+            second_moment=True,
+        )
+    )
+
+
+def _paired_ftrl(strategy, expected_batch_size):
+    from opake_core.step import dp_ftrl
+
+    return _moments_release(
+        lambda opt: dp_ftrl(
+            _loss,
+            params=_params(),
+            optimizer=opt,
+            strategy=strategy,
+            n_steps=STEPS,
+            clipping_norm=C,
+            noise_multiplier=Z,
+            expected_batch_size=expected_batch_size,
+            compute_dtype=torch.float64,
+            key=KEY,
+            second_moment=True,
+            second_moment_strategy=strategy,
+        )
+    )
+
+
+def _jme(expected_batch_size):
+    from opake_core.jme import jme_noise
+    from opake_core.step import dp_step
+
+    noise = jme_noise(noise_multiplier=Z, key=KEY, aggregate_norm=0.05, compute_dtype=torch.float64)
+    return _moments_release(
+        lambda opt: dp_step(_loss, clipping=C, noise=noise, optimizer=opt, expected_batch_size=expected_batch_size)
+    )
+
+
+def _audit_moments(release, state, sampler, *, strategy_sensitivity=1.0, row_norms=None):
+    x, y = _data()
+    draws, sampler_state = [], sampler.init()
+    for _ in range(STEPS):
+        idx, sampler_state = sampler.sample(KEY, sampler_state)
+        draws.append(torch.as_tensor(np.asarray(idx), dtype=torch.long))
+    target = int(torch.cat(draws).mode().values) if sum(len(d) for d in draws) else 0
+    extreme = t.extreme_examples((x[target], y[target]))[0]
+    params, sampler_state = _params(), sampler.init()
+    violations, participated = [], 0
+    for step in range(STEPS):
+        idx, sampler_state = sampler.sample(KEY, sampler_state)
+        idx = torch.as_tensor(np.asarray(idx), dtype=torch.long)
+        out, next_state = release(params, state, (x[idx], y[idx]))
+        without = idx[idx != target]
+        removed, _ = release(params, state, (x[without], y[without]))
+        replaced, _ = release(params, state, (torch.where(idx[:, None] == target, extreme[0], x[idx]), y[idx]))
+        row = 1.0 if row_norms is None else float(row_norms[step])
+        sigma = [out.first.noise_std / row, out.second.noise_std / row]
+        declared = [out.first.sensitivity, out.second.sensitivity]
+        for kind, other, factor in (("remove", removed, 1.0), ("replace", replaced, 2.0)):
+            moved = [_distance(out.first.value, other.first.value), _distance(out.second.value, other.second.value)]
+            whitened = math.sqrt(sum((d / s) ** 2 for d, s in zip(moved, sigma, strict=True)))
+            if target not in idx.tolist():
+                if moved != [0.0, 0.0]:
+                    violations.append((step, kind, "changed without participating", moved))
+                continue
+            if any(d > factor * b * (1 + 1e-6) for d, b in zip(moved, declared, strict=True)):
+                violations.append((step, kind, "stream", moved, declared))
+            if whitened > factor / (Z * strategy_sensitivity) * (1 + 1e-6):
+                violations.append((step, kind, "joint", whitened * Z * strategy_sensitivity))
+        participated += target in idx.tolist()
+        params = {k: params[k] - out.first.value[k] for k in params}
+        state = next_state
+    return violations, participated
+
+
+MOMENT_CASES = [("paired_gaussian", s) for s in PAIRS["gaussian"]] + [("jme", "poisson")]
+MOMENT_CASES += [(f"paired_{m}", s) for m, names in PAIRS.items() if m != "gaussian" for s in names]
+
+
+@pytest.mark.parametrize(("mechanism", "sampler_name"), MOMENT_CASES, ids=[f"{m}-{s}" for m, s in MOMENT_CASES])
+def test_neighbour_invariance_of_the_moment_releases(mechanism, sampler_name):
+    sampler = _sampler(sampler_name)
+    n = _expected_batch_size(sampler)
+    options = {}
+    if mechanism == "paired_gaussian":
+        release, state = _paired_sgd(n)
+    elif mechanism == "jme":
+        release, state = _jme(n)
+    else:
+        strategy = STRATEGIES[mechanism.removeprefix("paired_")]()
+        release, state = _paired_ftrl(strategy, n)
+        concrete = mf.optimize(strategy, STEPS)
+        inverse = mf.inverse_coefficients(concrete, STEPS)
+        options = {
+            "strategy_sensitivity": mf.sensitivity(concrete, STEPS),
+            "row_norms": np.sqrt(np.cumsum(inverse**2)),
+        }
+    violations, participated = _audit_moments(release, state, sampler, **options)
+    assert violations == [], f"{mechanism} with {sampler_name}: {violations}"
+    assert participated >= 1
+
+
+def test_neighbour_invariance_of_clipped_outputs():
+    """``clipped_fun`` released through the Gaussian mechanism; an empty draw (which ``clipped_fun`` refuses) noises
+    a zero tree of the known output shape, the documented pattern."""
+    from opake_core.clipping import clipped_fun
+    from opake_core.noise import gaussian_noise
+
+    sampler = _sampler("poisson")
+    n = _expected_batch_size(sampler)
+
+    w1 = _params()["w1"]
+
+    def stats(x, y):  # a per-example tree shaped like the parameters (a gradient formed by hand)
+        h = torch.tanh(x @ w1)
+        return {"w1": torch.outer(x, h), "b1": h, "w2": torch.outer(h, F.one_hot(y, 3).to(h.dtype))}
+
+    fn, clip_state = clipped_fun(stats, clipping_norm=C, normalize_by=n, batch_argnums=(0, 1))
+    noise_fn, noise_state = gaussian_noise(noise_multiplier=Z, key=KEY, compute_dtype=torch.float64)
+    zeros = {k: torch.zeros_like(v) for k, v in _params().items()}
+
+    def release(params, state, batch):
+        clipped = Clipped(zeros, C / n) if batch[0].shape[0] == 0 else fn(*batch, state=clip_state)[0]
+        noised, new_state = noise_fn(clipped, state)
+        return noised.value, new_state
+
+    violations, participated = _audit(release, noise_state, sampler)
+    assert violations == [] and participated >= 1
+
+
+# -- the MoE router release (opake_core.moe) next to the gradient ----------------------------------------------------
+
+
+def _router_data():
+    """``N`` token sequences ``[T=5, D=4]`` with 2 to 5 real tokens; routers of 2 layers over 4 experts, top-2."""
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randn(N, 5, 4, generator=gen, dtype=torch.float64)
+    lengths = torch.randint(2, 6, (N,), generator=gen)
+    mask = (torch.arange(5)[None] < lengths[:, None]).to(torch.float64)
+    return tokens, mask
+
+
+def _router_logits(p, tokens):
+    first = tokens @ p["r1"]
+    return torch.stack([first, torch.tanh(first) @ p["r2"]])  # [L=2, T, E=4]
+
+
+@pytest.mark.parametrize("sampler_name", PAIRS["gaussian"])
+def test_neighbour_invariance_of_the_router_release(sampler_name):
+    """The gradient (with the surrogate) and the router statistic of the same batch, both noised with fixed keys:
+    removing (replacing) the target moves each stream by at most its declared sensitivity (twice it), and the pair,
+    whitened by its noise, by at most ``1 / z_eff`` (``2 / z_eff``), ``z_eff = z / sqrt(1 + rho)``: one Gaussian
+    release, as ``accounting.moe_aux`` accounts it. A step without the target changes nothing."""
+    from opake_core.moe import RouterGeometry, load_statistic, router_release, sum_statistics, surrogate_loss
+
+    rho = 0.3
+    sampler = _sampler(sampler_name)
+    n = _expected_batch_size(sampler)
+    geometry = RouterGeometry(top_k=2, num_experts=4, num_layers=2, max_tokens=4, mean_tokens=3.0)
+    gen = torch.Generator().manual_seed(5)
+    params = {k: torch.randn(4, 4, generator=gen, dtype=torch.float64) for k in ("r1", "r2", "w")}
+
+    def loss(p, tokens, mask, load):
+        logits = _router_logits(p, tokens)
+        task = ((torch.tanh(tokens @ p["w"]) ** 2).sum(-1) * mask).sum() / mask.sum().clamp(min=1)
+        return task + 0.5 * surrogate_loss(geometry, logits, load, mask), load_statistic(geometry, logits, mask)
+
+    opt = optim.sgd(1.0)
+    step_fn, dp_state = dp_sgd(
+        loss,
+        clipping_norm=C,
+        noise_multiplier=Z,
+        key=KEY,
+        optimizer=opt,
+        expected_batch_size=n,
+        compute_dtype=torch.float64,
+        has_aux=True,
+    )
+    release_fn, router_state = router_release(
+        geometry, noise_multiplier=Z, ratio=rho, expected_batch_size=n, key=random.fold_in(KEY, "router")
+    )
+
+    def release(p, states, batch):
+        dp, router = states
+        tokens, mask = batch
+        load = router.load.expand(tokens.shape[0], -1)
+        new, _, dp_next, metrics = step_fn(p, opt.init(p), dp, (tokens, mask, load))
+        stats = metrics.aux if metrics.aux is not None else torch.zeros(0, 2, 4, dtype=torch.float64)
+        released, router_next = release_fn(sum_statistics(geometry, stats, expected_batch_size=n), router)
+        return ({k: p[k] - new[k] for k in p}, released), (dp_next, router_next)
+
+    tokens, mask = _router_data()
+    draws, sampler_state = [], sampler.init()
+    for _ in range(STEPS):
+        idx, sampler_state = sampler.sample(KEY, sampler_state)
+        draws.append(torch.as_tensor(np.asarray(idx), dtype=torch.long))
+    target = int(torch.cat(draws).mode().values) if sum(len(d) for d in draws) else 0
+    # the extreme replacement: every token real, large, and routed to the same two experts in both layers
+    extreme_tokens = torch.full((5, 4), 1e3, dtype=torch.float64)
+    extreme_mask = torch.ones(5, dtype=torch.float64)
+    z_eff = Z / math.sqrt(1 + rho)
+    states, sampler_state = (dp_state, router_state), sampler.init()
+    violations, participated = [], 0
+    for step in range(STEPS):
+        idx, sampler_state = sampler.sample(KEY, sampler_state)
+        idx = torch.as_tensor(np.asarray(idx), dtype=torch.long)
+        (grad, stat), next_states = release(params, states, (tokens[idx], mask[idx]))
+        without = idx[idx != target]
+        removed = release(params, states, (tokens[without], mask[without]))[0]
+        hit = (idx == target)[:, None, None]
+        replaced_batch = (
+            torch.where(hit, extreme_tokens, tokens[idx]),
+            torch.where(hit[:, 0], extreme_mask, mask[idx]),
+        )
+        replaced = release(params, states, replaced_batch)[0]
+        for kind, (g, s), factor in (("remove", removed, 1.0), ("replace", replaced, 2.0)):
+            moved = [_distance(grad, g), float((stat.value - s.value).norm())]
+            declared = [C / n, stat.sensitivity]
+            sigma = [Z * C / n, stat.noise_std]
+            if target not in idx.tolist():
+                if moved != [0.0, 0.0]:
+                    violations.append((step, kind, "changed without participating", moved))
+                continue
+            if any(d > factor * b * (1 + 1e-6) for d, b in zip(moved, declared, strict=True)):
+                violations.append((step, kind, "stream", moved, declared))
+            whitened = math.sqrt(sum((d / sd) ** 2 for d, sd in zip(moved, sigma, strict=True)))
+            if whitened > factor / z_eff * (1 + 1e-6):
+                violations.append((step, kind, "joint", whitened * z_eff))
+        participated += target in idx.tolist()
+        params = {k: params[k] - grad[k] for k in params}
+        states = next_states
+    assert violations == [], f"router release with {sampler_name}: {violations}"
+    assert participated >= 1

@@ -180,25 +180,38 @@ def test_per_group_sensitivity():
     assert noised.noise_std.value_of["g2"] == pytest.approx(2.0 * math.sqrt(2.0 * 3.0))
 
 
-def test_second_moment_stream():
+def test_mf_gaussian_noise_is_one_stream():
+    """A second stream (private second moments) is only noised as one release with the first, by
+    ``opake_core.noise.paired_mf_gaussian_noise``: two streams each noised at the full multiplier would be two
+    releases, accounted as one."""
+    with pytest.raises(TypeError, match="second_moment_strategy"):
+        mf.mf_gaussian_noise(
+            _zeros(), mf.bsr(4), n_steps=N, noise_multiplier=1.0, key=random.key(11),
+            second_moment_strategy=mf.lambda_cgd(0.5),
+        )  # fmt: skip
+
+
+def test_paired_noise_streams_equal_their_dense_inverses():
+    """``paired_mf_gaussian_noise`` with two strategies: each stream is its strategy's ``C^-1 Z`` on its own stream
+    tag (the dense inverse), scaled by the stream's noise standard deviation."""
+    from opake_core.moments import ClippedMoments
+    from opake_core.noise import paired_mf_gaussian_noise
+
     key = random.key(11)
-    fn, state = mf.mf_gaussian_noise(
-        _zeros(),
-        mf.bsr(4),
-        n_steps=N,
-        noise_multiplier=1.0,
-        key=key,
+    first, second = mf.bsr(4), mf.lambda_cgd(0.5)
+    fn, state = paired_mf_gaussian_noise(
+        _zeros(torch.float64), first, second_moment_strategy=second, n_steps=N, noise_multiplier=1.0, key=key,
         compute_dtype=torch.float64,
-        second_moment_strategy=mf.lambda_cgd(0.5),
-    )
-    assert len(state[0].buffers) == 3 and len(state[1].buffers) == 1
+    )  # fmt: skip
+    pair = ClippedMoments(Clipped(_zeros(torch.float64), 0.5), Clipped(_zeros(torch.float64), 0.25))
     outs = []
     for _ in range(N):
-        (_, second), state = fn((Clipped(_zeros(), 1.0), Clipped(_zeros(), 1.0)), state)
-        outs.append(second)
-    ref = _dense_reference(mf.lambda_cgd(0.5), key, torch.float64, stream=SECOND_MOMENT_STREAM)
-    sens = mf.sensitivity(mf.lambda_cgd(0.5), N)
-    got = np.stack([o.value["a"].numpy().ravel() for o in outs]) / sens
-    np.testing.assert_allclose(got, ref["a"], atol=1e-10)
-    with pytest.raises(InputTypeError, match="pair"):
-        fn(Clipped(_zeros(), 1.0), state)
+        out, state = fn(pair, state)
+        outs.append(out)
+    for strategy, stream, pick in ((first, STREAM, "first"), (second, SECOND_MOMENT_STREAM, "second")):
+        ref = _dense_reference(strategy, key, torch.float64, stream=stream)
+        row0 = abs(float(mf.inverse_coefficients(strategy, N)[0]))
+        sigma = getattr(outs[0], pick).noise_std / row0  # the std of the stream's z
+        for name in SHAPES:
+            got = np.stack([getattr(o, pick).value[name].numpy().ravel() for o in outs]) / sigma
+            np.testing.assert_allclose(got, ref[name], atol=1e-10)

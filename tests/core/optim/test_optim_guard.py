@@ -21,7 +21,15 @@ FACTORIES = {
     "adam_bc": lambda **kw: optim.adam(noise_bias_correction=True, **kw),
     "adamw_bc": lambda **kw: optim.adamw(noise_bias_correction=True, **kw),
     "adafactor": lambda **kw: optim.adafactor(weight_decay=0.01, **kw),
+    "lion": lambda **kw: optim.lion(1e-3, weight_decay=0.1, **kw),
+    "ademamix": lambda **kw: optim.ademamix(weight_decay=0.01, t_alpha=5, t_beta3=5, **kw),
+    "rmsprop": lambda **kw: optim.rmsprop(weight_decay=0.01, momentum=0.9, centered=True, **kw),
+    "adagrad": lambda **kw: optim.adagrad(lr_decay=0.1, weight_decay=0.01, **kw),
+    "radam": lambda **kw: optim.radam(weight_decay=0.01, decoupled_weight_decay=True, **kw),
+    "adadelta": lambda **kw: optim.adadelta(weight_decay=0.01, **kw),
+    "schedule_free_adamw": lambda **kw: optim.schedule_free_adamw(weight_decay=0.01, warmup_steps=2, **kw),
 }
+ADDED = ("lion", "ademamix", "rmsprop", "adagrad", "radam", "adadelta", "schedule_free_adamw")
 
 
 def _tree(seed: int) -> dict[str, torch.Tensor]:
@@ -89,7 +97,7 @@ def test_fresh_optimizer_resumes_from_a_saved_state(name: str) -> None:
     assert _equal(continued, resumed)
 
 
-@pytest.mark.parametrize("name", ["sgd", "adamw", "adafactor"])
+@pytest.mark.parametrize("name", ["sgd", "adamw", "adafactor", *ADDED])  # each built with weight decay
 def test_missing_params_is_a_configuration_error(name: str) -> None:
     opt = FACTORIES[name]()
     with pytest.raises(ConfigurationError, match="needs params"):
@@ -121,3 +129,23 @@ def test_profiler_labels() -> None:
         optim.apply_updates(params, updates)
     names = {e.key for e in prof.key_averages()}
     assert {"opake::optim.adamw.init", "opake::optim.adamw", "opake::optim.apply_updates"} <= names
+
+
+@pytest.mark.parametrize("name", ["lion", "rmsprop", "adagrad", "radam", "adadelta", "ademamix"])
+def test_without_weight_decay_params_are_optional(name: str) -> None:
+    opt = getattr(optim, name)()
+    with_params, _ = opt.update(Noised(_tree(1), 1.0, 0.0), opt.init(_tree(0)), params=_tree(0))
+    without, _ = opt.update(Noised(_tree(1), 1.0, 0.0), opt.init(_tree(0)))
+    assert _equal(with_params, without)
+
+
+@pytest.mark.parametrize("name", ADDED)
+def test_profiler_labels_of_each_optimizer(name: str) -> None:
+    opt, params = FACTORIES[name](), _tree(0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        state = opt.init(params)
+        _, state = opt.update(Noised(_tree(1), 1.0, 0.1), state, params=params)
+        opt.eval_params(state, params)
+    names = {e.key for e in prof.key_averages()}
+    assert {f"opake::optim.{name}.init", f"opake::optim.{name}"} <= names
+    assert (f"opake::optim.{name}.eval_params" in names) == (name == "schedule_free_adamw")
