@@ -36,7 +36,7 @@ def search(run: Any, *, start: int, factor: float, resolution: int, budget_s: fl
     begin = time.perf_counter()
 
     def rounded(seq: float) -> int:
-        return max(resolution, int(round(seq / resolution)) * resolution)
+        return max(resolution, round(seq / resolution) * resolution)
 
     fits, fails = None, None
     seq = rounded(start)
