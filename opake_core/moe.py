@@ -73,6 +73,7 @@ __all__ = [
     "STREAM",
     "RouterGeometry",
     "RouterState",
+    "exact_router_release",
     "load_probabilities",
     "load_statistic",
     "router_release",
@@ -306,6 +307,24 @@ def router_release(
             "its routers with the model's own auxiliary loss."
         )
     rho = validate.positive("ratio", ratio)
+    return _release(geometry, z / math.sqrt(rho), expected_batch_size, key, filter_beta)
+
+
+def exact_router_release(
+    geometry: RouterGeometry, *, expected_batch_size: float, key: random.Key, filter_beta: float = 0.99
+) -> tuple[ReleaseFn, RouterState]:
+    """The router release of a **non-private** run (noise multiplier 0): :func:`router_release` without noise, the
+    same filter on the exact batch statistic. It releases the statistic as it is: use it only where the gradient is
+    released without noise too. ``key`` is kept in the state (nothing is drawn)."""
+    if not isinstance(geometry, RouterGeometry):
+        raise InputTypeError(f"geometry must be a RouterGeometry, got {type(geometry).__name__}.")
+    return _release(geometry, 0.0, expected_batch_size, key, filter_beta)
+
+
+def _release(
+    geometry: RouterGeometry, multiplier: float, expected_batch_size: float, key: random.Key, filter_beta: float
+) -> tuple[ReleaseFn, RouterState]:
+    """The ``(release_fn, state)`` pair with noise multiplier ``multiplier`` (0: no noise is drawn)."""
     expected = geometry.sensitivity / validate.positive("expected_batch_size", expected_batch_size)
     beta = validate.real("filter_beta", filter_beta)
     if not 0.0 <= beta < 1.0:
@@ -328,9 +347,11 @@ def router_release(
                 f"with sum_statistics(geometry, ..., expected_batch_size={expected_batch_size!r})."
             )
         with torch.profiler.record_function("opake::router_release"):
-            sigma = z / math.sqrt(rho) * sensitivity
-            draw = random.normal(random.fold_in(state.key, STREAM, state.step), shape, dtype=torch.float64)
-            noised = value.to(torch.float64) + sigma * draw.to(value.device)
+            sigma = multiplier * sensitivity
+            noised = value.to(torch.float64)
+            if sigma > 0.0:
+                draw = random.normal(random.fold_in(state.key, STREAM, state.step), shape, dtype=torch.float64)
+                noised = noised + sigma * draw.to(value.device)
             pooled = noised.mean(dim=0)
             projected = pooled - pooled.mean()
             filtered = beta * state.filtered.to(projected.device) + (1.0 - beta) * projected

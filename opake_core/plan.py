@@ -159,6 +159,23 @@ def _release(sampler: Any, strategy: Any, clipping: Any, steps: int) -> Any:
     return step
 
 
+def _with_router_release(release: Any, ratio: float, *, mechanism: str, clipping: Any) -> Any:
+    """``z -> moe_aux(release(z), ratio)``: each step also releases the router statistic (see :func:`plan`)."""
+    rho = validate.positive("router_ratio", ratio)
+    if mechanism != "gaussian":
+        raise ConfigurationError(
+            f"the MoE router release is a DP-SGD release (Gaussian noise on each step's batch), got mechanism "
+            f"{mechanism!r}: there is no accountant for it next to matrix-factorization noise. Use the gaussian "
+            "mechanism with the router release, or drop the router release."
+        )
+    if isinstance(clipping, AdaptiveRule):
+        raise ConfigurationError(
+            "the MoE router release is accounted next to a fixed clipping bound; adaptive clipping releases a count "
+            "too, which moe_aux does not cover. Use a fixed clipping bound with the router release."
+        )
+    return lambda z: accounting.moe_aux(release(z), ratio=rho)
+
+
 def _single(process: Any) -> Any:
     """The step inside ``repeat(step, 1)``."""
     return process.process if isinstance(process, Repeat) and process.count == 1 else process
@@ -177,6 +194,7 @@ def plan(
     spent: accounting.Ledger | None = None,
     done: int = 0,
     resumed_multiplier: float | None = None,
+    router_ratio: float | None = None,
 ) -> Plan:
     """Validate the combination and resolve the noise multiplier, the release and the stop step.
 
@@ -193,6 +211,10 @@ def plan(
         done: the steps of this run already taken (a resume).
         resumed_multiplier: the multiplier an unchanged resumed run calibrated before: kept while the whole history
             stays within the target, so that the resume replays exactly.
+        router_ratio: ``rho > 0`` when every step also releases the MoE router load statistic
+            (:func:`opake_core.moe.router_release`, multiplier ``z / sqrt(rho)``): each step's Gaussian is then
+            accounted at ``z / sqrt(1 + rho)`` (:func:`opake_core.accounting.moe_aux`), in the calibration, the stop
+            step and the release recorded in the ledger. DP-SGD with fixed clipping only.
 
     Raises:
         ConfigurationError: a combination without a correct accountant, with the fix.
@@ -217,6 +239,8 @@ def plan(
     horizon = is_horizon(mechanism, sampler_name)
     strategy = None if strategy is None else _optimized(strategy, sampler, steps)
     release = _release(sampler, strategy, clipping, steps)
+    if router_ratio is not None:
+        release = _with_router_release(release, router_ratio, mechanism=mechanism, clipping=clipping)
     spent = spent or accounting.Ledger()
     remaining = max(steps - done, 1)
     prefix = None if horizon else spent.process()

@@ -43,6 +43,7 @@ from torchopt.transform.trace import TraceState
 from opake_core import random
 from opake_core.clipping import AdaptiveClipState, FixedClipState
 from opake_core.errors import CheckpointError, InputTypeError, OpakeError
+from opake_core.moe import RouterState
 from opake_core.noise import GaussianNoiseState
 from opake_core.optim._foreach import AdamState
 from opake_core.optim._lr import LearningRateState
@@ -70,6 +71,7 @@ _CLASSES: dict[str, type] = {
     "opake.AdaptiveClipState": AdaptiveClipState,
     "opake.GaussianNoiseState": GaussianNoiseState,
     "opake.PerGroup": PerGroup,
+    "opake.RouterState": RouterState,
     "opake.AdamState": AdamState,
     "opake.BiasCorrectedAdamState": BiasCorrectedAdamState,
     "opake.FactoredRmsState": FactoredRmsState,

@@ -35,6 +35,7 @@ __all__ = [
     "parse_clipping_norm",
     "plain",
     "report_to",
+    "router_aux",
     "sampling",
 ]
 
@@ -90,6 +91,8 @@ _INT_MECHANISM_KWARGS = ("bands", "max_buffers", "bandwidth")
 SAMPLING_KWARGS = {"poisson": ("truncated_batch_size",), "k_out_of_t": ("k", "allocation")}
 CLIPPING_KWARGS = {"fixed": (), "adaptive": ("target_quantile", "clipping_norm_max"), "auto": ("gamma",)}
 CALIBRATION_DEFAULTS = {"min": 0.11, "max": 10.0, "tolerance": 1e-3}
+ROUTER_AUX_DEFAULTS: dict[str, Any] = {"ratio": 0.02, "mean_tokens": None, "filter_beta": 0.99}
+ROUTER_AUX_KWARGS = ("max_tokens", *ROUTER_AUX_DEFAULTS)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DDP_BACKENDS = ("nccl", "gloo", "mpi", "ucc")
 
@@ -354,6 +357,55 @@ def calibration(value: Any) -> dict[str, float]:
             f"noise_calibration_kwargs needs 0 < min < max < inf and tolerance > 0, got {kwargs!r}."
         )
     return {"min": low, "max": high, "tolerance": tol}
+
+
+def router_aux(coefficient: Any, value: Any) -> tuple[float, dict[str, Any]]:
+    """``(router_aux_loss_coef, router_aux_kwargs)`` validated: a coefficient >= 0 (None is 0.0), and for a non-zero
+    one the kwargs of the private router release over :data:`ROUTER_AUX_DEFAULTS` (``max_tokens`` required)."""
+    coefficient = 0.0 if plain(coefficient) is None else plain(coefficient)
+    if isinstance(coefficient, str):
+        coefficient = coerce_scalar(coefficient)
+    coefficient = as_number(coefficient, "router_aux_loss_coef")
+    if not 0.0 <= coefficient < math.inf:
+        raise ConfigurationError(
+            f"router_aux_loss_coef must be a finite number >= 0, got {coefficient!r}; 0.0 (the default) trains "
+            "without router load balancing, a small value such as 0.01 turns the private router release on."
+        )
+    kwargs = as_dict(value, "router_aux_kwargs")
+    if coefficient == 0.0:
+        if kwargs:
+            raise ConfigurationError(
+                f"router_aux_kwargs={kwargs!r} is set but router_aux_loss_coef is 0.0, so no router release runs: "
+                "set router_aux_loss_coef > 0 (for example 0.01), or drop router_aux_kwargs."
+            )
+        return 0.0, {}
+    check_keys(kwargs, ROUTER_AUX_KWARGS, "router_aux_kwargs", "the private router release")
+    if "max_tokens" not in kwargs:
+        raise ConfigurationError(
+            "router_aux_kwargs needs 'max_tokens' (an int >= 1, the public bound on the tokens of one example that "
+            "count in full; usually max_length), e.g. router_aux_kwargs={'max_tokens': 1024}."
+        )
+    kwargs = {**ROUTER_AUX_DEFAULTS, **kwargs}
+    as_positive_int(kwargs["max_tokens"], "router_aux_kwargs['max_tokens']")
+    ratio = as_number(kwargs["ratio"], "router_aux_kwargs['ratio']")
+    if not 0.0 < ratio < math.inf:
+        raise ConfigurationError(
+            f"router_aux_kwargs['ratio'] must be a finite number > 0, got {ratio!r}: the release's noise multiplier "
+            "is z / sqrt(ratio). 0.02 (the default) costs about 1% more gradient noise."
+        )
+    beta = as_number(kwargs["filter_beta"], "router_aux_kwargs['filter_beta']")
+    if not 0.0 <= beta < 1.0:
+        raise ConfigurationError(
+            f"router_aux_kwargs['filter_beta'] must be in [0, 1), got {beta!r}; 0.99 is the default."
+        )
+    if kwargs["mean_tokens"] is not None:
+        mean = as_number(kwargs["mean_tokens"], "router_aux_kwargs['mean_tokens']")
+        if not 0.0 < mean < math.inf:
+            raise ConfigurationError(
+                f"router_aux_kwargs['mean_tokens'] must be a finite number > 0, got {mean!r}; leave it unset for "
+                "max_tokens."
+            )
+    return float(coefficient), kwargs
 
 
 def clipping_kwargs(mode: str, value: Any) -> dict[str, Any]:

@@ -206,6 +206,9 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
     noise_calibration_kwargs: dict[str, Any] | str | None = None
     sampling_mode: str = "auto"
     sampling_kwargs: dict[str, Any] | str | None = None
+    # mixture of experts: the private router load-balancing release
+    router_aux_loss_coef: float | None = None
+    router_aux_kwargs: dict[str, Any] | str | None = None
     # precision, compile, kernels
     bf16: bool = False
     bf16_full_eval: bool = False
@@ -333,6 +336,7 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
         self._resolve_mechanism()
         self._resolve_privacy()
         self._resolve_clipping()
+        self._resolve_router()
         self._resolve_compile()
         self._resolve_logging_eval_save()
         self._resolve_distributed()
@@ -531,6 +535,32 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
             noise_multiplier=self.privacy_noise_multiplier,
             target=self.privacy_target_epsilon,
         )
+
+    def _resolve_router(self) -> None:
+        coefficient, self.router_aux_kwargs = p.router_aux(self.router_aux_loss_coef, self.router_aux_kwargs)
+        if not coefficient:  # off: None (the default, as TRL's) or 0.0, as given
+            self.router_aux_loss_coef = None if p.plain(self.router_aux_loss_coef) is None else 0.0
+            return
+        self.router_aux_loss_coef = coefficient
+        if self.privacy_noise_mechanism != "gaussian":
+            raise ConfigurationError(
+                f"router_aux_loss_coef={self.router_aux_loss_coef!r} (the private router release) needs "
+                f"privacy_noise_mechanism='gaussian', got {self.privacy_noise_mechanism!r}: the router release is a "
+                "DP-SGD release, accounted next to independent Gaussian noise only. Use 'gaussian', or set "
+                "router_aux_loss_coef=0.0."
+            )
+        if self.clipping_mode != "fixed" or isinstance(self.clipping_norm, dict):
+            what = "a per-group clipping_norm" if isinstance(self.clipping_norm, dict) else repr(self.clipping_mode)
+            raise ConfigurationError(
+                f"router_aux_loss_coef={self.router_aux_loss_coef!r} (the private router release) needs fixed "
+                f"scalar clipping (clipping_mode='fixed', one clipping_norm), got {what}. Use a scalar clipping_norm "
+                "with clipping_mode='fixed', or set router_aux_loss_coef=0.0."
+            )
+
+    @property
+    def router_release(self) -> bool:
+        """Whether the run releases the MoE router load statistic (``router_aux_loss_coef > 0``)."""
+        return bool(self.router_aux_loss_coef)
 
     def _resolve_checkpointing(self) -> None:
         if self.gradient_checkpointing is None:  # Hugging Face's default, meaning off

@@ -188,12 +188,25 @@ _MANIFEST = {
     "versions": (dict,),
     "files": (dict,),
 }
+_OPTIONAL = {"router_release": (dict,)}  # present only for a run with the MoE router release
 
 
-def write_state(folder: Path, manifest: dict[str, Any], *, step_state: Any, opt_state: Any, rng_state: Any) -> None:
+def write_state(
+    folder: Path,
+    manifest: dict[str, Any],
+    *,
+    step_state: Any,
+    opt_state: Any,
+    rng_state: Any,
+    router_state: Any = None,
+) -> None:
     """Write the DP state files into ``folder``, last of the checkpoint's files: the tensors as safetensors, then
-    ``dp_state.json`` with the SHA-256 of every other file of the folder (weights, states, records)."""
-    save_tree(folder / DP_TENSORS, {"step_state": step_state, "torch_rng_state": rng_state})
+    ``dp_state.json`` with the SHA-256 of every other file of the folder (weights, states, records). ``router_state``:
+    the MoE router release's state (without its key), with the step state."""
+    tree = {"step_state": step_state, "torch_rng_state": rng_state}
+    if router_state is not None:
+        tree["router_state"] = router_state
+    save_tree(folder / DP_TENSORS, tree)
     save_tree(folder / DP_OPTIMIZER, opt_state)
     files = {path.name: sha256(path) for path in sorted(folder.iterdir()) if path.is_file()}
     write_json(folder / DP_STATE, {**manifest, "format": FORMAT, "files": files})
@@ -211,10 +224,11 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} must hold a JSON object, got {type(manifest).__name__}.")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {manifest.get('format')!r}; this version reads {FORMAT!r}.")
-    missing, extra = sorted(set(_MANIFEST) - set(manifest)), sorted(set(manifest) - set(_MANIFEST))
+    missing = sorted(set(_MANIFEST) - set(manifest))
+    extra = sorted(set(manifest) - set(_MANIFEST) - set(_OPTIONAL))
     if missing or extra:
         raise CheckpointError(f"{path} lacks fields {missing} or has unknown fields {extra}.")
-    for name, kinds in _MANIFEST.items():
+    for name, kinds in [*_MANIFEST.items(), *((n, k) for n, k in _OPTIONAL.items() if n in manifest)]:
         value = manifest[name]
         if float in kinds and type(value) is int:  # JSON writes 1.0 as 1 in some encoders
             value = manifest[name] = float(value)
@@ -233,10 +247,15 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def read_tensors(folder: Path, *, step_template: Any, opt_template: Any, device: Any) -> tuple[Any, Any, Any]:
-    """``(step_state, opt_state, torch_rng_state)`` of ``folder``, rebuilt on the structures of the templates (the
-    states a fresh run of the same configuration starts from); CheckpointError when they differ."""
+def read_tensors(
+    folder: Path, *, step_template: Any, opt_template: Any, device: Any, router_template: Any = None
+) -> tuple[Any, Any, Any, Any]:
+    """``(step_state, opt_state, torch_rng_state, router_state)`` of ``folder``, rebuilt on the structures of the
+    templates (the states a fresh run of the same configuration starts from; ``router_state`` is None without a
+    ``router_template``); CheckpointError when they differ."""
     template = {"step_state": step_template, "torch_rng_state": torch.get_rng_state()}
+    if router_template is not None:
+        template["router_state"] = router_template
     tensors = load_tree(Path(folder) / DP_TENSORS, template=template, device=device)
     opt_state = load_tree(Path(folder) / DP_OPTIMIZER, template=opt_template, device=device)
-    return tensors["step_state"], opt_state, tensors["torch_rng_state"].cpu()
+    return tensors["step_state"], opt_state, tensors["torch_rng_state"].cpu(), tensors.get("router_state")

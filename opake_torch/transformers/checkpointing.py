@@ -25,6 +25,7 @@ from opake_core.sampling.state import SamplerState
 from opake_core.step import rekeyed, unkeyed
 from opake_torch.state_files import write_json
 from opake_torch.transformers import checkpoint as ckpt
+from opake_torch.transformers import moe
 from opake_torch.transformers.keys import RunKeys
 from opake_torch.transformers.privacy import PrivacyPlan
 from opake_torch.transformers.run import Run, ledger_result
@@ -111,6 +112,7 @@ def save(
                 step_state=unkeyed(run.dp_state),  # the keys are stored in dp_state.json only
                 opt_state=run.opt_state,
                 rng_state=torch.get_rng_state(),
+                router_state=None if run.router_state is None else moe.unkeyed(run.router_state),
             )
 
     def write_and_rotate() -> None:
@@ -127,8 +129,13 @@ def restore(
 ) -> None:
     """Load the checkpoint's tensors, weights and trainer state into ``run`` and ``state``, after checking that its
     step counters agree (CheckpointError otherwise)."""
-    step_state, run.opt_state, rng_state = ckpt.read_tensors(
-        folder, step_template=run.dp_state, opt_template=run.opt_state, device=args.device
+    router = run.router_state
+    step_state, run.opt_state, rng_state, router_state = ckpt.read_tensors(
+        folder,
+        step_template=run.dp_state,
+        opt_template=run.opt_state,
+        device=args.device,
+        router_template=None if router is None else moe.unkeyed(router),
     )
     try:
         loaded = type(state).load_from_json(str(folder / ckpt.TRAINER_STATE))
@@ -140,6 +147,7 @@ def restore(
         f"{ckpt.TRAINER_STATE} global_step": loaded.global_step,
         "step state": step_state.step,
         "sampler state": sampler.step,
+        **({} if router_state is None else {"router state": router_state.step}),
     }
     if len(set(counters.values())) != 1 or (not run.plan.horizon and run.ledger.releases < sampler.step):
         raise CheckpointError(
@@ -148,6 +156,8 @@ def restore(
         )
     run.params = restore_weights(model, folder, args.device, set(run.params))
     run.dp_state = rekeyed(step_state, run.dp_state)  # the keys of this segment (saved unkeyed)
+    if router_state is not None:
+        run.router_state = moe.rekeyed(router_state, router)
     torch.set_rng_state(rng_state)
     run.sampler_state = topology.sampler_state(sampler, run.sampler_state)
     for name in ("global_step", "epoch", "log_history", "best_metric", "best_global_step", "best_model_checkpoint"):
@@ -249,6 +259,8 @@ def restore_weights(model: nn.Module, folder: Path, device: torch.device, traina
             raise CheckpointError(f"{folder} holds no model.safetensors or adapter_model.safetensors.")
         state = _read_weights(weights, device)
         own = dict(model.named_parameters())
+        if trainable - set(state) - _tied_names(model) and (folder / "config.json").is_file():
+            state = _converted_weights(model, folder, device) or state
         wrong = [k for k, v in state.items() if k in own and v.shape != own[k].shape]
         if wrong:
             raise CheckpointError(f"{weights} has tensors of other shapes than the model: {wrong[:5]}.")
@@ -257,6 +269,21 @@ def restore_weights(model: nn.Module, folder: Path, device: torch.device, traina
         if missing:
             raise CheckpointError(f"{weights} lacks trainable parameters {sorted(missing)[:5]}.")
     return {name: p.detach().clone() for name, p in model.named_parameters() if name in trainable}
+
+
+def _converted_weights(model: nn.Module, folder: Path, device: torch.device) -> dict[str, torch.Tensor] | None:
+    """The weights of ``folder`` under the model's own names where ``save_pretrained`` converted them (transformers 5
+    saves the fused experts of a mixture-of-experts model one expert at a time), read back through
+    ``from_pretrained``, which reverses the conversion; None for a model without ``from_pretrained``."""
+    load = getattr(type(model), "from_pretrained", None)
+    if load is None:
+        return None
+    dtype = next(model.parameters()).dtype
+    try:  # safetensors only: nothing in a checkpoint folder is unpickled
+        loaded = load(str(folder), dtype=dtype, use_safetensors=True)
+    except (OSError, ValueError, RuntimeError, TypeError) as exc:
+        raise CheckpointError(f"{folder}: its weights cannot be read back with from_pretrained: {exc}") from exc
+    return {name: value.to(device) for name, value in loaded.state_dict().items()}
 
 
 def _manifest(args: Any, global_step: int, run: Run) -> dict[str, Any]:
@@ -273,6 +300,7 @@ def _manifest(args: Any, global_step: int, run: Run) -> dict[str, Any]:
         "world_size": args.world_size,
         "versions": accounting.library_versions(),
         **_mechanism_fields(args, plan),
+        **({} if run.router_release is None else {"router_release": run.router_setup.settings()}),
     }
 
 

@@ -143,8 +143,26 @@ def _guarantee(record: Mapping[str, Any] | None, args: Any, unit: str) -> list[s
         ("clipping", _clipping(args)),
         ("noise multiplier", f"{_number(record['noise_multiplier'])}{_calibration(record)}"),
         ("steps", f"{record['steps']}"),
+        *_router_release(record, args),
     ]
     return [head, "", "| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)]
+
+
+def _router_release(record: Mapping[str, Any], args: Any) -> list[tuple[str, str]]:
+    """The MoE router release's row: every step also released the router load statistic, and epsilon accounts each
+    step's pair as one Gaussian at ``z / sqrt(1 + ratio)`` (``accounting.moe_aux``)."""
+    if not getattr(args, "router_release", False):
+        return []
+    kwargs = args.router_aux_kwargs
+    ratio, z = float(kwargs["ratio"]), float(record["noise_multiplier"])
+    return [
+        (
+            "MoE router release",
+            f"every step also released the routers' load statistic with noise multiplier z / sqrt({ratio:g}) "
+            f"(max_tokens {kwargs['max_tokens']}); epsilon accounts each step as one Gaussian with multiplier "
+            f"z / sqrt(1 + {ratio:g}) = {_number(z / math.sqrt(1.0 + ratio))}",
+        )
+    ]
 
 
 def _span(record: Mapping[str, Any]) -> str:

@@ -11,16 +11,38 @@ examples of a batch and does not run under ``vmap`` (in-place ``scatter_add_``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from opake_core import random
 from opake_core.errors import ConfigurationError
-from opake_core.moe import RouterGeometry, load_statistic, surrogate_loss
+from opake_core.moe import (
+    ReleaseFn,
+    RouterGeometry,
+    RouterState,
+    exact_router_release,
+    load_statistic,
+    router_release,
+    sum_statistics,
+    surrogate_loss,
+)
+from opake_core.tree import Clipped
 
-__all__ = ["LOAD_KEY", "capture_router_logits", "moe_geometry", "router_loss", "router_modules", "with_load"]
+__all__ = [
+    "LOAD_KEY",
+    "ROUTER_STREAM",
+    "RouterSetup",
+    "capture_router_logits",
+    "moe_geometry",
+    "router_logits_off",
+    "router_loss",
+    "router_modules",
+    "with_load",
+]
 
 LOAD_KEY = "router_load"
 """The batch entry that carries the load estimate ``f~`` (``[E]`` per example, the same row for all) into the loss."""
@@ -127,3 +149,106 @@ def with_load(batch: dict[str, Any], load: torch.Tensor) -> dict[str, Any]:
     rows = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor))
     device = next(v.device for v in batch.values() if isinstance(v, torch.Tensor))
     return {**batch, LOAD_KEY: load.to(device).expand(rows, -1)}
+
+
+ROUTER_STREAM = "opake.transformers.router_release"
+"""The tag that derives a trainer's router-release key from its noise key, ``fold_in(noise_key, ROUTER_STREAM)``: a
+stream of its own, never the gradient noise's."""
+
+
+@contextlib.contextmanager
+def router_logits_off(model: nn.Module) -> Iterator[None]:
+    """``config.output_router_logits = False`` on the model inside the block (the router logits come from hooks, and
+    Hugging Face's batch-level auxiliary loss is not computed); the value is restored on exit."""
+    config = getattr(_base(model), "config", None)
+    if config is None or not getattr(config, "output_router_logits", False):
+        yield
+        return
+    config.output_router_logits = False
+    try:
+        yield
+    finally:
+        config.output_router_logits = True
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterSetup:
+    """The private router release of a trainer run (``router_aux_loss_coef > 0``): the model's geometry and the
+    release's public settings."""
+
+    geometry: RouterGeometry
+    coefficient: float
+    ratio: float
+    filter_beta: float
+
+    @staticmethod
+    def of(model: nn.Module, args: Any) -> RouterSetup:
+        """From the arguments' ``router_aux_loss_coef`` and ``router_aux_kwargs``; ConfigurationError for a model
+        without MoE routers."""
+        kwargs = args.router_aux_kwargs
+        geometry = moe_geometry(model, max_tokens=kwargs["max_tokens"], mean_tokens=kwargs["mean_tokens"])
+        return RouterSetup(geometry, float(args.router_aux_loss_coef), float(kwargs["ratio"]), kwargs["filter_beta"])
+
+    def settings(self) -> dict[str, Any]:
+        """What a resume may not change (recorded in the checkpoint's ``dp_state.json``)."""
+        g = self.geometry
+        return {
+            "router_aux_loss_coef": self.coefficient,
+            "ratio": self.ratio,
+            "max_tokens": g.max_tokens,
+            "mean_tokens": g.mean_tokens,
+            "filter_beta": self.filter_beta,
+            "top_k": g.top_k,
+            "num_experts": g.num_experts,
+            "num_layers": g.num_layers,
+        }
+
+    def release(
+        self, *, noise_multiplier: float, expected_batch_size: float, noise_key: random.Key
+    ) -> tuple[ReleaseFn, RouterState]:
+        """``(release_fn, state)`` of the run: noise multiplier ``z / sqrt(ratio)`` for a private run (the exact
+        release for a non-private one, multiplier 0), keyed by ``fold_in(noise_key, ROUTER_STREAM)``."""
+        key = random.fold_in(noise_key, ROUTER_STREAM)
+        if noise_multiplier == 0.0:
+            return exact_router_release(
+                self.geometry, expected_batch_size=expected_batch_size, key=key, filter_beta=self.filter_beta
+            )
+        return router_release(
+            self.geometry,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            ratio=self.ratio,
+            key=key,
+            filter_beta=self.filter_beta,
+        )
+
+    def step(
+        self,
+        release_fn: ReleaseFn,
+        state: RouterState,
+        statistics: torch.Tensor | None,
+        *,
+        expected_batch_size: float,
+        reduce: Callable[[Clipped], Clipped] | None,
+    ) -> RouterState:
+        """One release: this rank's statistics ``[m, L, E]`` (None for an empty draw) summed in float64, divided by
+        the public expected batch, summed across ranks (``reduce``), noised once; returns the new state. The
+        un-noised sum and the released value stay inside this call."""
+        g = self.geometry
+        if statistics is None:
+            statistics = torch.zeros(0, g.num_layers, g.num_experts, dtype=torch.float64, device=state.filtered.device)
+        clipped = sum_statistics(g, statistics, expected_batch_size=expected_batch_size)
+        if reduce is not None:
+            clipped = reduce(clipped)
+        _, new_state = release_fn(clipped, state)
+        return new_state
+
+
+def unkeyed(state: RouterState) -> RouterState:
+    """``state`` without its secret key (a fixed placeholder), as a checkpoint's tensors file stores it."""
+    return dataclasses.replace(state, key=random.key(0))
+
+
+def rekeyed(saved: RouterState, current: RouterState) -> RouterState:
+    """The saved ``state`` with the key of ``current`` (this segment's)."""
+    return dataclasses.replace(saved, key=current.key)

@@ -202,6 +202,7 @@ def build_plan(
         spent=spent,
         done=done,
         resumed_multiplier=resumed_multiplier,
+        router_ratio=args.router_aux_kwargs["ratio"] if getattr(args, "router_release", False) else None,
     )
     accounted = getattr(args, "privacy_accounting", True) is not False or resolved.noise_multiplier == 0
     return PrivacyPlan(**{f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved)}, accounted=accounted)

@@ -59,6 +59,9 @@ class Run:
     nonfinite: torch.Tensor
     noise_std: float | PerGroup = 0.0  # of the last step, from its metrics
     example_metrics: Any = None  # sums of the loss's per-example log values (add(aux), drain(mean)), if it has any
+    router_setup: Any = None  # the MoE router release's RouterSetup (router_aux_loss_coef > 0), else None
+    router_release: Any = None  # the MoE router release's release_fn (router_aux_loss_coef > 0), else None
+    router_state: Any = None  # its RouterState: the filtered, noised load estimate the next step uses
     count: int = 0
     total_loss: float = 0.0
     total_count: int = 0
@@ -76,8 +79,10 @@ class Run:
         schedule: Any,
         device: torch.device,
         example_metrics: Any = None,
+        router: tuple[Any, Any, Any] | None = None,
     ) -> Run:
-        """A run before its first step; the sums are zeros on ``device``."""
+        """A run before its first step; the sums are zeros on ``device``. ``router``: the MoE router release's
+        ``(RouterSetup, release_fn, RouterState)``."""
         zero = torch.zeros((), device=device)
         return Run(
             plan=plan,
@@ -92,6 +97,9 @@ class Run:
             clip_sum=zero.clone(),
             nonfinite=torch.zeros((), dtype=torch.int64, device=device),
             example_metrics=example_metrics,
+            router_setup=None if router is None else router[0],
+            router_release=None if router is None else router[1],
+            router_state=None if router is None else router[2],
         )
 
     def trainer_state(self, args: Any) -> DPTrainerState:
@@ -156,6 +164,7 @@ class Run:
             **_noise_std_logs(self.noise_std),
             "nonfinite_loss_steps": self.total_nonfinite,
             **(self.example_metrics.drain(mean) if self.example_metrics is not None else {}),
+            **_router_logs(self.router_state),
             **privacy_logs(self.plan, self.ledger),
         }
         if finite:
@@ -219,6 +228,15 @@ def ledger_result(ledger: accounting.Ledger, delta: float) -> accounting.Result:
     """Epsilon of ``ledger`` at ``delta`` and the accountant that answered: a PLD or Monte Carlo query, computed once
     per distinct history (the logs, ``accountant.json`` and the model card share it)."""
     return ledger.epsilon(delta=delta)
+
+
+def _router_logs(state: Any) -> dict[str, float]:
+    """The router release's public log values (post-processing of the noised releases): the estimated worst relative
+    overload of an expert, ``router_aux_imbalance``, and the noise std of the filtered estimate,
+    ``router_aux_noise_std``. The un-noised batch statistic is never logged."""
+    if state is None:
+        return {}
+    return {"router_aux_imbalance": state.imbalance, "router_aux_noise_std": state.filtered_noise_std}
 
 
 def _noise_std_logs(std: float | PerGroup) -> dict[str, float]:

@@ -11,6 +11,8 @@ scripts call behave as Hugging Face's; ``save_model`` also writes a model card t
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -46,6 +48,7 @@ from opake_torch.transformers.loss import batch_losses, fused_causal_lm_losses, 
 from opake_torch.transformers.microbatch import ShrinkingStep
 from opake_torch.transformers.model_card import write_trainer_card
 from opake_torch.transformers.model_setup import check_inputs, prepare_model
+from opake_torch.transformers.moe import RouterSetup, router_logits_off, router_loss, with_load
 from opake_torch.transformers.optimizer import build_optimizer, build_schedule
 from opake_torch.transformers.privacy import PrivacyPlan, build_plan, check_next_segment, clipping_rule
 from opake_torch.transformers.reporting import RunLogCallback, integration_callbacks
@@ -159,6 +162,15 @@ class DPTrainer(DataLoaders):
         self._optimizer: optim.Optimizer | None = None  # the last train()'s: eval_params gives the published weights
         # a loss with per-example log values (TRL's metrics): example_metrics() sums them, *_and_metrics compute them
         self._example_metrics = getattr(self, "example_metrics", None)
+        # the private MoE router release (router_aux_loss_coef > 0): its loss returns each example's load statistic
+        self._router = RouterSetup.of(self.model, args) if args.router_release else None
+        if self._router is not None and self._example_metrics is not None:
+            raise ConfigurationError(
+                f"{type(self).__name__} logs per-example metrics (example_metrics), which take the loss's auxiliary "
+                "output that the router release (router_aux_loss_coef > 0) needs too; the two are not combined. Set "
+                "router_aux_loss_coef=0.0, or drop example_metrics."
+            )
+        self._router_state = None  # the last train()'s RouterState (the public, noised load estimate)
         overrides = type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss
         unbatched = overrides and type(self).compute_batch_losses is DPTrainer.compute_batch_losses
         reasons = [f"{type(self).__name__} overrides compute_per_example_loss but not compute_batch_losses"]
@@ -166,9 +178,10 @@ class DPTrainer(DataLoaders):
         if self._example_metrics is not None:
             batched = getattr(self, "compute_batch_losses_and_metrics", None)
             unbatched = unbatched or batched is None
-        self._layerwise = engines.layerwise_engine(
-            self.model, self._params, args, batched, reasons=reasons if unbatched else []
-        )
+        reasons = reasons if unbatched else []
+        if self._router is not None:
+            reasons.append("the router release needs each example's load statistic, an output of vmap(grad)")
+        self._layerwise = engines.layerwise_engine(self.model, self._params, args, batched, reasons=reasons)
         reporting = [*integration_callbacks(args), RunLogCallback]  # report_to: Hugging Face's integrations
         printer = PrinterCallback if args.disable_tqdm else ProgressCallback
         self.callback_handler = CallbackHandler(
@@ -246,10 +259,18 @@ class DPTrainer(DataLoaders):
         """Run the model with trainable parameters ``params`` (the frozen ones and buffers are filled in)."""
         return self._apply(params, self._frozen, *args, **kwargs)
 
-    def _loss_fn(self, with_metrics: bool = False) -> Any:
-        """One example's loss under the run's autocast; ``with_metrics``: ``(loss, log values)``."""
+    def _loss_fn(self, with_metrics: bool = False, router: bool = False) -> Any:
+        """One example's loss under the run's autocast; ``with_metrics``: ``(loss, log values)``; ``router``: ``(loss
+        + router_aux_loss_coef * surrogate, load statistic s(x))`` of the router release."""
         args = self.args
         fn = self.compute_per_example_loss_and_metrics if with_metrics else self.compute_per_example_loss
+        if router:
+            setup = self._router
+
+            def one(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+                return self.compute_per_example_loss(params, {k: v[0] for k, v in batch.items()})[None]
+
+            fn = router_loss(self.model, one, setup.geometry, coefficient=setup.coefficient)
 
         def loss(params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]) -> Any:
             with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16):
@@ -271,6 +292,7 @@ class DPTrainer(DataLoaders):
             raise ConfigurationError("train() needs a train_dataset.")
         if saved is None and self._trained:
             check_next_segment(args)
+        self._check_router_resume(saved, folder)
         ledger = checkpointing.saved_ledger(saved, folder) if saved else self._ledger
         unchanged = saved is not None and saved["configuration"] == ckpt.configuration(args)
         plan = build_plan(
@@ -299,17 +321,24 @@ class DPTrainer(DataLoaders):
         # default chunk: the expected batch per device, the memory of one non-private step; a larger Poisson draw
         # runs as equal chunks
         microbatch = args.microbatch_size or max(1, math.ceil(plan.expected_batch_size / args.world_size))
+        router = None
+        if self._router is not None:
+            router = self._router.release(
+                noise_multiplier=plan.noise_multiplier,
+                expected_batch_size=plan.expected_batch_size,
+                noise_key=keys.noise,
+            )
         make_step = step_factory(
             plan,
             args,
-            self._loss_fn(with_metrics=self._example_metrics is not None),
+            self._loss_fn(with_metrics=self._example_metrics is not None, router=router is not None),
             params=self._params,
             optimizer=optimizer,
             clipping=clipping_rule(args, self._params),
             key=keys.noise,
             engine=engines.engine(args, self._layerwise, transform, microbatch=microbatch),
             topology=self.topology,
-            has_aux=self._example_metrics is not None,
+            has_aux=self._example_metrics is not None or router is not None,
         )
         step_fn, dp_state = make_step(microbatch)
         if args.auto_find_microbatch_size:
@@ -324,9 +353,37 @@ class DPTrainer(DataLoaders):
             schedule=build_schedule(args, plan.total_steps),
             device=args.device,
             example_metrics=self._example_metrics() if self._example_metrics is not None else None,
+            router=None if router is None else (self._router, *router),
         )
         self._keys = keys
         return run, step_fn
+
+    def _check_router_resume(self, saved: dict[str, Any] | None, folder: Path | None) -> None:
+        """Refuse a resume that switches the router release on or off, or changes its settings."""
+        if saved is None:
+            return
+        now = None if self._router is None else self._router.settings()
+        before = saved.get("router_release")
+        if before != now:
+            raise ConfigurationError(
+                f"{folder} was written with the router release {'off' if before is None else before}, this run has "
+                f"it {'off' if now is None else now}: a resume may not switch the MoE router release "
+                "(router_aux_loss_coef, router_aux_kwargs) on or off or change its settings, since its filtered "
+                "state and accounting continue across the resume. Resume with the checkpoint's settings, or start a "
+                "new run."
+            )
+
+    def _router_step(self, run: Run, metrics: Any) -> Any:
+        """Release this step's router load statistic (``metrics.aux``) into ``run.router_state``; returns the
+        metrics without it, so that the un-noised statistic goes no further."""
+        run.router_state = run.router_setup.step(
+            run.router_release,
+            run.router_state,
+            metrics.aux,
+            expected_batch_size=run.plan.expected_batch_size,
+            reduce=self.topology.reduce,
+        )
+        return dataclasses.replace(metrics, aux=None)
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Run DP training; returns Hugging Face's ``TrainOutput(global_step, training_loss, metrics)``.
@@ -359,14 +416,19 @@ class DPTrainer(DataLoaders):
             self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
             indices, run.sampler_state = plan.sampler.sample(run.keys.sampler, run.sampler_state)
             batch = self._batch(self.train_dataset, indices)
+            if run.router_state is not None:  # the estimate released up to the previous step
+                batch = with_load(batch, run.router_state.load)
             inputs = (run.params, run.opt_state, run.dp_state, (batch,))
-            if args.auto_find_microbatch_size and len(indices):
-                outputs, shrunk = step_fn(inputs, len(indices))
-                if shrunk:
-                    self.log({"converged_microbatch_size": float(shrunk)})
-            else:
-                outputs = step_fn(*inputs)
+            with router_logits_off(self.model) if self._router is not None else contextlib.nullcontext():
+                if args.auto_find_microbatch_size and len(indices):
+                    outputs, shrunk = step_fn(inputs, len(indices))
+                    if shrunk:
+                        self.log({"converged_microbatch_size": float(shrunk)})
+                else:
+                    outputs = step_fn(*inputs)
             run.params, run.opt_state, run.dp_state, metrics = outputs
+            if run.router_state is not None:
+                metrics = self._router_step(run, metrics)
             if not plan.horizon:  # a horizon run recorded its whole release at the start
                 run.ledger = run.ledger.record(plan.release)
             run.add(metrics)
@@ -386,6 +448,7 @@ class DPTrainer(DataLoaders):
             run.params = checkpointing.restore_weights(self.model, best, args.device, set(self._params))
         self._params = self._optimizer.eval_params(run.opt_state, run.params)  # schedule-free: the average x
         self._plan, self._ledger, self._trained = plan, run.ledger, True
+        self._router_state = run.router_state
         checkpointing.copy_into(self.model, self._params)
         self.topology.check_params(run.params)
         steps = self.state.global_step
@@ -517,6 +580,13 @@ class DPTrainer(DataLoaders):
 
     def remove_callback(self, callback: Any) -> None:
         self.callback_handler.remove_callback(callback)
+
+    @property
+    def router_state(self) -> Any:
+        """The MoE router release's :class:`~opake_core.moe.RouterState` after the last ``train()`` (its ``load`` is
+        the filtered, noised load estimate; ``imbalance`` and ``filtered_noise_std`` are logged); None without the
+        release."""
+        return self._router_state
 
     @property
     def per_example_gradients_engine(self) -> str:

@@ -102,3 +102,49 @@ def test_a_spent_budget_is_refused_and_an_unchanged_resume_keeps_its_multiplier(
         resumed_multiplier=first.noise_multiplier,
     )  # fmt: skip
     assert kept.noise_multiplier == first.noise_multiplier
+
+
+# -- the MoE router release (router_ratio) ---------------------------------------------------------------------------
+
+
+def _pld_epsilon(z: float, q: float, steps: int) -> float:
+    accountant = pld.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), steps)
+    return accountant.get_epsilon(DELTA)
+
+
+def test_a_router_release_accounts_each_step_at_the_effective_multiplier():
+    """With ``router_ratio=rho`` the recorded release is a Poisson-sampled Gaussian at ``z / sqrt(1 + rho)``, and its
+    epsilon is dp-accounting's for that multiplier (larger than without the release)."""
+    rho, z, steps = 0.5, 1.2, 40
+    resolved = plan(sampler=POISSON, steps=steps, delta=DELTA, noise_multiplier=z, router_ratio=rho)
+    assert resolved.noise_multiplier == z
+    assert resolved.release == accounting.moe_aux(accounting.poisson(accounting.gaussian(z), 0.05), ratio=rho)
+    ours = accounting.epsilon(accounting.repeat(resolved.release, steps), delta=DELTA).value
+    direct = _pld_epsilon(z / (1 + rho) ** 0.5, 0.05, steps)
+    assert ours == pytest.approx(direct, rel=1e-6)
+    assert ours > _pld_epsilon(z, 0.05, steps)
+
+
+def test_a_router_release_calibrates_the_gradient_multiplier_for_the_effective_one():
+    """A target epsilon gives the gradient's ``z``; the pair's effective ``z / sqrt(1 + rho)`` meets the target (and a
+    slightly smaller ``z`` would not)."""
+    rho, steps, target = 0.2, 100, 2.0
+    resolved = plan(sampler=POISSON, steps=steps, delta=DELTA, target_epsilon=target, router_ratio=rho)
+    z = resolved.noise_multiplier
+    assert resolved.calibration_source == "calibrated"
+    assert _pld_epsilon(z / (1 + rho) ** 0.5, 0.05, steps) <= target * (1 + 1e-6)
+    assert _pld_epsilon(0.98 * z / (1 + rho) ** 0.5, 0.05, steps) > target
+    plain = plan(sampler=POISSON, steps=steps, delta=DELTA, target_epsilon=target).noise_multiplier
+    assert z == pytest.approx(plain * (1 + rho) ** 0.5, rel=1e-2)
+
+
+def test_a_router_release_is_refused_without_dp_sgd_and_fixed_clipping():
+    cyclic = sampling.cyclic_poisson(dataset_size=N, sample_rate=0.05, bands=4)
+    with pytest.raises(ConfigurationError, match="router release is a DP-SGD release"):
+        plan(sampler=cyclic, steps=64, delta=DELTA, strategy=mf.band_mf(4), noise_multiplier=2.0, router_ratio=0.1)
+    with pytest.raises(ConfigurationError, match="fixed clipping bound"):
+        rule = adaptive(1.0, count_noise_fraction=0.05)
+        plan(sampler=POISSON, steps=10, delta=DELTA, clipping=rule, noise_multiplier=1.0, router_ratio=0.1)
+    with pytest.raises(ConfigurationError, match="router_ratio"):
+        plan(sampler=POISSON, steps=10, delta=DELTA, noise_multiplier=1.0, router_ratio=0.0)

@@ -302,8 +302,10 @@ def _option(names: dict[str, TRLName], target: str) -> dict[str, Any]:
 
 def _carrier(names: dict[str, TRLName], *fields: str) -> dict[str, Any]:
     """``HfArgumentParser`` metadata of the option that also takes the TRL names that are no field (``fields``: the
-    refused names that are fields of the config)."""
-    return cli.carrier(*(n for n, rule in names.items() if rule.kind in ("inert", "refused") and n not in fields))
+    refused names that are fields of the config; the fields of :class:`TrainingArguments`, such as
+    ``router_aux_loss_coef``, have their own option)."""
+    taken = {*fields, *(f.name for f in dataclasses.fields(TrainingArguments))}
+    return cli.carrier(*(n for n, rule in names.items() if rule.kind in ("inert", "refused") and n not in taken))
 
 
 def _base_translate(owner: type, cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
