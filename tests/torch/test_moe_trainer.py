@@ -307,3 +307,25 @@ def test_the_unnoised_statistic_reaches_no_log_metric_or_state(tmp_path, monkeyp
     checkpoint = tmp_path / "checkpoint-3"
     text = (checkpoint / ckpt.DP_STATE).read_text() + (checkpoint / ckpt.TRAINER_STATE).read_text()
     assert "statistic" not in text and "router_state" not in text
+
+
+def test_the_estimate_of_one_step_steers_the_routers_at_the_next(tmp_path):
+    """The surrogate is value-neutral and its gradient vanishes while the estimate is ``k/E`` (the first step), so
+    the first step equals a run without the release (noise multiplier 0, the same batches); from the second step the
+    estimate of the first moves the routers' gradient, and the runs part."""
+    runs = {}
+    for steps in (1, 2):
+        for release in (True, False):
+            router = ROUTER if release else {"router_aux_loss_coef": None, "router_aux_kwargs": None}
+            args = _args(
+                tmp_path / f"{steps}{release}", max_steps=steps, privacy_noise_multiplier=0.0,
+                sampling_mode="sequential", per_device_train_batch_size=8, privacy_noise_seed=0, **router,
+            )  # fmt: skip  (one seed: both runs draw the same batches)
+            trainer = DPTrainer(tiny_moe("qwen3_moe", torch.float64), args, train_dataset=DATA)
+            trainer.train()
+            runs[steps, release] = _weights(trainer)
+    gates = [name for name in runs[1, True] if name.endswith("mlp.gate.weight")]
+    assert gates
+    for name, value in runs[1, True].items():
+        torch.testing.assert_close(value, runs[1, False][name], rtol=0, atol=1e-12, msg=name)
+    assert all(not torch.allclose(runs[2, True][g], runs[2, False][g], rtol=0, atol=1e-9) for g in gates)
