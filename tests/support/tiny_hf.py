@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     BertConfig,
     BertForSequenceClassification,
     GPT2Config,
@@ -70,6 +74,26 @@ def tiny_model(family: str) -> torch.nn.Module:
         raise ValueError(family)
     model.config._attn_implementation = "eager"
     return model
+
+
+def tiny_moe(model_type: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny mixture-of-experts causal LM (``"mixtral"``, ``"qwen3_moe"`` or ``"gpt_oss"``; two MoE layers, four
+    experts, top-2) in ``dtype``, in training mode; gpt-oss with eager attention (it has no SDPA path)."""
+    config = AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, hidden_size=16, intermediate_size=16, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+        num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(config, name, 0)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        attention = "eager" if model_type == "gpt_oss" else "sdpa"
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+    if dtype == torch.float64:  # torch._grouped_mm (the default on CPU) has no float64 kernel
+        model.config._experts_implementation = "batched_mm"
+    return model.to(dtype).train()
 
 
 def token_data(n: int, seed: int = 0, *, classes: int | None = None) -> list[dict]:

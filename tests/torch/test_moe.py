@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_hf import token_data
+from tiny_hf import VOCAB, tiny_moe, token_data
 
 from opake_core.clipping import clipped_grad
 from opake_core.errors import ConfigurationError
@@ -26,35 +25,8 @@ from opake_torch.transformers.moe import LOAD_KEY, moe_geometry, router_loss, ro
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = {"mixtral": "sdpa", "qwen3_moe": "sdpa", "gpt_oss": "eager"}
-VOCAB, C, ALPHA = 48, 0.05, 0.3
-
-
-def tiny_moe(model_type: str, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
-    config = transformers.AutoConfig.for_model(
-        model_type,
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=16,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=64,
-        num_experts=4,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(config, name, 0)
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=FAMILIES[model_type])
-    if dtype == torch.float64:  # torch._grouped_mm (the default on CPU) has no float64 kernel
-        model.config._experts_implementation = "batched_mm"
-    return model.to(dtype).train()
+FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
+C, ALPHA = 0.05, 0.3
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -97,10 +69,10 @@ def _reference(model: torch.nn.Module, data: dict, load: torch.Tensor, geometry)
     return total, torch.stack(stats)
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_moe_clipped_sum_and_router_statistic_match_a_float64_loop(model_type: str) -> None:
     apply_compat_patches()
-    model = tiny_moe(model_type)
+    model = tiny_moe(model_type, torch.float64)
     geometry = moe_geometry(model, max_tokens=6, mean_tokens=5.0)
     assert (geometry.top_k, geometry.num_experts, geometry.num_layers) == (2, 4, 2)
     apply, params, frozen = functional_model(model)

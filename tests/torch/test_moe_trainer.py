@@ -7,13 +7,12 @@ from __future__ import annotations
 import copy
 import json
 import math
-import warnings
 
 import dp_accounting
 import pytest
 import torch
 from dp_accounting import pld
-from tiny_hf import tiny_model, token_data
+from tiny_hf import tiny_model, tiny_moe, token_data
 
 from opake_core.errors import ConfigurationError
 from opake_torch.transformers import DPTrainer, TrainingArguments
@@ -23,37 +22,9 @@ from opake_torch.transformers.run import Run
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 48
 DATA = token_data(16)
 DELTA = len(DATA) ** -1.1
 ROUTER = {"router_aux_loss_coef": 0.1, "router_aux_kwargs": {"max_tokens": 6, "mean_tokens": 5.0}}
-
-
-def tiny_moe(model_type: str = "qwen3_moe", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    config = transformers.AutoConfig.for_model(
-        model_type,
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=16,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=64,
-        num_experts=4,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        setattr(config, name, 0)
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    if dtype == torch.float64:  # torch._grouped_mm (the default on CPU) has no float64 kernel
-        model.config._experts_implementation = "batched_mm"
-    return model.to(dtype).train()
 
 
 def _args(path, **kw) -> TrainingArguments:
@@ -126,9 +97,9 @@ def test_a_dense_model_and_per_example_metrics_are_refused_at_trainer_constructi
             raise AssertionError("never built")
 
     with pytest.raises(ConfigurationError, match=r"example_metrics.*not combined"):
-        WithMetrics(tiny_moe(), _args(tmp_path), train_dataset=DATA)
+        WithMetrics(tiny_moe("qwen3_moe"), _args(tmp_path), train_dataset=DATA)
     with pytest.raises(ConfigurationError, match=r"per_example_gradients='layerwise' cannot serve this run"):
-        DPTrainer(tiny_moe(), _args(tmp_path, per_example_gradients="layerwise"), train_dataset=DATA)
+        DPTrainer(tiny_moe("qwen3_moe"), _args(tmp_path, per_example_gradients="layerwise"), train_dataset=DATA)
 
 
 # -- accounting ------------------------------------------------------------------------------------------------------
@@ -167,7 +138,7 @@ def test_a_target_epsilon_calibrates_the_gradient_multiplier_for_the_effective_o
         privacy_target_epsilon=target,
         router_aux_kwargs={"max_tokens": 6, "ratio": rho},
     )
-    trainer = DPTrainer(tiny_moe(), args, train_dataset=DATA)
+    trainer = DPTrainer(tiny_moe("qwen3_moe"), args, train_dataset=DATA)
     output = trainer.train()
     z = trainer.state.privacy_resolved_noise_multiplier
     q = 4 / len(DATA)
@@ -238,12 +209,11 @@ def _weights(trainer):
 
 
 def test_a_resume_continues_bit_exactly_and_may_not_change_the_release(tmp_path):
-    full = DPTrainer(
-        tiny_moe(), _args(tmp_path / "a", max_steps=4, save_strategy="steps", save_steps=2), train_dataset=DATA
-    )
+    args = _args(tmp_path / "a", max_steps=4, save_strategy="steps", save_steps=2)
+    full = DPTrainer(tiny_moe("qwen3_moe"), args, train_dataset=DATA)
     full.train()
     checkpoint = tmp_path / "a" / "checkpoint-2"
-    resumed = DPTrainer(tiny_moe(), _args(tmp_path / "b", max_steps=4), train_dataset=DATA)
+    resumed = DPTrainer(tiny_moe("qwen3_moe"), _args(tmp_path / "b", max_steps=4), train_dataset=DATA)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     a, b = _weights(full), _weights(resumed)
     assert all(torch.equal(a[n], b[n]) for n in a)
@@ -258,7 +228,7 @@ def test_a_resume_continues_bit_exactly_and_may_not_change_the_release(tmp_path)
         ({"router_aux_kwargs": {"max_tokens": 6, "mean_tokens": 5.0, "ratio": 0.1}}, "change its settings"),
         ({"router_aux_kwargs": {"max_tokens": 8, "mean_tokens": 5.0}}, "change its settings"),
     ):
-        trainer = DPTrainer(tiny_moe(), _args(tmp_path / "c", max_steps=4, **kw), train_dataset=DATA)
+        trainer = DPTrainer(tiny_moe("qwen3_moe"), _args(tmp_path / "c", max_steps=4, **kw), train_dataset=DATA)
         with pytest.raises(ConfigurationError, match=needle):
             trainer.train(resume_from_checkpoint=str(checkpoint))
 
@@ -270,8 +240,8 @@ def test_a_resume_continues_bit_exactly_and_may_not_change_the_release(tmp_path)
         router_aux_loss_coef=None,
         router_aux_kwargs=None,
     )
-    DPTrainer(tiny_moe(), plain, train_dataset=DATA).train()
-    switched_on = DPTrainer(tiny_moe(), _args(tmp_path / "e", max_steps=2), train_dataset=DATA)
+    DPTrainer(tiny_moe("qwen3_moe"), plain, train_dataset=DATA).train()
+    switched_on = DPTrainer(tiny_moe("qwen3_moe"), _args(tmp_path / "e", max_steps=2), train_dataset=DATA)
     with pytest.raises(ConfigurationError, match="with the router release off"):
         switched_on.train(resume_from_checkpoint=str(tmp_path / "d" / "checkpoint-1"))
 
@@ -291,7 +261,7 @@ def test_the_unnoised_statistic_reaches_no_log_metric_or_state(tmp_path, monkeyp
     monkeypatch.setattr(RouterSetup, "step", recording)
     monkeypatch.setattr(Run, "add", lambda self, metrics: (added.append(metrics.aux), add(self, metrics))[1])
     args = _args(tmp_path, max_steps=3, save_strategy="steps", save_steps=3)
-    trainer = DPTrainer(tiny_moe(), args, train_dataset=DATA)
+    trainer = DPTrainer(tiny_moe("qwen3_moe"), args, train_dataset=DATA)
     trainer.train()
     assert len(sums) == 3 and added == [None, None, None]
     rows = trainer.state.log_history

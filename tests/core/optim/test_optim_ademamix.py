@@ -7,27 +7,13 @@ import math
 
 import pytest
 import torch
+from noisy_quadratic import gradient, start
 
 from opake_core import optim
 from opake_core.optim.ademamix import alpha_at, beta3_at
 from opake_core.tree import Noised
 
 STEPS = 80
-
-
-def _start() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {
-        "w": torch.randn(4, 3, generator=g, dtype=torch.float64),
-        "b": torch.randn(3, generator=g, dtype=torch.float64),
-    }
-
-
-def _gradient(name: str, p: list[float], step: int) -> list[float]:
-    gen = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
-    h = torch.rand(len(p), generator=gen, dtype=torch.float64).add(0.5).tolist()
-    z = torch.randn(len(p), generator=gen, dtype=torch.float64).mul(0.2).tolist()
-    return [hi * pi + zi for hi, pi, zi in zip(h, p, z, strict=True)]
 
 
 def _half_life(beta: float) -> float:
@@ -48,7 +34,7 @@ def _reference_alpha(t: int, alpha: float, warmup: int | None) -> float:
 
 
 def _paper(lr, b1, b2, b3, alpha, eps, weight_decay, t_alpha, t_beta3) -> dict[str, list[float]]:
-    theta = {k: v.flatten().tolist() for k, v in _start().items()}
+    theta = {k: v.flatten().tolist() for k, v in start().items()}
     m1 = {k: [0.0] * len(v) for k, v in theta.items()}
     m2 = {k: [0.0] * len(v) for k, v in theta.items()}
     nu = {k: [0.0] * len(v) for k, v in theta.items()}
@@ -56,7 +42,7 @@ def _paper(lr, b1, b2, b3, alpha, eps, weight_decay, t_alpha, t_beta3) -> dict[s
         beta3 = _reference_beta3(t, b1, b3, t_beta3)
         alpha_t = _reference_alpha(t, alpha, t_alpha)
         for k in theta:
-            g = _gradient(k, theta[k], t - 1)
+            g = gradient(k, theta[k], t - 1)
             for i, gi in enumerate(g):
                 m1[k][i] = b1 * m1[k][i] + (1 - b1) * gi
                 m2[k][i] = beta3 * m2[k][i] + (1 - beta3) * gi
@@ -69,10 +55,10 @@ def _paper(lr, b1, b2, b3, alpha, eps, weight_decay, t_alpha, t_beta3) -> dict[s
 
 
 def _ours(opt: optim.Optimizer) -> dict[str, list[float]]:
-    params = _start()
+    params = start()
     state = opt.init(params)
     for t in range(STEPS):
-        grads = {k: torch.tensor(_gradient(k, v.flatten().tolist(), t), dtype=torch.float64).view(v.shape)
+        grads = {k: torch.tensor(gradient(k, v.flatten().tolist(), t), dtype=torch.float64).view(v.shape)
                  for k, v in params.items()}  # fmt: skip
         updates, state = opt.update(Noised(grads, 1.0, 0.3), state, params=params)
         params = optim.apply_updates(params, updates)
@@ -111,18 +97,18 @@ def test_alpha_scheduler_is_linear() -> None:
 
 def test_alpha_zero_is_adamw() -> None:
     """Without the slow EMA the update is AdamW's (torch.optim.AdamW, float64)."""
-    params = _start()
+    params = start()
     torch_params = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     reference = torch.optim.AdamW(list(torch_params.values()), lr=1e-2, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.05)
     opt = optim.ademamix(1e-2, (0.8, 0.99, 0.9999), alpha=0.0, eps=1e-7, weight_decay=0.05)
     state = opt.init(params)
     for t in range(STEPS):
-        grads = {k: torch.tensor(_gradient(k, v.flatten().tolist(), t), dtype=torch.float64).view(v.shape)
+        grads = {k: torch.tensor(gradient(k, v.flatten().tolist(), t), dtype=torch.float64).view(v.shape)
                  for k, v in params.items()}  # fmt: skip
         updates, state = opt.update(Noised(grads, 1.0, 0.0), state, params=params)
         params = optim.apply_updates(params, updates)
         for k, p in torch_params.items():
-            p.grad = torch.tensor(_gradient(k, p.detach().flatten().tolist(), t), dtype=torch.float64).view(p.shape)
+            p.grad = torch.tensor(gradient(k, p.detach().flatten().tolist(), t), dtype=torch.float64).view(p.shape)
         reference.step()
     for k, p in torch_params.items():
         torch.testing.assert_close(params[k], p.detach(), rtol=1e-12, atol=1e-12)

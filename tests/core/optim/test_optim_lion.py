@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from noisy_quadratic import gradient, start
 
 from opake_core import optim
 from opake_core.optim import schedules
@@ -15,34 +16,18 @@ from opake_core.tree import Noised
 STEPS = 80
 
 
-def _start() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {
-        "w": torch.randn(4, 3, generator=g, dtype=torch.float64),
-        "b": torch.randn(3, generator=g, dtype=torch.float64),
-    }
-
-
-def _gradient(name: str, p: list[float], step: int) -> list[float]:
-    """A noisy quadratic's gradient, ``h * p + z``, from fixed per-step draws."""
-    gen = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
-    h = torch.rand(len(p), generator=gen, dtype=torch.float64).add(0.5).tolist()
-    z = torch.randn(len(p), generator=gen, dtype=torch.float64).mul(0.2).tolist()
-    return [hi * pi + zi for hi, pi, zi in zip(h, p, z, strict=True)]
-
-
 def _sign(x: float) -> float:
     return (x > 0) - (x < 0)
 
 
 def _paper(lr, b1: float, b2: float, weight_decay: float) -> dict[str, list[float]]:
     """Algorithm 2: c_t = b1 m + (1 - b1) g; theta -= eta_t (sign(c_t) + lambda theta); m = b2 m + (1 - b2) g."""
-    theta = {k: v.flatten().tolist() for k, v in _start().items()}
+    theta = {k: v.flatten().tolist() for k, v in start().items()}
     m = {k: [0.0] * len(v) for k, v in theta.items()}
     for t in range(STEPS):
         eta = lr(t) if callable(lr) else lr
         for k in theta:
-            g = _gradient(k, theta[k], t)
+            g = gradient(k, theta[k], t)
             for i, gi in enumerate(g):
                 c = b1 * m[k][i] + (1 - b1) * gi
                 theta[k][i] = theta[k][i] - eta * (_sign(c) + weight_decay * theta[k][i])
@@ -51,10 +36,10 @@ def _paper(lr, b1: float, b2: float, weight_decay: float) -> dict[str, list[floa
 
 
 def _ours(opt: optim.Optimizer) -> dict[str, list[float]]:
-    params = _start()
+    params = start()
     state = opt.init(params)
     for t in range(STEPS):
-        grads = {k: torch.tensor(_gradient(k, v.flatten().tolist(), t), dtype=torch.float64).view(v.shape)
+        grads = {k: torch.tensor(gradient(k, v.flatten().tolist(), t), dtype=torch.float64).view(v.shape)
                  for k, v in params.items()}  # fmt: skip
         updates, state = opt.update(Noised(grads, 1.0, 0.3), state, params=params)
         params = optim.apply_updates(params, updates)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from noisy_quadratic import gradient, start
 
 from opake_core import optim
 from opake_core.errors import ConfigurationError
@@ -19,24 +20,9 @@ STEPS = 80
 CLOSE = {"rel_tol": 1e-12, "abs_tol": 1e-12}
 
 
-def _start() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {
-        "w": torch.randn(4, 3, generator=g, dtype=torch.float64),
-        "b": torch.randn(3, generator=g, dtype=torch.float64),
-    }
-
-
-def _gradient(name: str, p: list[float], step: int) -> list[float]:
-    gen = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
-    h = torch.rand(len(p), generator=gen, dtype=torch.float64).add(0.5).tolist()
-    z = torch.randn(len(p), generator=gen, dtype=torch.float64).mul(0.2).tolist()
-    return [hi * pi + zi for hi, pi, zi in zip(h, p, z, strict=True)]
-
-
 def _algorithm_1(lr: float, b1: float, b2: float, eps: float, decay: float, warmup: int):
     """The paper's box, line by line: returns (x_{T+1}, y_{T+1})."""
-    x = {k: v.flatten().tolist() for k, v in _start().items()}
+    x = {k: v.flatten().tolist() for k, v in start().items()}
     z = {k: list(v) for k, v in x.items()}
     v = {k: [0.0] * len(p) for k, p in x.items()}
     gammas_squared = 0.0
@@ -46,7 +32,7 @@ def _algorithm_1(lr: float, b1: float, b2: float, eps: float, decay: float, warm
         gammas_squared += gamma**2
         c = gamma**2 / gammas_squared
         for k in x:
-            g = _gradient(k, y[k], t - 1)
+            g = gradient(k, y[k], t - 1)
             for i, gi in enumerate(g):
                 v[k][i] = b2 * v[k][i] + (1 - b2) * gi**2
                 z[k][i] = z[k][i] - gamma * gi / (math.sqrt(v[k][i]) + eps) - gamma * decay * y[k][i]
@@ -58,7 +44,7 @@ def _algorithm_1(lr: float, b1: float, b2: float, eps: float, decay: float, warm
 def _implementation(lr, b1, b2, eps, decay, warmup, r, power):
     """The same three sequences with the authors' implementation's choices: v_hat = v / (1 - b2^t) under the square
     root, weights t^r * (max gamma so far)^power. ``lr`` is a float or a schedule of the update index (from 0)."""
-    x = {k: v.flatten().tolist() for k, v in _start().items()}
+    x = {k: v.flatten().tolist() for k, v in start().items()}
     z = {k: list(v) for k, v in x.items()}
     v = {k: [0.0] * len(p) for k, p in x.items()}
     weights, lr_max = 0.0, 0.0
@@ -70,7 +56,7 @@ def _implementation(lr, b1, b2, eps, decay, warmup, r, power):
         weights += weight
         c = weight / weights if weights > 0 else 0.0
         for k in x:
-            g = _gradient(k, y[k], t - 1)
+            g = gradient(k, y[k], t - 1)
             for i, gi in enumerate(g):
                 v[k][i] = b2 * v[k][i] + (1 - b2) * gi**2
                 d = gi / (math.sqrt(v[k][i] / (1 - b2**t)) + eps) + decay * y[k][i]
@@ -81,10 +67,10 @@ def _implementation(lr, b1, b2, eps, decay, warmup, r, power):
 
 
 def _ours(opt: optim.Optimizer):
-    params = _start()
+    params = start()
     state = opt.init(params)
     for t in range(STEPS):
-        grads = {k: torch.tensor(_gradient(k, v.flatten().tolist(), t), dtype=torch.float64).view(v.shape)
+        grads = {k: torch.tensor(gradient(k, v.flatten().tolist(), t), dtype=torch.float64).view(v.shape)
                  for k, v in params.items()}  # fmt: skip
         updates, state = opt.update(Noised(grads, 1.0, 0.3), state, params=params)
         params = optim.apply_updates(params, updates)
@@ -131,7 +117,7 @@ def test_matches_the_implementation_loop(lr, betas, decay, warmup, r, power) -> 
 
 
 def test_eval_params_at_init_and_for_other_optimizers() -> None:
-    params = _start()
+    params = start()
     opt = optim.schedule_free_adamw()
     x = opt.eval_params(opt.init(params), params)
     assert x is not params and all(torch.equal(x[k], params[k]) for k in params)  # x_1 = z_1 = y_1
@@ -140,7 +126,7 @@ def test_eval_params_at_init_and_for_other_optimizers() -> None:
 
 
 def test_eval_params_does_not_touch_its_inputs() -> None:
-    opt, params = optim.schedule_free_adamw(1e-2), _start()
+    opt, params = optim.schedule_free_adamw(1e-2), start()
     grads = Noised({k: torch.ones_like(v) for k, v in params.items()}, 1.0, 0.1)
     updates, state = opt.update(grads, opt.init(params), params=params)
     params = optim.apply_updates(params, updates)
