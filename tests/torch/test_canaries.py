@@ -59,6 +59,23 @@ def _multiplier(epsilon, q, steps):
     ).value
 
 
+def _dp_sgd_with(*, noise_multiplier: float):
+    """A mechanism for ``audit_dirac_run(mechanism=...)``: DP-SGD (clipping norm 1) with this noise multiplier,
+    whatever the audit claims (a planted leak)."""
+
+    def mechanism(loss, *, optimizer, expected_batch_size, key):
+        return dp_sgd(
+            loss,
+            clipping_norm=1.0,
+            noise_multiplier=noise_multiplier,
+            key=key,
+            optimizer=optimizer,
+            expected_batch_size=expected_batch_size,
+        )
+
+    return mechanism
+
+
 def test_dirac_canary_gradients_are_scaled_coordinate_vectors():
     canaries = dirac_canaries(key=random.key(1), num_canaries=6, gradient_norm=3.0)
     x, y, slots = canary_rows(_data(5), canaries)
@@ -83,15 +100,7 @@ def test_noise_free_observations_are_the_participations_at_the_sampling_rate():
     ones is q = 0.3 (an exact binomial test, failing with probability 1e-4)."""
     canaries = dirac_canaries(key=random.key(2), num_canaries=200, gradient_norm=10.0)
 
-    def noiseless(loss, *, optimizer, expected_batch_size, key):
-        return dp_sgd(
-            loss,
-            clipping_norm=1.0,
-            noise_multiplier=0.0,
-            key=key,
-            optimizer=optimizer,
-            expected_batch_size=expected_batch_size,
-        )
+    noiseless = _dp_sgd_with(noise_multiplier=0.0)
 
     report = audit_dirac_run(
         _loss,
@@ -151,15 +160,7 @@ def test_halved_noise_is_flagged_with_the_claim_unchanged():
     z = _multiplier(4.0, q, steps)
     canaries = dirac_canaries(key=random.key(4), num_canaries=1000, gradient_norm=100.0)
 
-    def leaky(loss, *, optimizer, expected_batch_size, key):
-        return dp_sgd(
-            loss,
-            clipping_norm=1.0,
-            noise_multiplier=z / 2,
-            key=key,
-            optimizer=optimizer,
-            expected_batch_size=expected_batch_size,
-        )
+    leaky = _dp_sgd_with(noise_multiplier=z / 2)
 
     report = audit_dirac_run(
         _loss,
