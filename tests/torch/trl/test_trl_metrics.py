@@ -137,8 +137,10 @@ def test_sft_batched_metrics_equal_the_per_example_ones(tmp_path):
 @pytest.mark.parametrize("engine", ["layerwise", "vmap"])
 def test_training_logs_carry_trl_s_metric_names_from_the_step(tmp_path, engine):
     """SFT (both engines: the layerwise one through the batched form) and DPO log TRL's names at each log row, from
-    the per-example values the step returns; the loss they log is the step's."""
-    args = {**BASE, "max_steps": 2, "logging_steps": 1, "per_example_gradients": engine}
+    the per-example values the step returns; the loss they log is the step's. The batch is the whole dataset
+    (sampling rate 1), so no Poisson draw is empty: an empty draw logs no per-example metric."""
+    args = {**BASE, "max_steps": 2, "logging_steps": 1, "per_example_gradients": engine,
+            "per_device_train_batch_size": 8}  # fmt: skip
     sft = SFTTrainer(tiny_model("llama"), SFTConfig(str(tmp_path / "sft"), **args),
                      train_dataset=prompt_completion_rows(8), processing_class=tiny_tokenizer())  # fmt: skip
     assert sft.per_example_gradients_engine == engine
