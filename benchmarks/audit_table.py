@@ -3,7 +3,8 @@
 Usage: ``python benchmarks/audit_table.py [--seeds 10] [--quick] [--only NAME,...]``. Prints one JSON line per row
 with every seed's numbers, the markdown table, then a table of flag rates on simulated observations by number of
 canaries. CPU only, single-threaded torch (about ten minutes on two cores; ``--quick`` runs 2 seeds and 20
-simulations). The row ``leak15big`` (10,000 canaries, about 15 minutes) runs only when named in ``--only``.
+simulations). The rows ``leak15big`` (10,000 canaries, about 15 minutes), ``leak15huge`` and ``dpsgd4huge`` (20,000 canaries)
+run only when named in ``--only``.
 
 Every row trains the same small model, for real, with the core step (``opake_torch.audit.audit_dirac_run``) or
 ``DPTrainer`` (``audit_trainer_dirac``): an MLP 16-32-10 on 1,000 generated examples, plus one row per canary slot.
@@ -412,8 +413,13 @@ def main() -> None:
         "leak15big": lambda: dirac_row(
             "leak: noise / 1.5", claim, seeds, m=10_000, leak=lambda z: scaled_noise(z, 1.5)
         ),
+        "leak15huge": lambda: dirac_row(
+            "leak: noise / 1.5", claim, seeds, m=20_000, leak=lambda z: scaled_noise(z, 1.5)
+        ),
+        "dpsgd4huge": lambda: dirac_row(dpsgd, claim, seeds, m=20_000),
     }
-    chosen = [k for k in a.only.split(",") if k] or [k for k in plans if k != "leak15big"]  # 10,000 canaries: slow
+    slow = ("leak15big", "leak15huge", "dpsgd4huge")  # 10,000 and 20,000 canaries
+    chosen = [k for k in a.only.split(",") if k] or [k for k in plans if k not in slow]
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread", flush=True)
     rows = []
     for name in chosen:

@@ -192,7 +192,8 @@ def paired_mf_gaussian_noise(
     sampler's groups (each visit of a group is then one Poisson-subsampled Gaussian of whitened sensitivity
     ``1 / z``). The Monte Carlo accountants (``balls_in_bins`` with a correlated strategy, ``b_min_sep``) are computed
     from the first strategy's coefficients and do **not** cover a different second strategy: pass the same strategy
-    there.
+    there. ``accounting.mf_process(..., second_moment_strategy=...)`` and ``plan(..., second_moment_strategy=...)``
+    refuse a second strategy they do not cover.
 
     Args:
         template: a tree shaped like the clipped sums (the buffers of both streams follow it).

@@ -88,6 +88,7 @@ class Plan:
     Attributes:
         sampler: the batch sampler.
         strategy: the DP-FTRL strategy optimized for the horizon (None for DP-SGD).
+        second_moment_strategy: the second-moment stream's strategy, optimized the same way (None: none given).
         release: what the run releases at ``noise_multiplier``: one step's process (per-step runs, recorded in the
             ledger at every step) or the whole horizon's (recorded once).
         noise_multiplier: the resolved multiplier (0 for a non-private run).
@@ -112,6 +113,7 @@ class Plan:
     sample_rate: float
     stop_step: int | None
     horizon: bool
+    second_moment_strategy: Any = None
 
     @property
     def steps_per_epoch(self) -> float:
@@ -137,10 +139,13 @@ def _optimized(strategy: Any, sampler: Any, steps: int) -> Any:
     return mf.optimize(strategy, steps, participation=pattern)
 
 
-def _release(sampler: Any, strategy: Any, clipping: Any, steps: int) -> Any:
-    """``z -> process``: one step of a per-step run, or the whole horizon of a horizon run."""
+def _release(sampler: Any, strategy: Any, clipping: Any, steps: int, *, second: Any = None) -> Any:
+    """``z -> process``: one step of a per-step run, or the whole horizon of a horizon run (``second``: the
+    second-moment strategy of a DP-FTRL run, validated here once)."""
     if strategy is not None:
-        return lambda z: accounting.mf_process(strategy, sampler=sampler, noise_multiplier=z, n_steps=steps)
+        options = {"sampler": sampler, "n_steps": steps, "second_moment_strategy": second}
+        accounting.mf_process(strategy, noise_multiplier=1.0, **options)  # refuses what it does not cover, now
+        return lambda z: accounting.mf_process(strategy, noise_multiplier=z, **options)
     if _sampler_name(sampler) in HORIZON_SAMPLERS:
         return lambda z: sampler.process(z, steps)
     if not isinstance(clipping, AdaptiveRule):
@@ -195,6 +200,7 @@ def plan(
     done: int = 0,
     resumed_multiplier: float | None = None,
     router_ratio: float | None = None,
+    second_moment_strategy: Any = None,
 ) -> Plan:
     """Validate the combination and resolve the noise multiplier, the release and the stop step.
 
@@ -215,6 +221,10 @@ def plan(
             (:func:`opake_core.moe.router_release`, multiplier ``z / sqrt(rho)``): each step's Gaussian is then
             accounted at ``z / sqrt(1 + rho)`` (:func:`opake_core.accounting.moe_aux`), in the calibration, the stop
             step and the release recorded in the ledger. DP-SGD with fixed clipping only.
+        second_moment_strategy: DP-FTRL with private second moments
+            (:func:`opake_core.noise.paired_mf_gaussian_noise`): the second stream's strategy, optimized here like
+            ``strategy``; one that the sampler's accountant does not cover is refused
+            (:func:`opake_core.accounting.mf_process`). DP-SGD's paired streams share its Gaussian and take none.
 
     Raises:
         ConfigurationError: a combination without a correct accountant, with the fix.
@@ -237,8 +247,14 @@ def plan(
         target=target_epsilon,
     )
     horizon = is_horizon(mechanism, sampler_name)
+    if second_moment_strategy is not None and strategy is None:
+        raise ConfigurationError(
+            "second_moment_strategy is the strategy of DP-FTRL's second-moment stream; DP-SGD's private second "
+            "moments share its Gaussian noise and take none. Drop second_moment_strategy, or pass strategy= too."
+        )
     strategy = None if strategy is None else _optimized(strategy, sampler, steps)
-    release = _release(sampler, strategy, clipping, steps)
+    second = None if second_moment_strategy is None else _optimized(second_moment_strategy, sampler, steps)
+    release = _release(sampler, strategy, clipping, steps, second=second)
     if router_ratio is not None:
         release = _with_router_release(release, router_ratio, mechanism=mechanism, clipping=clipping)
     spent = spent or accounting.Ledger()
@@ -290,6 +306,7 @@ def plan(
         sample_rate=expected / sampler.dataset_size,
         stop_step=stop,
         horizon=horizon,
+        second_moment_strategy=second,
     )
 
 

@@ -32,6 +32,14 @@ any of the above            (``amplified=False``) ``gaussian(z * sens(C, P) / se
                                                participation pattern (no amplification).
 ==========================  =================  ===================================================================
 
+Private second moments (:func:`opake_core.noise.paired_mf_gaussian_noise`) add a second stream with its own
+strategy; whitened, the pair has the first strategy's Gram matrix when both strategies are the same, so the table
+above accounts it unchanged. ``second_moment_strategy=`` names a different one, and ``mf_process`` accepts it only
+where the first strategy's process still covers the pair: unamplified (``amplified=False``, the noise scaled for the
+sampler's own participation pattern), or BandMF under cyclic Poisson with single participation and a second strategy
+with at most as many bands as the sampler has groups (each visit of a group is then one Poisson-subsampled Gaussian
+of whitened sensitivity ``1 / z``). Anything else, the Monte Carlo accountants in particular, is refused.
+
 The Monte Carlo processes (``BMinSepMF``, ``BallsInBinsMF``) are accounted in
 :mod:`opake_core.accounting.mf_monte_carlo`; every query (``epsilon``, ``delta``, ``calibrate_noise_multiplier``)
 dispatches on the process, so a caller never needs to know which accountant answers.
@@ -124,6 +132,7 @@ def mf_process(
     n_steps: int,
     participation: Any = SINGLE,
     amplified: bool = True,
+    second_moment_strategy: Any = None,
 ) -> MFProcess:
     """The whole-horizon privacy process of a DP-FTRL run (see the module docstring for each pair).
 
@@ -137,11 +146,14 @@ def mf_process(
         participation: the participation pattern the noise was scaled with (``sens(C, participation)``).
         amplified: ``False`` accounts the run as one Gaussian mechanism with the sensitivity under the sampler's
             participation pattern (a valid, looser bound).
+        second_moment_strategy: the strategy of the second-moment stream of a private-second-moment run (None:
+            none, or the same strategy as ``strategy``); see the module docstring for where it is covered.
 
     Raises:
         ConfigurationError: an incompatible mechanism/sampler pair (the message names the compatible samplers),
             BandMF bands > n_steps, bands != the cyclic sampler's groups or > min_sep, a balls-in-bins horizon that
-            is not a multiple of the bins, a negative coefficient under balls-in-bins.
+            is not a multiple of the bins, a negative coefficient under balls-in-bins, a second-moment strategy
+            that the process does not cover.
         InputTypeError: not a strategy or not a sampler.
     """
     mechanism, name = mechanism_name(strategy), _sampler_name(sampler)
@@ -171,6 +183,10 @@ def mf_process(
             f"BandMF with b-min-sep sampling needs bands <= min_sep, got bands={_mf.band_count(concrete, n)} and "
             f"min_sep={sampler.min_sep}; use fewer bands or a larger min_sep."
         )
+    if second_moment_strategy is not None:
+        second = _mf.optimize(second_moment_strategy, n, participation=participation)
+        if second != concrete:
+            _check_second_moment(second, sampler, n=n, participation=participation, amplified=amplified)
     if not amplified:
         pattern = sampler_participation(sampler)
         return gaussian(
@@ -188,3 +204,31 @@ def mf_process(
     if mechanism == "mf_identity":
         return random_allocation(gaussian(z1 / math.sqrt(n // sampler.num_bins)), sampler.num_bins)
     return BallsInBinsMF(tuple(coef), z1, sampler.num_bins, n)
+
+
+def _check_second_moment(second: Any, sampler: Any, *, n: int, participation: Any, amplified: bool) -> None:
+    """Refuse a second-moment strategy, different from the first, that the first strategy's process does not cover
+    (see the module docstring)."""
+    name = _sampler_name(sampler)
+    if not amplified:
+        pattern = sampler_participation(sampler)
+        if participation == pattern:
+            return
+        reason = (
+            f"unamplified accounting covers it only when the noise is scaled for the sampler's own participation "
+            f"pattern ({pattern}), got participation={participation}"
+        )
+    elif name == "cyclic_poisson" and participation == SINGLE and _mf.band_count(second, n) <= sampler.bands:
+        return
+    elif name == "cyclic_poisson":
+        reason = (
+            f"cyclic Poisson covers it with single participation and at most {sampler.bands} bands (the sampler's "
+            f"groups), got {_mf.band_count(second, n)} bands and participation={participation}"
+        )
+    else:
+        reason = f"the {name!r} sampler's accountant is computed from the first strategy's coefficients alone"
+    raise ConfigurationError(
+        f"the second-moment stream's strategy differs from the first stream's and is not covered by this "
+        f"accountant: {reason}. Pass the same strategy for both streams (the pair is then accounted unchanged), "
+        "or account with amplified=False and the noise scaled for the sampler's participation pattern."
+    )

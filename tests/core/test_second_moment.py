@@ -19,7 +19,7 @@ from dp_accounting import dp_event, pld, rdp
 from dp_accounting.pld import privacy_loss_distribution
 from scipy import stats
 
-from opake_core import mf, optim, random
+from opake_core import accounting, mf, optim, random
 from opake_core import testing as t
 from opake_core.clipping import Engine, auto_s, clipped_grad
 from opake_core.errors import ConfigurationError, InputTypeError
@@ -27,6 +27,8 @@ from opake_core.jme import jme_noise
 from opake_core.moments import ClippedMoments, NoisedMoments, paired_noise_std
 from opake_core.noise import PAIRED_STREAMS, gaussian_noise, paired_mf_gaussian_noise
 from opake_core.optim import apply_updates, private_moments_adam
+from opake_core.plan import plan
+from opake_core.sampling import b_min_sep, balls_in_bins, cyclic_poisson, poisson
 from opake_core.step import dp_ftrl, dp_sgd, dp_step
 from opake_core.tree import Clipped, Noised, PerGroup, per_group
 
@@ -362,6 +364,77 @@ def test_dp_ftrl_needs_a_second_strategy():
     for _ in range(3):
         params, opt_state, dp_state, metrics = step_fn(params, opt_state, dp_state, (x, y))
     assert all(torch.isfinite(v).all() for v in params.values()) and metrics.step == 2
+
+
+def _whitened_pair(first, second, n, d1, d2):
+    """The stacked whitened strategy ``[C_1 Delta_1 / sigma_1; C_2 Delta_2 / sigma_2]`` (2n x n, float64) of the
+    paired noise at multiplier Z with single-participation sensitivities."""
+    s1, s2 = mf.sensitivity(first, n), mf.sensitivity(second, n)
+    total = s1 * d1 + s2 * d2
+    sigma = (Z * math.sqrt(s1 * d1 * total), Z * math.sqrt(s2 * d2 * total))
+    return np.vstack([mf.materialize(first, n) * d1 / sigma[0], mf.materialize(second, n) * d2 / sigma[1]])
+
+
+def test_cyclic_poisson_covers_a_second_strategy_with_at_most_the_groups_bands():
+    """The reduction behind cyclic Poisson accounting (one Poisson-subsampled Gaussian per visit of a group, whitened
+    sensitivity 1/z) needs the stacked pair's columns of one group orthogonal and each of norm at most 1/z: true on
+    the dense matrices for a second strategy with no more bands than groups, false with more; mf_process accepts the
+    first and refuses the second."""
+    n, groups = 12, 3
+    first = mf.optimize(mf.band_mf(bands=3), n)
+    sampler = cyclic_poisson(dataset_size=60, sample_rate=0.1, bands=groups)
+
+    def group_columns_orthogonal(second):
+        w = _whitened_pair(first, second, n, 0.05, 0.02)
+        gram = w.T @ w
+        assert np.all(np.sqrt(np.diag(gram)) <= 1 / Z * (1 + 1e-12))
+        same_group = [(i, j) for i in range(n) for j in range(n) if i != j and (i - j) % groups == 0]
+        return max(abs(gram[i, j]) for i, j in same_group) < 1e-15
+
+    covered, uncovered = mf.optimize(mf.band_mf(bands=2), n), mf.optimize(mf.band_mf(bands=5), n)
+    assert group_columns_orthogonal(covered) and not group_columns_orthogonal(uncovered)
+    kwargs = {"sampler": sampler, "noise_multiplier": Z, "n_steps": n}
+    assert accounting.mf_process(first, second_moment_strategy=covered, **kwargs) == accounting.mf_process(
+        first, **kwargs
+    )
+    with pytest.raises(ConfigurationError, match="at most 3 bands"):
+        accounting.mf_process(first, second_moment_strategy=uncovered, **kwargs)
+    # without amplification, the noise scaled for the sampler's own pattern covers the pair
+    pattern = mf.CyclicParticipation(groups)
+    unamplified = {**kwargs, "participation": pattern, "amplified": False}
+    accounting.mf_process(first, second_moment_strategy=uncovered, **unamplified)
+    with pytest.raises(ConfigurationError, match="participation pattern"):
+        single = {**unamplified, "participation": mf.SingleParticipation()}
+        accounting.mf_process(first, second_moment_strategy=uncovered, **single)
+
+
+def test_monte_carlo_accountants_refuse_a_different_second_strategy():
+    n = 8
+    bins = balls_in_bins(dataset_size=40, num_bins=4)
+    kwargs = {"sampler": bins, "noise_multiplier": Z, "n_steps": n}
+    blt = mf.optimize(mf.blt(2), n)
+    accounting.mf_process(blt, second_moment_strategy=mf.blt(2), **kwargs)  # the same strategy: covered
+    with pytest.raises(ConfigurationError, match="first strategy's coefficients alone"):
+        accounting.mf_process(blt, second_moment_strategy=mf.lambda_cgd(0.5), **kwargs)
+    band = mf.band_mf(bands=2)
+    sep = b_min_sep(dataset_size=40, sample_rate=0.1, min_sep=2)
+    with pytest.raises(ConfigurationError, match="'b_min_sep'"):
+        accounting.mf_process(band, sampler=sep, noise_multiplier=Z, n_steps=n, second_moment_strategy=mf.identity())
+
+
+def test_plan_validates_the_second_strategy_with_the_sampler():
+    groups, steps = 3, 12
+    sampler = cyclic_poisson(dataset_size=60, sample_rate=0.1, bands=groups)
+    common = {"sampler": sampler, "steps": steps, "delta": 1e-5, "noise_multiplier": Z}
+    done = plan(strategy=mf.band_mf(bands=3), second_moment_strategy=mf.band_mf(bands=2), **common)
+    pattern = accounting.sampler_participation(sampler)
+    assert done.second_moment_strategy == mf.optimize(mf.band_mf(bands=2), steps, participation=pattern)
+    assert done.release == plan(strategy=mf.band_mf(bands=3), **common).release
+    with pytest.raises(ConfigurationError, match="at most 3 bands"):
+        plan(strategy=mf.band_mf(bands=3), second_moment_strategy=mf.band_mf(bands=4), **common)
+    poisson_sampler = poisson(dataset_size=60, sample_rate=0.1)
+    with pytest.raises(ConfigurationError, match="DP-SGD's private second moments"):
+        plan(sampler=poisson_sampler, steps=steps, delta=1e-5, noise_multiplier=Z, second_moment_strategy=mf.identity())
 
 
 # -- the optimizer ------------------------------------------------------------------------------------------------
