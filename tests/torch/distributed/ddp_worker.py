@@ -88,6 +88,8 @@ def _trainer_args(out: Path, kind: str, save_steps: int):
     from opake_torch.transformers import TrainingArguments
 
     extra = {"clipping_mode": "adaptive"} if kind == "adaptive" else {}
+    if kind == "moe":
+        extra = {"router_aux_loss_coef": 0.1, "router_aux_kwargs": {"max_tokens": 6, "mean_tokens": 5.0}}
     if kind == "mf":
         extra = {
             "privacy_noise_mechanism": "mf_band",
@@ -116,7 +118,7 @@ def _trainer_args(out: Path, kind: str, save_steps: int):
 
 
 def _train(out: Path, kind: str, save_steps: int = STEPS, stop: int | None = None, resume: bool = False) -> dict:
-    from tiny_hf import tiny_model, token_data
+    from tiny_hf import tiny_model, tiny_moe, token_data
     from transformers import TrainerCallback
 
     from opake_torch.transformers import DPTrainer
@@ -126,12 +128,15 @@ def _train(out: Path, kind: str, save_steps: int = STEPS, stop: int | None = Non
             if state.global_step >= stop:
                 control.should_training_stop = True
 
-    trainer = DPTrainer(tiny_model("llama"), _trainer_args(out, kind, save_steps), train_dataset=token_data(40))
+    model = tiny_moe("qwen3_moe") if kind == "moe" else tiny_model("llama")
+    trainer = DPTrainer(model, _trainer_args(out, kind, save_steps), train_dataset=token_data(40))
     if stop is not None:
         trainer.add_callback(StopAt())
     output = trainer.train(resume_from_checkpoint=resume or None)
     params = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
-    return {"params": params, "epsilon": output.metrics["privacy_epsilon"]}
+    router = trainer._router_state  # the released (noised, public) router load estimate, or None
+    load = None if router is None else (router.filtered.clone(), router.step, router.noise_var)
+    return {"params": params, "epsilon": output.metrics["privacy_epsilon"], "router": load}
 
 
 def run_trainer(kind: str, out: Path) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny_hf import tiny_model, token_data
+from tiny_hf import tiny_model, tiny_moe, token_data
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -99,6 +99,32 @@ def test_ddp_trainer_equals_single_process(tmp_path, kind):
     ]
     if kind == "sgd":
         assert any(0 in step for step in sizes), sizes  # some rank had an empty local batch and still stepped
+
+
+def test_ddp_router_release_equals_single_process_on_the_union_batch(tmp_path, monkeypatch):
+    """The MoE router release under DDP: each rank sums its examples' load statistics, the sum is reduced across
+    ranks and noised once, so the trained weights and the released load estimate equal those of one process whose
+    sampler draws the union of the two ranks' batches (the whole trainer loop, router steering included)."""
+    router = {"router_aux_loss_coef": 0.1, "router_aux_kwargs": {"max_tokens": 6, "mean_tokens": 5.0}}
+    ranks = launch("trainer_moe", tmp_path / "ddp", DDP_TEST_BATCH=str(PER_DEVICE))
+    single = DPTrainer(tiny_moe("qwen3_moe"), _args(tmp_path, logging_steps=1, **router), train_dataset=DATA)
+    rate = 2 * PER_DEVICE / len(DATA)
+    shards = _rank_samplers("sgd", rate)
+
+    def union(self, key, state):
+        parts = [s.sample_rank(key, SamplerState(state.step, s.config), r)[0] for r, s in enumerate(shards)]
+        return np.sort(np.concatenate(parts)), SamplerState(state.step + 1, state.config)
+
+    monkeypatch.setattr(sampling.Poisson, "sample", union)
+    output = single.train()
+    for name, value in single.model.named_parameters():
+        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
+        torch.testing.assert_close(ranks[0]["params"][name], value.detach(), rtol=0, atol=1e-6, msg=name)
+    filtered, step, noise_var = ranks[0]["router"]
+    assert torch.equal(filtered, ranks[1]["router"][0]) and step == STEPS
+    torch.testing.assert_close(filtered, single._router_state.filtered, rtol=0, atol=1e-9)
+    assert noise_var == single._router_state.noise_var > 0
+    assert ranks[0]["epsilon"] == output.metrics["privacy_epsilon"]
 
 
 def test_ddp_refuses_what_it_cannot_synchronize(tmp_path, monkeypatch):
