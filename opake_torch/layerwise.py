@@ -14,6 +14,12 @@ and forms no parameter gradient). From them, per layer:
   ``sum_i c_i G_i = (c * g)^T a``, one matmul, the same as a non-private weight gradient ("book-keeping",
   Bu et al. 2023, arXiv 2210.00038).
 
+A linear layer that ran in bfloat16 (bf16 weights or bf16 autocast: its output gradient is bf16) has the weight
+gradient ``g^T bf16(a)``, a product of bf16 factors, so its norms are taken from the bf16-rounded input and its
+clipped sum runs on bf16 tensor cores with float32 accumulation: the scaled factor ``fl32(c_i g_it)`` of the float32
+sum is split exactly into three bf16 parts (8 + 8 + 8 significand bits), so the contribution of every example is the
+float32 one, at a third of the cost of a float32 matmul on a GPU (see :func:`_bf16_parts`).
+
 :class:`LayerwiseGradients` is the ``gradients`` part of an :class:`opake_core.clipping.Engine`. Clipping itself
 stays in :mod:`opake_core.clipping.rules`, which takes the squared norms, forms the scales with the same rule and
 margin as for materialized gradients and asks for the scaled sum: the two engines release the same clipped sum up to
@@ -200,6 +206,55 @@ def _live_ids(call: _Call, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, (ids != pad) if pad is not None else torch.ones_like(ids, dtype=torch.bool)
 
 
+def _bf16_factors(call: _Call) -> bool:
+    """Whether a linear or Conv1D call ran in bfloat16 (its output gradient is bf16: bf16 weights or bf16 autocast),
+    so that its weight gradient is the product of bf16 factors, the output gradient and the bf16-rounded input."""
+    return call.kind in ("linear", "conv1d") and call.grad is not None and call.grad.dtype == torch.bfloat16
+
+
+def _input_factor(call: _Call, m: int) -> torch.Tensor:
+    """``[m, T, in]``: the input the call's weight gradient multiplies (rounded to bf16 where the layer ran in bf16,
+    as its forward rounded it)."""
+    x = _rows(call.inputs, m)
+    return _in(x, torch.bfloat16) if _bf16_factors(call) else x
+
+
+def _bf16_parts(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32 ``[..., d]``) as three bfloat16 parts concatenated on the last dimension (``[..., 3d]``) whose
+    sum in exact arithmetic is ``x``: each part rounds what the previous ones left to 8 significand bits, and the
+    remainders shrink by ``2^-8`` at least, so three parts hold a 24-bit float32 significand. Exact for ``|x| >=
+    2^-110``; below, the last part loses the bits under ``2^-133`` (bf16's smallest subnormal). Products with a bf16
+    factor accumulate in float32 as ``x``'s would."""
+    high = x.to(torch.bfloat16)
+    rest = x - high.float()
+    mid = rest.to(torch.bfloat16)
+    low = (rest - mid.float()).to(torch.bfloat16)
+    return torch.cat([high, mid, low], dim=-1)
+
+
+def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of bf16 matrices with a float32 result: on tensor cores with float32 accumulation on CUDA
+    (``out_dtype``), as float32 matmuls elsewhere (the same sums of exact products)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def _add_bf16_product(call: _Call, keep: torch.Tensor, scale: torch.Tensor, total: torch.Tensor) -> None:
+    """``total += sum_i scale_i G_i`` for a layer with bf16 factors (float32 ``total``): the float32 scaled factor
+    ``fl32(scale_i g_it)`` in three exact bf16 parts times the bf16 input, one matmul, then the parts' three
+    products added, smallest first."""
+    m, out = scale.shape[0], call.grad.shape[-1]
+    g = torch.where(keep, _in(_rows(call.grad, m), torch.float32) * scale, 0.0)
+    parts = _bf16_parts(g).reshape(-1, 3 * out)
+    a = torch.where(keep, _input_factor(call, m), 0.0).reshape(m * g.shape[1], -1)
+    if call.kind == "linear":
+        high, mid, low = _mm_float32(parts.T, a).view(3, out, -1).unbind(0)
+    else:  # conv1d: weight [in, out]
+        high, mid, low = _mm_float32(a.T, parts).view(-1, 3, out).unbind(1)
+    total.add_(high + (mid + low))
+
+
 def _gram(x: torch.Tensor) -> torch.Tensor:
     """float64 ``[m, T, T]`` Gram matrices of ``x`` ``[m, T, d]``."""
     x = x.to(torch.float64)
@@ -302,19 +357,27 @@ class _Gradients:
 def _ieee_float32_matmuls() -> Iterator[None]:
     """float32 matmuls at full precision while the ghost layers' scaled sums are formed, whatever TF32 setting the
     run uses: their norms come from float64 Gram matrices, and the sum must be computed at the precision the clipping
-    margin assumes (TF32 rounds each factor to about 1e-3, enough for a contribution to exceed its bound)."""
+    margin assumes (TF32 rounds each factor to about 1e-3, enough for a contribution to exceed its bound). bf16
+    matmuls reduce in float32 too (no reduced-precision split-K reduction)."""
     previous = torch.get_float32_matmul_precision()
+    cuda_matmul = torch.backends.cuda.matmul
+    reduced = cuda_matmul.allow_bf16_reduced_precision_reduction
     torch.set_float32_matmul_precision("highest")
+    cuda_matmul.allow_bf16_reduced_precision_reduction = False
     try:
         yield
     finally:
         torch.set_float32_matmul_precision(previous)
+        cuda_matmul.allow_bf16_reduced_precision_reduction = reduced
 
 
 def _add_ghost(call: _Call, keep: torch.Tensor, scale: torch.Tensor, total: torch.Tensor) -> None:
     """``total += sum_i scale_i G_i`` from the call's input and output gradient; ``scale`` and ``keep`` (whether the
     scale is not 0) are ``[m, 1, 1]``; an example with scale 0 adds exactly 0 whatever its values."""
     m = scale.shape[0]
+    if _bf16_factors(call) and total.dtype == torch.float32:
+        _add_bf16_product(call, keep, scale, total)
+        return
     g = torch.where(keep, _in(_rows(call.grad, m), total.dtype) * scale, 0.0)
     if call.kind == "embedding":
         ids, live = _live_ids(call, m)
@@ -351,17 +414,18 @@ class _InputGrams:
     def __init__(self, m: int) -> None:
         self.m = m
         self.readers: dict[tuple[Any, ...], int] = {}
-        self.grams: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.grams: dict[tuple[Any, ...], tuple[bool, torch.Tensor]] = {}  # key -> (bf16-rounded, Gram)
 
     def read_by(self, call: _Call) -> None:
         self.readers[call.input_key] = self.readers.get(call.input_key, 0) + 1
 
     def __call__(self, call: _Call) -> torch.Tensor:
-        gram = self.grams.get(call.input_key)
-        if gram is None:
-            gram = _gram(_rows(call.inputs, self.m))
+        rounded = _bf16_factors(call)
+        rounded_then, gram = self.grams.get(call.input_key, (rounded, None))
+        if gram is None or rounded_then != rounded:
+            gram = _gram(_input_factor(call, self.m))
             if self.readers.get(call.input_key, 0) > 1:
-                self.grams[call.input_key] = gram
+                self.grams[call.input_key] = (rounded, gram)
         return gram
 
     def done(self, call: _Call) -> None:
@@ -391,9 +455,9 @@ def _add_dense(call: _Call, attr: str, out: torch.Tensor, *, first: bool) -> Non
         rows = torch.arange(m, device=g.device)[:, None].expand_as(ids)
         out.index_put_((rows, ids), torch.where(live[..., None], g, 0.0), accumulate=True)
     elif call.kind == "linear":
-        out.baddbmm_(g.transpose(1, 2), _rows(_in(call.inputs, dtype), m))  # [m, out, in]
+        out.baddbmm_(g.transpose(1, 2), _in(_input_factor(call, m), dtype))  # [m, out, in]
     else:  # conv1d: [m, in, out]
-        out.baddbmm_(_rows(_in(call.inputs, dtype), m).transpose(1, 2), g)
+        out.baddbmm_(_in(_input_factor(call, m), dtype).transpose(1, 2), g)
 
 
 def _add_sum(g: torch.Tensor, out: torch.Tensor, *, first: bool) -> None:

@@ -444,3 +444,102 @@ def test_layers_reading_one_tensor_share_its_gram_matrix(monkeypatch):
         torch.testing.assert_close(clipped.value[k].double(), expected[k], rtol=1e-9, atol=1e-12)
     # inputs: x once for q, k and v, tanh(x) once, the head's input once; outputs: q, k, v, other (16), head (3)
     assert sorted(shapes) == [3] + [16] * 7
+
+
+def test_bf16_parts_hold_a_float32_value_exactly():
+    """Three bf16 parts sum, in float64, to the float32 value for |x| >= 2^-110, and within 2^-133 below."""
+    from opake_torch.layerwise import _bf16_parts
+
+    gen = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-110, 126, (100_000,), generator=gen).float()
+    x = torch.randn(100_000, generator=gen) * torch.exp2(exponents)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, 3.3e38, -3.3e38, 2.0**-110, 1.0000001, -0.99999994])])
+    parts = _bf16_parts(x[None])[0].double().view(3, -1)
+    big = x.abs() >= 2.0**-110
+    assert torch.equal((parts[0] + parts[1] + parts[2])[big], x.double()[big])
+    tiny = torch.randn(1000, generator=gen) * 2.0**-120
+    parts = _bf16_parts(tiny[None])[0].double().view(3, -1)
+    assert ((parts.sum(0) - tiny.double()).abs() <= 2.0**-133).all()
+
+
+class _Bf16Stack(nn.Module):
+    """Bias-free linear layers whose weights all take ghost norms at T = 4, and a linear head (ghost at T = 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)
+        self.head = nn.Linear(32, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.second(torch.tanh(self.first(x))).mean(dim=1))
+
+
+def _bf16_factor_reference(model, x, y, bound, device):
+    """Per-example weight gradients ``sum_t g_it^T bf16(a_it)`` in float64 from the factors of a plain batched
+    autograd pass under bf16 autocast (inputs and output gradients read by hooks), and ``sum_i c_i G_i`` with the
+    clipping rule's scale ``min(1, C (1 - 4u) / ||G_i||)``."""
+    inputs, grads = {}, {}
+    layers = {"first.weight": model.first, "second.weight": model.second, "head.weight": model.head}
+    handles = []
+    for name, layer in layers.items():
+
+        def keep(module, inp, out, name=name):
+            inputs[name] = inp[0]
+            out.register_hook(lambda grad: grads.__setitem__(name, grad))
+
+        handles.append(layer.register_forward_hook(keep))
+    with torch.autocast(device, dtype=torch.bfloat16):
+        losses = F.cross_entropy(model(x), y, reduction="none")
+    losses.sum().backward()
+    for handle in handles:
+        handle.remove()
+    m = x.shape[0]
+    per_example = {}
+    for name in layers:
+        assert grads[name].dtype == torch.bfloat16
+        a = inputs[name].to(torch.bfloat16).double().reshape(m, -1, inputs[name].shape[-1])
+        g = grads[name].double().reshape(m, -1, grads[name].shape[-1])
+        per_example[name] = torch.einsum("mto,mti->moi", g, a).detach()
+    norms = torch.sqrt(sum(g.square().sum(dim=(1, 2)) for g in per_example.values()))
+    scales = torch.clamp(bound * (1 - 4 * 2.0**-24) / norms, max=1.0)
+    return {k: torch.einsum("m,moi->oi", scales, g) for k, g in per_example.items()}, norms
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_bf16_layers_take_norms_and_sums_from_their_bf16_factors(monkeypatch, device):
+    """Under bf16 autocast the ghost layers' norms come from the bf16-rounded inputs (what the forward multiplied)
+    and their clipped sums from three exact bf16 parts of the scaled output gradient: the clipped sum equals the
+    float64 sum of the per-example products of those factors, and one example's contribution stays within the
+    bound (a batch of one, its gradient far above the bound). On CUDA the sums run on bf16 tensor cores."""
+    from opake_torch import layerwise
+
+    torch.manual_seed(0)
+    model = _Bf16Stack().to(device)
+    apply, params, frozen = functional_model(model)
+    x, y = torch.randn(6, 4, 32, device=device) * 3, torch.randint(0, 3, (6,), device=device)
+
+    def loss(p, xi, yi):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return F.cross_entropy(apply(p, frozen, xi[None]), yi[None])
+
+    def batch_loss(p, xb, yb):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return F.cross_entropy(apply(p, frozen, xb), yb, reduction="none")
+
+    products = []
+    add = layerwise._add_bf16_product
+    monkeypatch.setattr(layerwise, "_add_bf16_product", lambda *a: products.append(a[0].kind) or add(*a))
+    engine = Engine(gradients=LayerwiseGradients(model, batch_loss))
+    for bound in (0.05, 10.0):
+        grad_fn, state = clipped_grad(loss, clipping_norm=bound, batch_argnums=(1, 2), engine=engine)
+        clipped, _ = grad_fn(params, x, y, state=state)
+        expected, norms = _bf16_factor_reference(model, x, y, bound, device)
+        assert (norms > 0.05).all() and (norms < 10.0).all()  # all clipped at 0.05, none at 10
+        for name, value in expected.items():  # float32 accumulation: 1e-6 of the norm (one bf16 part: about 4e-3)
+            assert (clipped.value[name].double() - value).norm() <= 1e-6 * value.norm(), name
+    assert products.count("linear") == 6  # three layers, two calls of grad_fn: every sum took the bf16 path
+    grad_fn, state = clipped_grad(loss, clipping_norm=1e-3, batch_argnums=(1, 2), engine=engine)
+    for i in range(6):
+        one, _ = grad_fn(params, x[i : i + 1] * 100, y[i : i + 1], state=state)
+        norm = math.sqrt(sum(float(v.double().square().sum()) for v in one.value.values()))
+        assert 0.999e-3 < norm <= 1e-3
