@@ -234,9 +234,11 @@ def _bf16_parts(x: torch.Tensor) -> torch.Tensor:
 
 def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of bf16 matrices with a float32 result: on tensor cores with float32 accumulation on CUDA
-    (``out_dtype``), as float32 matmuls elsewhere (the same sums of exact products)."""
+    (``out_dtype``, torch >= 2.8), as float32 matmuls elsewhere or where that overload is missing (the same sums of
+    exact products)."""
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
+        with contextlib.suppress(NotImplementedError, RuntimeError, TypeError):
+            return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.float(), b.float())
 
 
