@@ -237,8 +237,12 @@ def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (``out_dtype``, torch >= 2.8), as float32 matmuls elsewhere or where that overload is missing (the same sums of
     exact products)."""
     if a.is_cuda:
-        with contextlib.suppress(NotImplementedError, RuntimeError, TypeError):
+        try:
             return torch.mm(a, b, out_dtype=torch.float32)
+        except torch.OutOfMemoryError:
+            raise
+        except (NotImplementedError, RuntimeError, TypeError):
+            pass
     return torch.mm(a.float(), b.float())
 
 
