@@ -36,8 +36,14 @@ output gradients of its linear layers, not the layer's whole activations).
 
 Supported layers: ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, Hugging Face's ``Conv1D`` and
 Llama-style ``*RMSNorm`` layers, with their stock ``forward``; every layer must see the batch in dimension 0 (Hugging
-Face models are batch-first). A parameter used by several layers or calls (tied embeddings) is instantiated per
-call and summed before its norm is taken. The batched pass assumes that examples do not interact: modules that mix
+Face models are batch-first). Hugging Face's mixture-of-experts layers too, which see the tokens flattened to
+``[m T, d]``: top-k routers (a linear layer on those rows; a tensor hook on the logits they return sees the gradient
+through the routing weights) and stacked ``[E, ...]`` experts, which run :func:`_tapped_experts_forward` during the
+pass (one row per token and chosen expert; the ghost norm masks the cross terms of rows routed to different experts,
+the clipped sum is one matmul per expert).
+
+A parameter used by several layers or calls (tied embeddings) is instantiated per call and summed before its norm
+is taken. The batched pass assumes that examples do not interact: modules that mix
 examples (batch normalization) are refused, and :meth:`LayerwiseGradients.check` compares the per-example gradients with
 ``grad`` of the per-example loss, one example at a time, on a few examples: that catches a parameter used outside a
 supported layer and any other coupling. Hooks exist only for the duration of one call.
@@ -111,7 +117,7 @@ def _kind(module: nn.Module) -> str | None:
         return "conv1d"
     if hasattr(module, "variance_epsilon") and _same_code(type(module).forward, _llama_rms_norm):
         return "llama_rms_norm"
-    return None
+    return _moe_kind(module)
 
 
 def _owners(model: nn.Module, names: set[str]) -> tuple[dict[str, list[tuple[nn.Module, str, str]]], list[str]]:
@@ -187,6 +193,8 @@ class _Call:
     positions: int  # T: the positions of one example the layer runs on
     grad: torch.Tensor | None = None
     input_key: tuple[Any, ...] | None = None  # the identity of ``inputs`` (:func:`_same_tensor`)
+    experts: torch.Tensor | None = None  # kind "experts": the expert of every input row, ``[m * T]``
+    transposed: bool = False  # kind "experts": weights stored ``[E, in, out]`` instead of ``[E, out, in]``
 
 
 def _in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -385,6 +393,10 @@ def _add_ghost(call: _Call, keep: torch.Tensor, scale: torch.Tensor, total: torc
         _add_bf16_product(call, keep, scale, total)
         return
     g = torch.where(keep, _in(_rows(call.grad, m), total.dtype) * scale, 0.0)
+    if call.kind == "experts":
+        a = torch.where(keep, _in(_rows(call.inputs, m), total.dtype), 0.0)
+        _add_expert_products(call, g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1]), total)
+        return
     if call.kind == "embedding":
         ids, live = _live_ids(call, m)
         g = torch.where(live[..., None], g, 0.0)
@@ -405,6 +417,10 @@ def _ghost_norms(call: _Call, m: int, input_gram: Callable[[_Call], torch.Tensor
         ids, live = _live_ids(call, m)
         same = (ids[:, :, None] == ids[:, None, :]) & live[:, :, None] & live[:, None, :]
         return _frobenius(same.to(torch.float64), _gram(g))
+    if call.kind == "experts":  # rows routed to different experts meet different weights: no cross term
+        experts = call.experts.reshape(m, -1)
+        same = experts[:, :, None] == experts[:, None, :]
+        return _frobenius(_gram(_rows(call.inputs, m)) * same, _gram(g))
     return _frobenius(input_gram(call), _gram(g))
 
 
@@ -454,7 +470,9 @@ def _add_dense(call: _Call, attr: str, out: torch.Tensor, *, first: bool) -> Non
         _add_sum(g, out, first=first)
         return
     g = _rows(g, m)
-    if attr == "bias":
+    if call.kind == "experts":
+        _add_expert_dense(call, attr, g, _in(_rows(call.inputs, m), dtype), out)
+    elif attr == "bias":
         _add_sum(g, out, first=first)
     elif call.kind == "embedding":
         ids, live = _live_ids(call, m)
@@ -520,7 +538,113 @@ def _prefers_ghost(call: _Call, shape: torch.Size, m: int) -> bool:
     """Ghost norm when its Gram matrices cost less than instantiating ``[m, *shape]`` (Li et al. 2022)."""
     if call.kind == "embedding":
         return True
+    if call.kind == "experts":  # [E, out, in]: one example's T rows against E instantiated experts
+        return call.positions * sum(shape[1:]) < math.prod(shape)
     return call.positions * sum(shape) < math.prod(shape)
+
+
+# -- mixture-of-experts layers (Hugging Face v5: routers and stacked experts) ------------------------------------------
+
+
+def _moe_kind(module: nn.Module) -> str | None:
+    """``"router"`` for a Hugging Face top-k router (``*TopKRouter``: its logits are ``F.linear`` of the flattened
+    tokens with its ``weight`` (and ``bias``), returned first, and its scores come from them), ``"experts"`` for a
+    stacked experts layer of ``transformers.integrations.moe.use_experts_implementation`` (``[E, ...]`` weights,
+    without expert parallelism or a post-expert norm), else None."""
+    if not type(module).__module__.startswith("transformers."):
+        return None
+    if type(module).__name__.endswith("TopKRouter") and isinstance(getattr(module, "weight", None), nn.Parameter):
+        return "router"
+    flags = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm", "_is_expert_parallel")
+    if all(hasattr(module, f) for f in flags) and not module.has_post_expert_norm and not module._is_expert_parallel:
+        first = "gate_up_proj" if module.has_gate else "up_proj"
+        stacked = [getattr(module, name, None) for name in (first, "down_proj")]
+        if all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in stacked):
+            return "experts"
+    return None
+
+
+def _expert_linear(module: nn.Module, attr: str, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Row ``r`` of ``x`` ``[S, in]`` through expert ``experts[r]``'s projection ``attr`` (and its bias): the rows
+    grouped by expert, one matmul per expert, back in their order."""
+    weight = getattr(module, attr)  # [E, out, in], or [E, in, out] when transposed
+    bias = getattr(module, f"{attr}_bias") if module.has_bias else None
+    order = torch.argsort(experts, stable=True)
+    counts = torch.bincount(experts, minlength=weight.shape[0]).tolist()
+    pieces = []
+    for e, rows in enumerate(torch.split(x[order], counts)):
+        if rows.shape[0]:
+            y = rows @ weight[e] if module.is_transposed else F.linear(rows, weight[e])
+            pieces.append(y if bias is None else y + bias[e])
+    return torch.cat(pieces)[torch.argsort(order)]
+
+
+def _tapped_experts_forward(
+    module: nn.Module, tap: Callable[..., torch.Tensor], hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """The experts layer's function (that of Hugging Face's ``batched_mm`` implementation: token ``n``'s ``k`` rows
+    are rows ``n k ... n k + k - 1``), with its two projections tapped (``tap``), so that an example's rows are
+    contiguous: ``[m * T * k, d]`` from ``m`` examples of ``T`` tokens."""
+    tokens, k = top_k_index.shape
+    x = hidden_states.repeat_interleave(k, dim=0)
+    experts = top_k_index.reshape(-1)
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    h = tap(module, first, x, experts, _expert_linear(module, first, x, experts))
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    y = tap(module, "down_proj", h, experts, _expert_linear(module, "down_proj", h, experts))
+    weighted = y * top_k_weights.reshape(-1, 1)
+    return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+class _Restore:
+    """Undoes :func:`_replace_forward` (the ``remove()`` of a hook handle)."""
+
+    def __init__(self, module: nn.Module, previous: Any) -> None:
+        self.module, self.previous = module, previous
+
+    def remove(self) -> None:
+        if self.previous is None:
+            del self.module.forward
+        else:
+            self.module.forward = self.previous
+
+
+def _replace_forward(module: nn.Module, forward: Callable[..., Any], tap: Callable[..., Any]) -> _Restore:
+    """Run ``forward(module, tap, ...)`` as ``module``'s forward until the returned handle is removed."""
+    previous = module.__dict__.get("forward")
+    module.forward = lambda *args: forward(module, tap, *args)
+    return _Restore(module, previous)
+
+
+def _add_expert_dense(call: _Call, attr: str, g: torch.Tensor, a: torch.Tensor, out: torch.Tensor) -> None:
+    """``out += `` the per-example gradients of a stacked expert weight (``[m, E, out, in]``, or ``[m, E, in, out]``
+    transposed) or bias (``[m, E, out]``) from output gradients ``g`` ``[m, R, out]`` and inputs ``a``
+    ``[m, R, in]`` (``R`` rows per example)."""
+    m, count = out.shape[0], out.shape[1]
+    experts = call.experts.reshape(m, -1)
+    if attr == "bias":
+        flat = torch.arange(m, device=g.device)[:, None] * count + experts
+        out.view(m * count, -1).index_add_(0, flat.reshape(-1), g.reshape(-1, g.shape[-1]))
+        return
+    for e in range(count):
+        ge = torch.where((experts == e)[..., None], g, 0.0)
+        if call.transposed:
+            out[:, e].baddbmm_(a.transpose(1, 2), ge)
+        else:
+            out[:, e].baddbmm_(ge.transpose(1, 2), a)
+
+
+def _add_expert_products(call: _Call, g: torch.Tensor, a: torch.Tensor, total: torch.Tensor) -> None:
+    """``total[e] += g_e^T a_e`` (``a_e^T g_e`` transposed) over the rows ``g`` ``[S, out]``, ``a`` ``[S, in]``
+    routed to each expert ``e``."""
+    for e in torch.unique(call.experts).tolist():
+        rows = (call.experts == e).nonzero().squeeze(1)
+        ge, ae = g.index_select(0, rows), a.index_select(0, rows)
+        if call.transposed:
+            total[e].addmm_(ae.T, ge)
+        else:
+            total[e].addmm_(ge.T, ae)
 
 
 class LayerwiseGradients:
@@ -554,9 +678,9 @@ class LayerwiseGradients:
         reasons = unsupported_parameters(self.model, params)
         if reasons:
             raise ConfigurationError(
-                "layerwise per-example gradients serve Linear, Embedding, LayerNorm, RMSNorm and Conv1D layers of "
-                f"models whose examples do not interact; not: {'; '.join(reasons[:5])}. Use vmap(grad) (the "
-                "default engine)."
+                "layerwise per-example gradients serve Linear, Embedding, LayerNorm, RMSNorm and Conv1D layers and "
+                "Hugging Face MoE routers and experts, in models whose examples do not interact; not: "
+                f"{'; '.join(reasons[:5])}. Use vmap(grad) (the default engine)."
             )
         places, _ = _owners(self.model, set(params))
         by_module: dict[nn.Module, tuple[str, dict[str, str]]] = {}
@@ -652,8 +776,10 @@ class LayerwiseGradients:
             if not any(name in out.ghost for name in call.names.values()):
                 call.inputs = call.grad = None
 
-        def forward_hook(module: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+        def forward_hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
             kind, attrs = by_module[module]
+            if kind == "router":  # flattened tokens [m * T, d] in, (logits, scores, experts) out
+                return router_hook(module, attrs, inputs[0].detach(), output[0])
             x = inputs[0].detach()
             positions = x.numel() // max(1, x.shape[0] * (1 if kind == "embedding" else x.shape[-1]))
             if not torch.is_grad_enabled():  # a checkpointed layer's forward: its recompute is tapped
@@ -666,17 +792,73 @@ class LayerwiseGradients:
                     f"a {type(module).__name__} layer runs on a tensor of leading size {x.shape[0]}, not the batch of "
                     f"{out.m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
                 )
-            call = _Call(kind, module, attrs, x, positions)
+            return tap(_Call(kind, module, attrs, x, positions), output)
+
+        def tap(call: _Call, output: torch.Tensor) -> torch.Tensor | None:
+            """Record ``call`` and hand it its output's gradient in the backward (None: the output is unchanged)."""
             calls.append(call)
-            if kind != "embedding":
-                call.input_key = _same_tensor(x)
+            if call.kind not in ("embedding", "experts"):
+                call.input_key = _same_tensor(call.inputs)
                 grams.read_by(call)
             if hooks_suffice and output.requires_grad:
                 output.register_hook(lambda grad: record(call, grad))
                 return None
             return _Tap.apply(output, anchor, lambda grad: record(call, grad))
 
-        handles = [module.register_forward_hook(forward_hook) for module in by_module]
+        def router_hook(module: nn.Module, attrs: dict[str, str], x: torch.Tensor, logits: torch.Tensor) -> None:
+            """A router's logits are ``F.linear`` of its input, and its scores are computed from that very tensor: a
+            tensor hook on it sees the whole gradient (``link_router_input`` made it require one)."""
+            positions = x.shape[0] // out.m
+            if not torch.is_grad_enabled():
+                calls.append(_Call("linear", module, attrs, None, positions))
+                return None
+            if x.shape[0] % out.m or not logits.requires_grad:
+                raise ConfigurationError(
+                    f"a {type(module).__name__} router runs on {x.shape[0]} rows, not a multiple of the batch of "
+                    f"{out.m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
+                )
+            call = _Call("linear", module, attrs, x, positions)
+            calls.append(call)
+            call.input_key = _same_tensor(x)
+            grams.read_by(call)
+            logits.register_hook(lambda grad: record(call, grad))
+            return None
+
+        def link_router_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            x = args[0]
+            if not torch.is_grad_enabled() or x.requires_grad:
+                return None
+            return (_Tap.apply(x, anchor, lambda grad: None), *args[1:])
+
+        def tap_experts(module: nn.Module, attr: str, x: torch.Tensor, experts: torch.Tensor, y: torch.Tensor) -> Any:
+            """One projection of an experts layer (``attr``: its weight): rows ``x`` ``[m * T, in]``, experts
+            ``[m * T]``, output ``y``; returns the output the layer continues with."""
+            attrs = by_module[module][1]
+            names = {k: attrs[a] for k, a in (("weight", attr), ("bias", f"{attr}_bias")) if a in attrs}
+            if not names:
+                return y
+            positions = x.shape[0] // out.m
+            if not torch.is_grad_enabled():
+                calls.append(_Call("experts", module, names, None, positions))
+                return y
+            if x.shape[0] % out.m:
+                raise ConfigurationError(
+                    f"a {type(module).__name__} layer runs on {x.shape[0]} rows, not a multiple of the batch of "
+                    f"{out.m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
+                )
+            call = _Call("experts", module, names, x.detach(), positions, experts=experts.detach(),
+                         transposed=bool(module.is_transposed))  # fmt: skip
+            tapped = tap(call, y)
+            return y if tapped is None else tapped
+
+        handles = []
+        for module, (kind, _) in by_module.items():
+            if kind == "experts":
+                handles.append(_replace_forward(module, _tapped_experts_forward, tap_experts))
+                continue
+            if kind == "router":
+                handles.append(module.register_forward_pre_hook(link_router_input))
+            handles.append(module.register_forward_hook(forward_hook))
         _ACTIVE.anchor = anchor
         try:
             detached = {k: v.detach() if v.requires_grad else v for k, v in params.items()}

@@ -1,26 +1,24 @@
 """Mixture-of-experts models (Mixtral, Qwen3-MoE, gpt-oss; tiny random configs): per-example clipped gradients
 under ``vmap(grad)`` against a float64 per-example loop, the router statistic read from Hugging Face's own
-``output_router_logits`` path, the layerwise engine's fallback, and the trainer end to end."""
+``output_router_logits`` path, the layerwise engine on routers and stacked experts, and the trainer end to end."""
 
 from __future__ import annotations
 
-import logging
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from tiny_hf import VOCAB, tiny_moe, token_data
 
-from opake_core.clipping import clipped_grad
+from opake_core.clipping import Engine, clipped_grad
 from opake_core.errors import ConfigurationError
 from opake_core.moe import load_probabilities
 from opake_torch.functional import functional_model
 from opake_torch.layerwise import unsupported_parameters
 from opake_torch.patches import apply_compat_patches
-from opake_torch.transformers import DPTrainer, TrainingArguments, engines
-from opake_torch.transformers.loss import batch_losses
+from opake_torch.transformers import DPTrainer, TrainingArguments
+from opake_torch.transformers.loss import batch_losses, per_example_loss
 from opake_torch.transformers.moe import LOAD_KEY, moe_geometry, router_loss, router_modules, with_load
 
 transformers = pytest.importorskip("transformers")
@@ -111,21 +109,64 @@ def test_router_statistic_needs_the_load_and_the_model_is_left_unhooked() -> Non
     torch.testing.assert_close(probs, torch.full((4,), 0.25))
 
 
-def test_layerwise_engine_falls_back_to_vmap_for_stacked_experts(caplog: pytest.LogCaptureFixture) -> None:
-    """HF v5 experts are stacked ``[E, ...]`` parameters with their own forward: the layerwise engine does not serve
-    them, ``'auto'`` says so and uses vmap(grad), ``'layerwise'`` refuses with the fix."""
+def _float64_loop(loss, params, batch, bound):
+    """sum_i min(1, C/||g_i||) g_i with g_i = grad of the per-example loss, one example at a time in float64."""
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    for i in range(batch["input_ids"].shape[0]):
+        g = torch.func.grad(loss)(params, {k: v[i] for k, v in batch.items()})
+        norm = math.sqrt(sum(float(v.square().sum()) for v in g.values()))
+        for k in total:
+            total[k] += min(1.0, bound / norm) * g[k]
+    return total
+
+
+# Mixtral and Qwen3-MoE fully; gpt-oss through its MLPs (its RMSNorm and attention sinks are outside the engine)
+TRAINED = {"mixtral": "", "qwen3_moe": "", "gpt_oss": ".mlp."}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("ghost", [True, False], ids=["ghost", "instantiated"])
+def test_layerwise_engine_serves_routers_and_stacked_experts(model_type: str, ghost: bool, monkeypatch) -> None:
+    """The layerwise engine gives the float64 loop's clipped sum for the routers (their logits' gradient includes
+    the path through the routing weights) and the stacked ``[E, ...]`` experts (rows routed to different experts
+    add no cross term), by ghost norms or by instantiated per-example gradients."""
+    from opake_torch import layerwise
+    from opake_torch.layerwise import LayerwiseGradients
+
+    if not ghost:
+        monkeypatch.setattr(layerwise, "_prefers_ghost", lambda call, shape, m: call.kind == "embedding")
+    apply_compat_patches()
+    model = tiny_moe(model_type, torch.float64).eval()
+    for name, p in model.named_parameters():
+        p.requires_grad_(TRAINED[model_type] in name)
+    apply, params, frozen = functional_model(model)
+    assert unsupported_parameters(model, params) == []
+    assert any(".experts." in n for n in params) and any("router" in n or "gate.weight" in n for n in params)
+    data = _batch()
+
+    def loss(p, example):
+        return per_example_loss(apply, p, frozen, example, task="causal_lm")
+
+    def losses(p, batch):
+        return batch_losses(apply, p, frozen, batch, task="causal_lm")
+
+    engine = Engine(gradients=LayerwiseGradients(model, losses))
+    grad_fn, state = clipped_grad(loss, clipping_norm=C, batch_argnums=1, engine=engine)
+    clipped, _ = grad_fn(params, data, state=state)
+    reference = _float64_loop(loss, params, data, C)
+    for name, value in reference.items():
+        assert float((clipped.value[name] - value).norm()) <= 1e-12 * float(value.norm()), name
+    assert not any("forward" in vars(m) for m in model.modules())  # the experts' own forward is back
+
+
+def test_layerwise_engine_refuses_expert_parallel_experts() -> None:
     model = tiny_moe("qwen3_moe", torch.float32)
+    experts = model.model.layers[0].mlp.experts
+    experts._is_expert_parallel = True
     _, params, _ = functional_model(model)
     reasons = unsupported_parameters(model, params)
-    experts = [n for n in params if ".experts." in n]
-    assert experts and all(any(n in r for r in reasons) for n in experts)
-    args = SimpleNamespace(per_example_gradients="auto", device=torch.device("cpu"), bf16=False)
-    with caplog.at_level(logging.INFO, logger="opake_torch.transformers.engines"):
-        assert engines.layerwise_engine(model, params, args, lambda p, b: None, reasons=[]) is None
-    assert any("vmap(grad)" in r.message and "experts" in r.message for r in caplog.records)
-    args.per_example_gradients = "layerwise"
-    with pytest.raises(ConfigurationError, match="per_example_gradients='vmap'"):
-        engines.layerwise_engine(model, params, args, lambda p, b: None, reasons=[])
+    assert any("layers.0.mlp.experts.gate_up_proj" in r for r in reasons)
+    assert not any("layers.1.mlp.experts" in r for r in reasons)
 
 
 def test_trainer_trains_a_tiny_moe_model_privately(tmp_path) -> None:
@@ -146,7 +187,7 @@ def test_trainer_trains_a_tiny_moe_model_privately(tmp_path) -> None:
         logging_steps=1,
     )
     trainer = DPTrainer(model, args, train_dataset=token_data(16))
-    assert trainer._layerwise is None  # stacked experts: vmap(grad)
+    assert trainer.per_example_gradients_engine == "layerwise"  # routers and stacked experts included
     out = trainer.train()
     assert out.global_step == 2
     epsilon = out.metrics["privacy_epsilon"]
