@@ -3,8 +3,8 @@
 Usage: ``python benchmarks/audit_table.py [--seeds 10] [--quick] [--only NAME,...]``. Prints one JSON line per row
 with every seed's numbers, the markdown table, then a table of flag rates on simulated observations by number of
 canaries. CPU only, single-threaded torch (about ten minutes on two cores; ``--quick`` runs 2 seeds and 20
-simulations). The rows ``leak15big`` (10,000 canaries, about 15 minutes), ``leak15huge`` and ``dpsgd4huge`` (20,000 canaries)
-run only when named in ``--only``.
+simulations). The rows ``leak15big`` (10,000 canaries, about 15 minutes), ``leak15huge`` and ``dpsgd4huge``
+(20,000 canaries) run only when named in ``--only``.
 
 Every row trains the same small model, for real, with the core step (``opake_torch.audit.audit_dirac_run``) or
 ``DPTrainer`` (``audit_trainer_dirac``): an MLP 16-32-10 on 1,000 generated examples, plus one row per canary slot.

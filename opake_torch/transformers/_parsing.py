@@ -28,6 +28,7 @@ __all__ = [
     "as_steps",
     "calibration",
     "check_keys",
+    "check_schedule_free_best_model",
     "clipping_kwargs",
     "coerce_scalar",
     "jsonable",
@@ -164,6 +165,16 @@ def check_keys(mapping: Mapping[str, Any], allowed: Sequence[str], name: str, se
     if unknown:
         raise ConfigurationError(
             f"{name} contains unsupported keys for {selector}: {unknown}. Allowed: {sorted(allowed) or 'none'}."
+        )
+
+
+def check_schedule_free_best_model(optim: str, load_best_model_at_end: Any) -> None:
+    """Refuse ``optim="schedule_free_adamw"`` with ``load_best_model_at_end``: the best checkpoint holds y, not x."""
+    if optim == "schedule_free_adamw" and load_best_model_at_end:
+        raise ConfigurationError(
+            "optim='schedule_free_adamw' cannot be combined with load_best_model_at_end=True: a checkpoint holds the "
+            "training iterate y (so that a resume continues exactly), not the averaged weights x that evaluation "
+            "scored. Set load_best_model_at_end=False (the weights after train() are x), or choose another optim."
         )
 
 

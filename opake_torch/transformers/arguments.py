@@ -671,6 +671,7 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
         self.metric_for_best_model = metric
         if self.save_strategy == "best" and self.eval_strategy == "no":
             raise ConfigurationError("save_strategy='best' requires eval_strategy != 'no' (best is judged on eval).")
+        p.check_schedule_free_best_model(self.optim, self.load_best_model_at_end)
         if not self.load_best_model_at_end:
             return
         if self.save_strategy == "no" or self.eval_strategy == "no":

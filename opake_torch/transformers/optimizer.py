@@ -8,7 +8,7 @@ from typing import Any
 from opake_core import optim
 from opake_core.errors import ConfigurationError
 from opake_core.optim import schedules
-from opake_torch.transformers._parsing import OPTIMIZERS
+from opake_torch.transformers._parsing import OPTIMIZERS, check_schedule_free_best_model
 
 __all__ = ["build_optimizer", "build_schedule"]
 
@@ -90,10 +90,5 @@ def build_optimizer(args: Any, total_steps: int) -> optim.Optimizer:
     elif name == "ademamix":
         b1, b2 = extra.pop("beta1", betas[0]), extra.pop("beta2", betas[1])
         defaults.update(betas=(b1, b2, extra.pop("beta3", 0.9999)), eps=args.adam_epsilon)
-    if name == "schedule_free_adamw" and getattr(args, "load_best_model_at_end", False):
-        raise ConfigurationError(
-            "optim='schedule_free_adamw' cannot be combined with load_best_model_at_end=True: a checkpoint holds the "
-            "training iterate y (so that a resume continues exactly), not the averaged weights x that evaluation "
-            "scored. Set load_best_model_at_end=False (the weights after train() are x), or choose another optim."
-        )
+    check_schedule_free_best_model(name, getattr(args, "load_best_model_at_end", False))
     return _FACTORIES[name](lr, **{**defaults, **extra})

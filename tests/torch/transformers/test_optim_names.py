@@ -251,16 +251,16 @@ def test_schedule_free_resume_is_bitwise_identical(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(optree.tree_leaves(a), optree.tree_leaves(b), strict=True))
 
 
-def test_schedule_free_refuses_load_best_model_at_end(tmp_path):
-    args = _args(
-        tmp_path,
-        optim="schedule_free_adamw",
-        load_best_model_at_end=True,
-        eval_strategy="steps",
-        eval_steps=2,
-        save_strategy="steps",
-        save_steps=2,
-    )
-    trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA, eval_dataset=DATA[:8])
-    with pytest.raises(ConfigurationError, match=r"schedule_free_adamw.*load_best_model_at_end=True.*averaged"):
-        trainer.train()
+BEST = {"eval_strategy": "steps", "eval_steps": 2, "save_strategy": "steps", "save_steps": 2}
+REFUSAL = r"optim='schedule_free_adamw' cannot be combined with load_best_model_at_end=True.*averaged"
+
+
+@pytest.mark.parametrize("name", ["schedule_free_adamw", "schedule_free"])
+def test_schedule_free_refuses_load_best_model_at_end_when_constructed(tmp_path, name):
+    with pytest.raises(ConfigurationError, match=REFUSAL):
+        _args(tmp_path, optim=name, load_best_model_at_end=True, **BEST)
+    args = _args(tmp_path, optim=name, load_best_model_at_end=False, **BEST)
+    assert (args.optim, args.load_best_model_at_end) == ("schedule_free_adamw", False)
+    args.load_best_model_at_end = True
+    with pytest.raises(ConfigurationError, match=REFUSAL):
+        build_optimizer(args, 4)

@@ -26,6 +26,14 @@ def test_configs_subclass_training_arguments_and_keep_its_validation():
         DPOConfig(**DP, per_device_train_batch_size=2, microbatch_size=4)
 
 
+@pytest.mark.parametrize("cls", [SFTConfig, DPOConfig])
+def test_configs_refuse_schedule_free_with_load_best_model_at_end(cls):
+    kwargs = {**DP, "optim": "schedule_free_adamw", "eval_strategy": "steps", "save_strategy": "steps"}
+    with pytest.raises(ConfigurationError, match="optim='schedule_free_adamw' cannot be combined with load_best"):
+        cls(**kwargs, load_best_model_at_end=True)
+    assert cls(**kwargs, load_best_model_at_end=False).optim == "schedule_free_adamw"
+
+
 def test_constructing_configs_does_not_import_trl():
     code = "import sys; from opake_torch.transformers.trl import SFTConfig, DPOConfig; " \
            "SFTConfig(privacy_noise_multiplier=0.0); DPOConfig(privacy_noise_multiplier=0.0); " \
