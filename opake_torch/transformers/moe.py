@@ -36,6 +36,7 @@ __all__ = [
     "LOAD_KEY",
     "ROUTER_STREAM",
     "RouterSetup",
+    "batched_router_loss",
     "capture_router_logits",
     "moe_geometry",
     "router_logits_off",
@@ -140,6 +141,42 @@ def router_loss(
         mask = example.get(mask_key)
         statistic = load_statistic(geometry, logits, mask)
         return value + coefficient * surrogate_loss(geometry, logits, load, mask).to(value.dtype), statistic
+
+    return loss
+
+
+def batched_router_loss(
+    model: nn.Module,
+    batch_losses: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor],
+    geometry: RouterGeometry,
+    *,
+    coefficient: float,
+    mask_key: str = "attention_mask",
+) -> Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]:
+    """The batched form of :func:`router_loss`, for the layerwise engine: ``(losses + coefficient * surrogates [m],
+    statistics [m, L, E])`` from one forward of the batch, row ``i`` that of :func:`router_loss` on example ``i``.
+
+    The routers see the batch's tokens flattened to ``[m T, E]``; example ``i`` owns rows ``i T ... i T + T - 1``.
+    """
+
+    def loss(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        load = batch[LOAD_KEY]
+        inputs = {k: v for k, v in batch.items() if k != LOAD_KEY}
+        with capture_router_logits(model) as captured:
+            values = batch_losses(params, inputs)
+        if len(captured) != geometry.num_layers:
+            raise ConfigurationError(
+                f"the forward ran {len(captured)} routers, the geometry has num_layers={geometry.num_layers}; "
+                "build the geometry with moe_geometry(model) for this model."
+            )
+        m = values.shape[0]
+        logits = torch.stack([c.reshape(m, -1, geometry.num_experts) for c in captured], dim=1)  # [m, L, T, E]
+        mask = inputs.get(mask_key)
+        if mask is None:
+            mask = torch.ones(logits.shape[:3:2], dtype=torch.long, device=logits.device)  # [m, T]
+        statistics = torch.vmap(lambda x, k: load_statistic(geometry, x, k))(logits, mask)
+        surrogates = torch.vmap(lambda x, f, k: surrogate_loss(geometry, x, f, k))(logits, load, mask)
+        return values + coefficient * surrogates.to(values.dtype), statistics
 
     return loss
 

@@ -48,7 +48,13 @@ from opake_torch.transformers.loss import batch_losses, fused_causal_lm_losses, 
 from opake_torch.transformers.microbatch import ShrinkingStep
 from opake_torch.transformers.model_card import write_trainer_card
 from opake_torch.transformers.model_setup import check_inputs, prepare_model
-from opake_torch.transformers.moe import RouterSetup, router_logits_off, router_loss, with_load
+from opake_torch.transformers.moe import (
+    RouterSetup,
+    batched_router_loss,
+    router_logits_off,
+    router_loss,
+    with_load,
+)
 from opake_torch.transformers.optimizer import build_optimizer, build_schedule
 from opake_torch.transformers.privacy import PrivacyPlan, build_plan, check_next_segment, clipping_rule
 from opake_torch.transformers.reporting import RunLogCallback, integration_callbacks
@@ -179,8 +185,9 @@ class DPTrainer(DataLoaders):
             batched = getattr(self, "compute_batch_losses_and_metrics", None)
             unbatched = unbatched or batched is None
         reasons = reasons if unbatched else []
-        if self._router is not None:
-            reasons.append("the router release needs each example's load statistic, an output of vmap(grad)")
+        if self._router is not None:  # each example's loss with its surrogate, and its load statistic
+            setup = self._router
+            batched = batched_router_loss(self.model, batched, setup.geometry, coefficient=setup.coefficient)
         self._layerwise = engines.layerwise_engine(self.model, self._params, args, batched, reasons=reasons)
         reporting = [*integration_callbacks(args), RunLogCallback]  # report_to: Hugging Face's integrations
         printer = PrinterCallback if args.disable_tqdm else ProgressCallback
@@ -309,14 +316,7 @@ class DPTrainer(DataLoaders):
             keys = checkpointing.resumed_keys(args, saved, folder, plan, unchanged=unchanged, fresh=fresh)
         optimizer = self._optimizer = build_optimizer(args, plan.total_steps)
         if self._layerwise is not None and len(self.train_dataset):  # checked once per train() on two examples
-            self._layerwise = engines.verified(
-                self._layerwise,
-                args=args,
-                model=self.model,
-                params=self._params,
-                loss_fn=self._loss_fn(),
-                batch=self._batch(self.train_dataset, np.arange(min(2, len(self.train_dataset)))),
-            )
+            self._layerwise = self._verified_layerwise()
         transform = engines.chunk_transform(args, keep=lambda graphs: setattr(self, "chunk_graphs", graphs))
         # default chunk: the expected batch per device, the memory of one non-private step; a larger Poisson draw
         # runs as equal chunks
@@ -357,6 +357,21 @@ class DPTrainer(DataLoaders):
         )
         self._keys = keys
         return run, step_fn
+
+    def _verified_layerwise(self) -> Any:
+        """The layerwise engine after its check on the first two training examples (None: ``'auto'`` fell back).
+        With the router release, the check compares the loss with its surrogate at the uniform load ``k / E``."""
+        batch = self._batch(self.train_dataset, np.arange(min(2, len(self.train_dataset))))
+        loss_fn = self._loss_fn()
+        if self._router is not None:
+            geometry = self._router.geometry
+            batch = with_load(batch, torch.full((geometry.num_experts,), geometry.uniform, dtype=torch.float64))
+            with_router = self._loss_fn(router=True)
+            loss_fn = lambda params, example: with_router(params, example)[0]  # noqa: E731
+        with router_logits_off(self.model) if self._router is not None else contextlib.nullcontext():
+            return engines.verified(
+                self._layerwise, args=self.args, model=self.model, params=self._params, loss_fn=loss_fn, batch=batch
+            )
 
     def _check_router_resume(self, saved: dict[str, Any] | None, folder: Path | None) -> None:
         """Refuse a resume that switches the router release on or off, or changes its settings."""

@@ -98,8 +98,27 @@ def test_a_dense_model_and_per_example_metrics_are_refused_at_trainer_constructi
 
     with pytest.raises(ConfigurationError, match=r"example_metrics.*not combined"):
         WithMetrics(tiny_moe("qwen3_moe"), _args(tmp_path), train_dataset=DATA)
-    with pytest.raises(ConfigurationError, match=r"per_example_gradients='layerwise' cannot serve this run"):
-        DPTrainer(tiny_moe("qwen3_moe"), _args(tmp_path, per_example_gradients="layerwise"), train_dataset=DATA)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_the_layerwise_engine_trains_the_release_as_vmap_does(tmp_path, model_type):
+    """With the release on, 'auto' takes the layerwise engine: its batched loss returns every example's surrogate
+    and load statistic from one forward. With the same keys it trains the weights and releases the load estimates
+    of vmap(grad), step after step (the estimate of one step steers the routers at the next)."""
+    runs = {}
+    for engine in ("auto", "vmap"):
+        args = _args(tmp_path / engine, max_steps=3, privacy_noise_seed=5, per_example_gradients=engine)
+        trainer = DPTrainer(tiny_moe(model_type), args, train_dataset=DATA)
+        trainer.train()
+        runs[engine] = trainer
+    assert runs["auto"].per_example_gradients_engine == "layerwise"
+    assert runs["vmap"].per_example_gradients_engine == "vmap"
+    layerwise, vmap = (dict(runs[e].model.named_parameters()) for e in ("auto", "vmap"))
+    for name, value in vmap.items():
+        torch.testing.assert_close(layerwise[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    states = [runs[e].router_state for e in ("auto", "vmap")]
+    assert states[0].step == states[1].step == 3
+    torch.testing.assert_close(states[0].filtered, states[1].filtered, rtol=0, atol=1e-9)
 
 
 # -- accounting ------------------------------------------------------------------------------------------------------
@@ -190,7 +209,7 @@ def test_with_noise_multiplier_0_the_load_estimate_is_the_true_batch_load(tmp_pa
     batch_of = trainer._batch
     trainer._batch = lambda dataset, indices: (drawn.append(list(indices)), batch_of(dataset, indices))[1]
     trainer.train()
-    (indices,) = drawn
+    indices = drawn[-1]  # the step's draw (the layerwise engine's check draws two examples first)
     lengths = {len(DATA[i]["input_ids"]) for i in indices}
     assert len(indices) == 8 and max(lengths) > 6 and min(lengths) < max(lengths)  # clipped weights and padding
     expected = _true_load(initial, [DATA[i] for i in indices], k=2, e=4, max_tokens=6, mean=5.0, batch=8.0)
@@ -287,10 +306,11 @@ def test_the_estimate_of_one_step_steers_the_routers_at_the_next(tmp_path):
     for steps in (1, 2):
         for release in (True, False):
             router = ROUTER if release else {"router_aux_loss_coef": None, "router_aux_kwargs": None}
+            # one seed: both runs draw the same batches
             args = _args(
                 tmp_path / f"{steps}{release}", max_steps=steps, privacy_noise_multiplier=0.0,
                 sampling_mode="sequential", per_device_train_batch_size=8, privacy_noise_seed=0, **router,
-            )  # fmt: skip  (one seed: both runs draw the same batches)
+            )  # fmt: skip
             trainer = DPTrainer(tiny_moe("qwen3_moe", torch.float64), args, train_dataset=DATA)
             trainer.train()
             runs[steps, release] = _weights(trainer)
