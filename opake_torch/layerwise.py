@@ -39,8 +39,8 @@ Llama-style ``*RMSNorm`` layers, with their stock ``forward``; every layer must 
 Face models are batch-first). Hugging Face's mixture-of-experts layers too, which see the tokens flattened to
 ``[m T, d]``: top-k routers (a linear layer on those rows; a tensor hook on the logits they return sees the gradient
 through the routing weights) and stacked ``[E, ...]`` experts, which run :func:`_tapped_experts_forward` during the
-pass (one row per token and chosen expert; the ghost norm masks the cross terms of rows routed to different experts,
-the clipped sum is one matmul per expert).
+pass (one row per token and chosen expert; ghost norms per expert from the rows of each example routed to it, the
+clipped sum one matmul per expert).
 
 A parameter used by several layers or calls (tied embeddings) is instantiated per call and summed before its norm
 is taken. The batched pass assumes that examples do not interact: modules that mix
@@ -417,10 +417,8 @@ def _ghost_norms(call: _Call, m: int, input_gram: Callable[[_Call], torch.Tensor
         ids, live = _live_ids(call, m)
         same = (ids[:, :, None] == ids[:, None, :]) & live[:, :, None] & live[:, None, :]
         return _frobenius(same.to(torch.float64), _gram(g))
-    if call.kind == "experts":  # rows routed to different experts meet different weights: no cross term
-        experts = call.experts.reshape(m, -1)
-        same = experts[:, :, None] == experts[:, None, :]
-        return _frobenius(_gram(_rows(call.inputs, m)) * same, _gram(g))
+    if call.kind == "experts":
+        return _expert_norms(call, m)
     return _frobenius(input_gram(call), _gram(g))
 
 
@@ -615,6 +613,25 @@ def _replace_forward(module: nn.Module, forward: Callable[..., Any], tap: Callab
     previous = module.__dict__.get("forward")
     module.forward = lambda *args: forward(module, tap, *args)
     return _Restore(module, previous)
+
+
+def _expert_norms(call: _Call, m: int) -> torch.Tensor:
+    """float64 ``[m]`` squared norms of an experts call's per-example gradients. Rows routed to different experts
+    meet different weights, so they have no cross term: for each expert, the Gram matrices of the rows of each example
+    routed to it (``[m, P, d]``, padded with zero rows to the largest such count ``P``), about ``(T k / E)^2`` entries
+    per example instead of the ``(T k)^2`` of all its rows."""
+    x, g = call.inputs, call.grad  # [m R, in], [m R, out]: example i owns rows i R ... i R + R - 1
+    per_example = x.shape[0] // m
+    total = torch.zeros(m, dtype=torch.float64, device=x.device)
+    for e in torch.unique(call.experts).tolist():
+        rows = (call.experts == e).nonzero().squeeze(1)  # ascending, so their examples are sorted
+        example = torch.div(rows, per_example, rounding_mode="floor")
+        slot = torch.arange(rows.shape[0], device=x.device) - torch.searchsorted(example, example)
+        width = int(slot.max()) + 1
+        xe = x.new_zeros(m, width, x.shape[-1]).index_put_((example, slot), x[rows])
+        ge = g.new_zeros(m, width, g.shape[-1]).index_put_((example, slot), g[rows])
+        total += _frobenius(_gram(xe), _gram(ge))
+    return total
 
 
 def _add_expert_dense(call: _Call, attr: str, g: torch.Tensor, a: torch.Tensor, out: torch.Tensor) -> None:
