@@ -25,8 +25,9 @@ class Workload:
     Attributes:
         name: identifier used in the outputs and on the command line.
         family: ``"bert"`` (sequence classification, full fine-tune), ``"llama_lora"`` (causal LM, frozen base with
-            LoRA adapters on every linear layer of the blocks), ``"llama"`` (causal LM, full fine-tune) or ``"gpt2"``
-            (causal LM, full fine-tune).
+            LoRA adapters on every linear layer of the blocks), ``"llama"`` (causal LM, full fine-tune), ``"gpt2"``
+            (causal LM, full fine-tune) or ``"qwen3_moe"`` (mixture-of-experts causal LM, full fine-tune: routers and
+            stacked experts included).
         batch: examples per step (the same fixed batch in every mode).
         seq: tokens per example.
         dtype: dtype of the base weights (``"float32"`` or ``"bfloat16"``); LoRA adapters stay float32 (PEFT's default).
@@ -77,6 +78,32 @@ LLAMA3_8B = {  # the shape of Llama-3-8B (random weights)
     "rope_theta": 500000.0,
 }
 CHECKPOINTING = {"gradient_checkpointing": True}
+QWEN3_MOE_SMALL = {  # a Qwen3-MoE-shaped model of about 2B parameters (0.5B active): 32 experts, top-4
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "moe_intermediate_size": 704,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+TINY_QWEN3_MOE = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
 TINY_BERT = {
     "hidden_size": 32,
     "intermediate_size": 64,
@@ -166,6 +193,23 @@ SCALE: tuple[Workload, ...] = (
         trainer_args={**CHECKPOINTING, "bf16": True},
         description="Llama-style 1.1B, full fine-tune, fp32 weights, bf16 autocast, gradient checkpointing",
     ),
+    Workload(
+        "qwen3moe_full_s512_b8",
+        "qwen3_moe",
+        8,
+        512,
+        config=QWEN3_MOE_SMALL,
+        trainer_args={"bf16": True},
+        description="Qwen3-MoE shape (32 experts, top-4), full fine-tune incl. routers and experts, bf16 autocast",
+    ),
+    Workload(
+        "tiny_qwen3moe_full_s16_b4",
+        "qwen3_moe",
+        4,
+        16,
+        config=TINY_QWEN3_MOE,
+        description="tiny Qwen3-MoE, full fine-tune incl. routers and experts",
+    ),
     # A tiny stand-in of the full fine-tune with checkpointing and bf16: fast on CPU (the harness's smoke test).
     Workload(
         "tiny_llama_full_s16_b4_ckpt",
@@ -188,6 +232,7 @@ def build_model(workload: Workload, device: torch.device, *, seed: int = 0) -> t
         GPT2Config,
         GPT2LMHeadModel,
         LlamaConfig,
+        Qwen3MoeConfig,
     )
 
     torch.manual_seed(seed)
@@ -202,8 +247,11 @@ def build_model(workload: Workload, device: torch.device, *, seed: int = 0) -> t
         elif workload.family in ("llama", "llama_lora"):  # built in its dtype: an 8B model is not built in fp32 first
             config = LlamaConfig(attn_implementation="sdpa", **workload.config)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        elif workload.family == "qwen3_moe":
+            config = Qwen3MoeConfig(attn_implementation="sdpa", **workload.config)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:
-            families = "'bert', 'gpt2', 'llama' or 'llama_lora'"
+            families = "'bert', 'gpt2', 'llama', 'llama_lora' or 'qwen3_moe'"
             raise ValueError(f"unknown workload family {workload.family!r}; use {families}.")
     model = model.to(dtype)
     if workload.family == "llama_lora":

@@ -154,6 +154,18 @@ def test_e2e_trainer_passes_the_workload_knobs_to_both_trainers(tmp_path: Path) 
     assert records[1]["engine"] == "layerwise"
 
 
+def test_the_moe_workload_runs_its_routers_and_experts_on_the_layerwise_engine(tmp_path) -> None:
+    """The mixture-of-experts workload (a full fine-tune, routers and stacked experts included) runs on both
+    trainers, the private one on the layerwise engine."""
+    command = [sys.executable, str(E2E_TRAINER), "--tiny", "--in-process", "--modes", "hf", "dp"]
+    command += ["--out", str(tmp_path), "--workloads", "tiny_qwen3moe_full_s16_b4", "--steps", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = json.loads((tmp_path / "results.json").read_text())["records"]
+    assert [(r["mode"], r["ok"], r["engine"]) for r in records] == [("hf", True, "autograd"), ("dp", True, "layerwise")]
+
+
 def test_max_sequence_search_brackets_the_limit() -> None:
     """The search of ``max_sequence.py`` against a known limit: the longest length that ran and the shortest that
     failed are one resolution apart around it, whatever the start."""
