@@ -127,20 +127,11 @@ def router_loss(
     runs. The statistic is ``s(x)`` of :func:`opake_core.moe.load_statistic`, ``[L, E]``, detached.
     """
 
+    batched = batched_router_loss(model, batch_losses, geometry, coefficient=coefficient, mask_key=mask_key)
+
     def loss(params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        load = example[LOAD_KEY]
-        inputs = {k: v[None] for k, v in example.items() if k != LOAD_KEY}
-        with capture_router_logits(model) as captured:
-            value = batch_losses(params, inputs)[0]
-        if len(captured) != geometry.num_layers:
-            raise ConfigurationError(
-                f"the forward ran {len(captured)} routers, the geometry has num_layers={geometry.num_layers}; "
-                "build the geometry with moe_geometry(model) for this model."
-            )
-        logits = torch.stack([c.reshape(-1, geometry.num_experts) for c in captured])  # [L, T, E]
-        mask = example.get(mask_key)
-        statistic = load_statistic(geometry, logits, mask)
-        return value + coefficient * surrogate_loss(geometry, logits, load, mask).to(value.dtype), statistic
+        values, statistics = batched(params, {k: v[None] for k, v in example.items()})
+        return values[0], statistics[0]
 
     return loss
 
