@@ -18,7 +18,8 @@ A linear layer that ran in bfloat16 (bf16 weights or bf16 autocast: its output g
 gradient ``g^T bf16(a)``, a product of bf16 factors, so its norms are taken from the bf16-rounded input and its
 clipped sum runs on bf16 tensor cores with float32 accumulation: the scaled factor ``fl32(c_i g_it)`` of the float32
 sum is split exactly into three bf16 parts (8 + 8 + 8 significand bits), so the contribution of every example is the
-float32 one, at a third of the cost of a float32 matmul on a GPU (see :func:`_bf16_parts`).
+float32 one: three bf16 tensor-core products in place of one float32 matmul without tensor cores (see
+:func:`_bf16_parts`).
 
 :class:`LayerwiseGradients` is the ``gradients`` part of an :class:`opake_core.clipping.Engine`. Clipping itself
 stays in :mod:`opake_core.clipping.rules`, which takes the squared norms, forms the scales with the same rule and
@@ -811,12 +812,15 @@ class LayerwiseGradients:
                 )
             return tap(_Call(kind, module, attrs, x, positions), output)
 
-        def tap(call: _Call, output: torch.Tensor) -> torch.Tensor | None:
-            """Record ``call`` and hand it its output's gradient in the backward (None: the output is unchanged)."""
+        def register(call: _Call) -> None:
             calls.append(call)
             if call.kind not in ("embedding", "experts"):
                 call.input_key = _same_tensor(call.inputs)
                 grams.read_by(call)
+
+        def tap(call: _Call, output: torch.Tensor) -> torch.Tensor | None:
+            """Record ``call`` and hand it its output's gradient in the backward (None: the output is unchanged)."""
+            register(call)
             if hooks_suffice and output.requires_grad:
                 output.register_hook(lambda grad: record(call, grad))
                 return None
@@ -835,9 +839,7 @@ class LayerwiseGradients:
                     f"{out.m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
                 )
             call = _Call("linear", module, attrs, x, positions)
-            calls.append(call)
-            call.input_key = _same_tensor(x)
-            grams.read_by(call)
+            register(call)
             logits.register_hook(lambda grad: record(call, grad))
             return None
 

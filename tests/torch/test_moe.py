@@ -159,6 +159,34 @@ def test_layerwise_engine_serves_routers_and_stacked_experts(model_type: str, gh
     assert not any("forward" in vars(m) for m in model.modules())  # the experts' own forward is back
 
 
+def test_checkpointed_moe_layers_give_the_float64_loop_sum() -> None:
+    """Routers and experts inside checkpointed decoder layers (``enable_vmap_checkpointing``): their forward keeps
+    nothing, the recompute in the backward runs the tapped experts forward, and the clipped sum equals the float64
+    loop (whose per-example gradients run the same checkpointing under torch.func)."""
+    from opake_torch.layerwise import LayerwiseGradients
+    from opake_torch.patches.checkpointing import enable_vmap_checkpointing
+
+    apply_compat_patches()
+    model = tiny_moe("qwen3_moe", torch.float64)
+    assert enable_vmap_checkpointing(model) > 0
+    model.train()
+    apply, params, frozen = functional_model(model)
+    data = _batch()
+
+    def loss(p, example):
+        return per_example_loss(apply, p, frozen, example, task="causal_lm")
+
+    def losses(p, batch):
+        return batch_losses(apply, p, frozen, batch, task="causal_lm")
+
+    engine = Engine(gradients=LayerwiseGradients(model, losses))
+    grad_fn, state = clipped_grad(loss, clipping_norm=C, batch_argnums=1, microbatch_size=2, engine=engine)
+    clipped, _ = grad_fn(params, data, state=state)
+    reference = _float64_loop(loss, params, data, C)
+    for name, value in reference.items():
+        assert float((clipped.value[name] - value).norm()) <= 1e-12 * float(value.norm()), name
+
+
 def test_layerwise_engine_refuses_expert_parallel_experts() -> None:
     model = tiny_moe("qwen3_moe", torch.float32)
     experts = model.model.layers[0].mlp.experts
