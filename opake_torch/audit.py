@@ -809,25 +809,30 @@ class _CanaryRows(Sequence):
         return {**self.base[0], CANARY_FIELD: int(self.slots[i - len(self.base)])}
 
 
-class _Recorder:
-    """The iterates a ``DPTrainer`` run goes through (``before[t]``: the trainable parameters before step ``t``) and
-    its privacy plan."""
+def _recorder(trainer: Any) -> Any:
+    """A callback that keeps the canary block of ``trainer``'s iterate before every step (``before[t]``, float64)."""
+    from transformers import TrainerCallback
 
-    def __init__(self) -> None:
-        self.before: list[np.ndarray] = []
-        self.plan: Any = None
+    class Recorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.before: list[np.ndarray] = []
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            block = trainer.trainable_params[CANARY_LEAF]
+            self.before.append(block.detach().double().cpu().numpy().copy())
+
+    return Recorder()
 
 
-def _dirac_trainer_class(base: type, canaries: DiracCanaries, recorder: _Recorder) -> type:
-    """A subclass of ``base`` whose per-example loss adds the Dirac canaries and whose step records the canary
-    block before every step."""
+def _dirac_trainer_class(base: type, canaries: DiracCanaries) -> type:
+    """A subclass of ``base`` whose per-example loss adds the Dirac canaries and whose batches keep their column."""
     m, scale = len(canaries), canaries.gradient_norm
 
     class DiracCanaryTrainer(base):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            if self._columns is not None:  # remove_unused_columns keeps the model's inputs only
-                self._columns = self._columns | {CANARY_FIELD}
+            if self.dataset_columns is not None:  # remove_unused_columns keeps the model's inputs only
+                self.dataset_columns = self.dataset_columns | {CANARY_FIELD}
 
         def compute_per_example_loss(self, params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]):
             example = dict(example)
@@ -836,17 +841,6 @@ def _dirac_trainer_class(base: type, canaries: DiracCanaries, recorder: _Recorde
             block = params[CANARY_LEAF]
             hit = (torch.arange(m, device=block.device) == slot).to(block.dtype)
             return torch.where(slot == REAL_ROW, real, torch.zeros_like(real)) + scale * (block * hit).sum()
-
-        def _start(self, saved: Any, folder: Any) -> tuple[Any, Any]:
-            run, step_fn = super()._start(saved, folder)
-            recorder.plan = run.plan
-
-            def observed(*args: Any, **kwargs: Any) -> Any:
-                params = args[0] if isinstance(args[0], dict) else args[0][0]  # a shrinking step takes (inputs, n)
-                recorder.before.append(params[CANARY_LEAF].detach().double().cpu().numpy().copy())
-                return step_fn(*args, **kwargs)
-
-            return run, observed
 
     return DiracCanaryTrainer
 
@@ -921,11 +915,12 @@ def audit_trainer_dirac(
         raise ConfigurationError(f"the model already has {CANARY_LEAF!r}; audit a fresh model.")
     first = next(model.parameters())
     model.register_parameter(CANARY_LEAF, torch.nn.Parameter(torch.zeros(num_canaries, dtype=first.dtype)))
-    recorder = _Recorder()
-    trainer_cls = _dirac_trainer_class(trainer_class, canaries, recorder)
+    trainer_cls = _dirac_trainer_class(trainer_class, canaries)
     trainer = trainer_cls(model, args, train_dataset=_CanaryRows(list(train_dataset), canaries.slots), **trainer_kwargs)
+    recorder = _recorder(trainer)
+    trainer.add_callback(recorder)
     output = trainer.train()
-    plan = recorder.plan
+    plan = trainer.privacy_plan
     if plan is None or plan.strategy is not None or dict(plan.sampler.config).get("sampler") != "poisson":
         raise ConfigurationError(
             "audit_trainer_dirac audits DP-SGD with Poisson sampling; for DP-FTRL use audit_dirac_run with the core "

@@ -150,7 +150,8 @@ class DPTrainer(DataLoaders):
         self.chunk_graphs: CudaGraphChunk | None = None  # the CUDA-graph captures of the chunk (cuda_graphs > 0)
         self.task = None if compute_loss_func is not None else infer_task(model)
         self.label_names = tuple(args.label_names or ["labels"])
-        self._columns = (
+        # the dataset columns a batch keeps (None: all of them); a subclass whose loss reads another column adds it
+        self.dataset_columns = (
             (model_input_names(model) | set(self.label_names) | {"label"}) if args.remove_unused_columns else None
         )
         self._apply, self._params, self._frozen = functional_model(self.model)
@@ -177,6 +178,7 @@ class DPTrainer(DataLoaders):
                 "router_aux_loss_coef=0.0, or drop example_metrics."
             )
         self._router_state = None  # the last train()'s RouterState (the public, noised load estimate)
+        self._live: Run | None = None  # the run of the train() in progress
         overrides = type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss
         unbatched = overrides and type(self).compute_batch_losses is DPTrainer.compute_batch_losses
         reasons = [f"{type(self).__name__} overrides compute_per_example_loss but not compute_batch_losses"]
@@ -218,8 +220,8 @@ class DPTrainer(DataLoaders):
     def _host_batch(self, dataset: Any, indices: np.ndarray) -> dict[str, torch.Tensor]:
         """The rows ``indices`` of ``dataset`` collated on the host (in a loader's worker process, for evaluation)."""
         if len(indices):
-            return self._collate(fetch(dataset, indices, self._columns))
-        template = self._collate(fetch(dataset, [0], self._columns))  # an empty Poisson draw is still a step
+            return self._collate(fetch(dataset, indices, self.dataset_columns))
+        template = self._collate(fetch(dataset, [0], self.dataset_columns))  # an empty Poisson draw is still a step
         return {k: v[:0] for k, v in template.items() if isinstance(v, torch.Tensor)}
 
     def _to_device(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -411,6 +413,7 @@ class DPTrainer(DataLoaders):
         folder, saved = checkpointing.resume_point(resume_from_checkpoint, args.output_dir)
         run, step_fn = self._start(saved, folder)
         plan = run.plan
+        self._live = run
         self.state = run.trainer_state(args)
         if saved is not None:
             checkpointing.restore(
@@ -456,6 +459,7 @@ class DPTrainer(DataLoaders):
             if int(self.state.epoch) > epoch_before:
                 self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
             self._log_save_evaluate(run)
+        self._live = None
         if run.count:
             self._log_steps(run)
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
@@ -602,6 +606,19 @@ class DPTrainer(DataLoaders):
         the filtered, noised load estimate; ``imbalance`` and ``filtered_noise_std`` are logged); None without the
         release."""
         return self._router_state
+
+    @property
+    def trainable_params(self) -> dict[str, torch.Tensor]:
+        """The trainable parameters ``{name: tensor}``: during ``train()``, those the next step starts from (what a
+        callback's ``on_step_begin`` reads is the iterate before that step; the model's own tensors are written at
+        saves and at the end); otherwise the trained ones. Read them, do not modify them."""
+        return self._live.params if self._live is not None else self._params
+
+    @property
+    def privacy_plan(self) -> PrivacyPlan | None:
+        """The privacy plan (sampler, noise multiplier, steps, release) of the ``train()`` in progress, else of the
+        last one; None before the first."""
+        return self._live.plan if self._live is not None else self._plan
 
     @property
     def per_example_gradients_engine(self) -> str:

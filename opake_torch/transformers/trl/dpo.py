@@ -221,7 +221,7 @@ class DPOTrainer(DPTrainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        self._columns = None  # the formatted rows hold exactly the preference columns
+        self.dataset_columns = None  # the formatted rows hold exactly the preference columns
         if ref_model is not None:
             self._ref_apply, ref_params, ref_frozen = functional_model(ref_model)
             self._ref_tensors = {**ref_frozen, **ref_params}

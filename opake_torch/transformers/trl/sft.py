@@ -205,7 +205,7 @@ class SFTTrainer(DPTrainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        self._columns = COLUMNS
+        self.dataset_columns = COLUMNS
         self._head = output_embedding_name(self.model) if args.loss_type == "chunked_nll" else None
 
     def _format(self, dataset: Any, tokenizer: Any, args: SFTConfig) -> list[dict[str, torch.Tensor]] | None:

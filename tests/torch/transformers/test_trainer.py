@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import warnings
@@ -247,6 +248,32 @@ def test_callbacks_and_logs(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "out/runs/log.jsonl").read_text().splitlines()]
     assert any("privacy_epsilon" in row for row in rows)
     assert trainer.state.best_model_checkpoint is not None
+
+
+def test_a_callback_reads_each_iterate_and_the_plan_of_the_run_in_progress(tmp_path):
+    """``trainable_params`` in ``on_step_begin`` is the iterate the step starts from: the first is the model's
+    initial weights, and every weight moves between consecutive ones (the noise reaches all of them); after
+    ``train()`` it is the trained weights, which the model holds too.
+    ``privacy_plan`` is the run's plan during and after ``train()``, None before."""
+    trainer = DPTrainer(tiny_model("llama"), _args(tmp_path, optim="sgd"), train_dataset=DATA)
+    initial = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    assert trainer.privacy_plan is None
+    seen, plans = [], []
+
+    class Reader(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            plans.append(trainer.privacy_plan)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            seen.append({k: v.detach().clone() for k, v in trainer.trainable_params.items()})
+
+    trainer.add_callback(Reader())
+    trainer.train()
+    assert len(seen) == 4 and all(torch.equal(seen[0][k], initial[k]) for k in seen[0])
+    assert all(not torch.equal(a[k], b[k]) for a, b in itertools.pairwise(seen) for k in a)
+    trained = dict(trainer.model.named_parameters())
+    assert all(torch.equal(v, trained[k]) for k, v in trainer.trainable_params.items())
+    assert plans == [trainer.privacy_plan] and trainer.privacy_plan.total_steps == 4
 
 
 def test_rules(tmp_path):
