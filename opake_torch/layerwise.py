@@ -53,6 +53,7 @@ supported layer and any other coupling. Hooks exist only for the duration of one
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -183,6 +184,34 @@ class _Tap(torch.autograd.Function):
         return grad, torch.zeros((), dtype=dtype, device=device), None
 
 
+@dataclass(frozen=True)
+class _Routing:
+    """Where the ``m R`` rows of an experts layer went (example ``i`` owns rows ``i R ... i R + R - 1``), read from
+    the device once per layer: ``order`` lists the rows grouped by expert (ascending within each), ``counts[e]`` is
+    how many went to expert ``e`` and ``widths[e]`` the most that one example sent it."""
+
+    experts: torch.Tensor  # [m R]: the expert of every row
+    order: torch.Tensor
+    counts: list[int]
+    widths: list[int]
+
+    @staticmethod
+    def of(experts: torch.Tensor, num_experts: int, m: int) -> _Routing:
+        example = torch.div(torch.arange(experts.shape[0], device=experts.device), experts.shape[0] // m,
+                            rounding_mode="floor")  # fmt: skip
+        per_pair = torch.bincount(experts * m + example, minlength=num_experts * m).view(num_experts, m)
+        counts, widths = torch.stack([per_pair.sum(dim=1), per_pair.max(dim=1).values]).tolist()
+        return _Routing(experts, torch.argsort(experts, stable=True), counts, widths)
+
+    def groups(self) -> Iterator[tuple[int, torch.Tensor, int]]:
+        """``(expert, its rows in ascending order, widest example)`` for every expert that got rows."""
+        start = 0
+        for e, (count, width) in enumerate(zip(self.counts, self.widths, strict=True)):
+            if count:
+                yield e, self.order[start : start + count], width
+            start += count
+
+
 @dataclass
 class _Call:
     """One call of a supported layer: its input, and the gradient of its output once the backward reached it."""
@@ -194,7 +223,7 @@ class _Call:
     positions: int  # T: the positions of one example the layer runs on
     grad: torch.Tensor | None = None
     input_key: tuple[Any, ...] | None = None  # the identity of ``inputs`` (:func:`_same_tensor`)
-    experts: torch.Tensor | None = None  # kind "experts": the expert of every input row, ``[m * T]``
+    routing: _Routing | None = None  # kind "experts": which rows went to which expert
     transposed: bool = False  # kind "experts": weights stored ``[E, in, out]`` instead of ``[E, out, in]``
 
 
@@ -563,35 +592,33 @@ def _moe_kind(module: nn.Module) -> str | None:
     return None
 
 
-def _expert_linear(module: nn.Module, attr: str, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """Row ``r`` of ``x`` ``[S, in]`` through expert ``experts[r]``'s projection ``attr`` (and its bias): the rows
-    grouped by expert, one matmul per expert, back in their order."""
+def _expert_linear(module: nn.Module, attr: str, x: torch.Tensor, routing: _Routing) -> torch.Tensor:
+    """Row ``r`` of ``x`` ``[S, in]`` through its expert's projection ``attr`` (and its bias): the rows grouped by
+    expert, one matmul per expert, back in their order."""
     weight = getattr(module, attr)  # [E, out, in], or [E, in, out] when transposed
     bias = getattr(module, f"{attr}_bias") if module.has_bias else None
-    order = torch.argsort(experts, stable=True)
-    counts = torch.bincount(experts, minlength=weight.shape[0]).tolist()
     pieces = []
-    for e, rows in enumerate(torch.split(x[order], counts)):
-        if rows.shape[0]:
-            y = rows @ weight[e] if module.is_transposed else F.linear(rows, weight[e])
-            pieces.append(y if bias is None else y + bias[e])
-    return torch.cat(pieces)[torch.argsort(order)]
+    for e, rows, _ in routing.groups():
+        xe = x.index_select(0, rows)
+        y = xe @ weight[e] if module.is_transposed else F.linear(xe, weight[e])
+        pieces.append(y if bias is None else y + bias[e])
+    return torch.cat(pieces)[torch.argsort(routing.order)]
 
 
 def _tapped_experts_forward(
     module: nn.Module, tap: Callable[..., torch.Tensor], hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
+    top_k_weights: torch.Tensor, *, examples: int,
 ) -> torch.Tensor:  # fmt: skip
     """The experts layer's function (that of Hugging Face's ``batched_mm`` implementation: token ``n``'s ``k`` rows
     are rows ``n k ... n k + k - 1``), with its two projections tapped (``tap``), so that an example's rows are
-    contiguous: ``[m * T * k, d]`` from ``m`` examples of ``T`` tokens."""
+    contiguous: ``[m * T * k, d]`` from ``m = examples`` examples of ``T`` tokens."""
     tokens, k = top_k_index.shape
     x = hidden_states.repeat_interleave(k, dim=0)
-    experts = top_k_index.reshape(-1)
     first = "gate_up_proj" if module.has_gate else "up_proj"
-    h = tap(module, first, x, experts, _expert_linear(module, first, x, experts))
+    routing = _Routing.of(top_k_index.reshape(-1), getattr(module, first).shape[0], examples)
+    h = tap(module, first, x, routing, _expert_linear(module, first, x, routing))
     h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-    y = tap(module, "down_proj", h, experts, _expert_linear(module, "down_proj", h, experts))
+    y = tap(module, "down_proj", h, routing, _expert_linear(module, "down_proj", h, routing))
     weighted = y * top_k_weights.reshape(-1, 1)
     return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
@@ -619,18 +646,16 @@ def _replace_forward(module: nn.Module, forward: Callable[..., Any], tap: Callab
 def _expert_norms(call: _Call, m: int) -> torch.Tensor:
     """float64 ``[m]`` squared norms of an experts call's per-example gradients. Rows routed to different experts
     meet different weights, so they have no cross term: for each expert, the Gram matrices of the rows of each example
-    routed to it (``[m, P, d]``, padded with zero rows to the largest such count ``P``), about ``(T k / E)^2`` entries
+    routed to it (``[m, P, d]``, padded with zero rows to the widest example ``P``), about ``(T k / E)^2`` entries
     per example instead of the ``(T k)^2`` of all its rows."""
     x, g = call.inputs, call.grad  # [m R, in], [m R, out]: example i owns rows i R ... i R + R - 1
     per_example = x.shape[0] // m
     total = torch.zeros(m, dtype=torch.float64, device=x.device)
-    for e in torch.unique(call.experts).tolist():
-        rows = (call.experts == e).nonzero().squeeze(1)  # ascending, so their examples are sorted
-        example = torch.div(rows, per_example, rounding_mode="floor")
+    for _, rows, width in call.routing.groups():
+        example = torch.div(rows, per_example, rounding_mode="floor")  # sorted, as the rows are
         slot = torch.arange(rows.shape[0], device=x.device) - torch.searchsorted(example, example)
-        width = int(slot.max()) + 1
-        xe = x.new_zeros(m, width, x.shape[-1]).index_put_((example, slot), x[rows])
-        ge = g.new_zeros(m, width, g.shape[-1]).index_put_((example, slot), g[rows])
+        xe = x.new_zeros(m, width, x.shape[-1]).index_put_((example, slot), x.index_select(0, rows))
+        ge = g.new_zeros(m, width, g.shape[-1]).index_put_((example, slot), g.index_select(0, rows))
         total += _frobenius(_gram(xe), _gram(ge))
     return total
 
@@ -640,7 +665,7 @@ def _add_expert_dense(call: _Call, attr: str, g: torch.Tensor, a: torch.Tensor, 
     transposed) or bias (``[m, E, out]``) from output gradients ``g`` ``[m, R, out]`` and inputs ``a``
     ``[m, R, in]`` (``R`` rows per example)."""
     m, count = out.shape[0], out.shape[1]
-    experts = call.experts.reshape(m, -1)
+    experts = call.routing.experts.reshape(m, -1)
     if attr == "bias":
         flat = torch.arange(m, device=g.device)[:, None] * count + experts
         out.view(m * count, -1).index_add_(0, flat.reshape(-1), g.reshape(-1, g.shape[-1]))
@@ -656,8 +681,7 @@ def _add_expert_dense(call: _Call, attr: str, g: torch.Tensor, a: torch.Tensor, 
 def _add_expert_products(call: _Call, g: torch.Tensor, a: torch.Tensor, total: torch.Tensor) -> None:
     """``total[e] += g_e^T a_e`` (``a_e^T g_e`` transposed) over the rows ``g`` ``[S, out]``, ``a`` ``[S, in]``
     routed to each expert ``e``."""
-    for e in torch.unique(call.experts).tolist():
-        rows = (call.experts == e).nonzero().squeeze(1)
+    for e, rows, _ in call.routing.groups():
         ge, ae = g.index_select(0, rows), a.index_select(0, rows)
         if call.transposed:
             total[e].addmm_(ae.T, ge)
@@ -849,9 +873,9 @@ class LayerwiseGradients:
                 return None
             return (_Tap.apply(x, anchor, lambda grad: None), *args[1:])
 
-        def tap_experts(module: nn.Module, attr: str, x: torch.Tensor, experts: torch.Tensor, y: torch.Tensor) -> Any:
-            """One projection of an experts layer (``attr``: its weight): rows ``x`` ``[m * T, in]``, experts
-            ``[m * T]``, output ``y``; returns the output the layer continues with."""
+        def tap_experts(module: nn.Module, attr: str, x: torch.Tensor, routing: _Routing, y: torch.Tensor) -> Any:
+            """One projection of an experts layer (``attr``: its weight): rows ``x`` ``[m * T, in]`` routed as
+            ``routing`` says, output ``y``; returns the output the layer continues with."""
             attrs = by_module[module][1]
             names = {k: attrs[a] for k, a in (("weight", attr), ("bias", f"{attr}_bias")) if a in attrs}
             if not names:
@@ -865,7 +889,7 @@ class LayerwiseGradients:
                     f"a {type(module).__name__} layer runs on {x.shape[0]} rows, not a multiple of the batch of "
                     f"{out.m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
                 )
-            call = _Call("experts", module, names, x.detach(), positions, experts=experts.detach(),
+            call = _Call("experts", module, names, x.detach(), positions, routing=routing,
                          transposed=bool(module.is_transposed))  # fmt: skip
             tapped = tap(call, y)
             return y if tapped is None else tapped
@@ -873,7 +897,8 @@ class LayerwiseGradients:
         handles = []
         for module, (kind, _) in by_module.items():
             if kind == "experts":
-                handles.append(_replace_forward(module, _tapped_experts_forward, tap_experts))
+                forward = functools.partial(_tapped_experts_forward, examples=out.m)
+                handles.append(_replace_forward(module, forward, tap_experts))
                 continue
             if kind == "router":
                 handles.append(module.register_forward_pre_hook(link_router_input))
