@@ -124,24 +124,12 @@ def _float64_loop(loss, params, batch, bound):
 TRAINED = {"mixtral": "", "qwen3_moe": "", "gpt_oss": ".mlp."}
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-@pytest.mark.parametrize("ghost", [True, False], ids=["ghost", "instantiated"])
-def test_layerwise_engine_serves_routers_and_stacked_experts(model_type: str, ghost: bool, monkeypatch) -> None:
-    """The layerwise engine gives the float64 loop's clipped sum for the routers (their logits' gradient includes
-    the path through the routing weights) and the stacked ``[E, ...]`` experts (rows routed to different experts
-    add no cross term), by ghost norms or by instantiated per-example gradients."""
-    from opake_torch import layerwise
+def _assert_layerwise_equals_the_float64_loop(model: torch.nn.Module, microbatch_size: int | None = None) -> None:
+    """The layerwise engine's clipped sum on :func:`_batch` equals the float64 loop's to 1e-12 of each norm."""
     from opake_torch.layerwise import LayerwiseGradients
 
-    if not ghost:
-        monkeypatch.setattr(layerwise, "_prefers_ghost", lambda call, shape, m: call.kind == "embedding")
-    apply_compat_patches()
-    model = tiny_moe(model_type, torch.float64).eval()
-    for name, p in model.named_parameters():
-        p.requires_grad_(TRAINED[model_type] in name)
     apply, params, frozen = functional_model(model)
     assert unsupported_parameters(model, params) == []
-    assert any(".experts." in n for n in params) and any("router" in n or "gate.weight" in n for n in params)
     data = _batch()
 
     def loss(p, example):
@@ -151,7 +139,8 @@ def test_layerwise_engine_serves_routers_and_stacked_experts(model_type: str, gh
         return batch_losses(apply, p, frozen, batch, task="causal_lm")
 
     engine = Engine(gradients=LayerwiseGradients(model, losses))
-    grad_fn, state = clipped_grad(loss, clipping_norm=C, batch_argnums=1, engine=engine)
+    grad_fn, state = clipped_grad(loss, clipping_norm=C, batch_argnums=1, microbatch_size=microbatch_size,
+                                  engine=engine)  # fmt: skip
     clipped, _ = grad_fn(params, data, state=state)
     reference = _float64_loop(loss, params, data, C)
     for name, value in reference.items():
@@ -159,32 +148,35 @@ def test_layerwise_engine_serves_routers_and_stacked_experts(model_type: str, gh
     assert not any("forward" in vars(m) for m in model.modules())  # the experts' own forward is back
 
 
+@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("ghost", [True, False], ids=["ghost", "instantiated"])
+def test_layerwise_engine_serves_routers_and_stacked_experts(model_type: str, ghost: bool, monkeypatch) -> None:
+    """The layerwise engine gives the float64 loop's clipped sum for the routers (their logits' gradient includes
+    the path through the routing weights) and the stacked ``[E, ...]`` experts (rows routed to different experts
+    add no cross term), by ghost norms or by instantiated per-example gradients."""
+    from opake_torch import layerwise
+
+    if not ghost:
+        monkeypatch.setattr(layerwise, "_prefers_ghost", lambda call, shape, m: call.kind == "embedding")
+    apply_compat_patches()
+    model = tiny_moe(model_type, torch.float64).eval()
+    for name, p in model.named_parameters():
+        p.requires_grad_(TRAINED[model_type] in name)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any(".experts." in n for n in names) and any("router" in n or "gate.weight" in n for n in names)
+    _assert_layerwise_equals_the_float64_loop(model)
+
+
 def test_checkpointed_moe_layers_give_the_float64_loop_sum() -> None:
     """Routers and experts inside checkpointed decoder layers (``enable_vmap_checkpointing``): their forward keeps
     nothing, the recompute in the backward runs the tapped experts forward, and the clipped sum equals the float64
     loop (whose per-example gradients run the same checkpointing under torch.func)."""
-    from opake_torch.layerwise import LayerwiseGradients
     from opake_torch.patches.checkpointing import enable_vmap_checkpointing
 
     apply_compat_patches()
     model = tiny_moe("qwen3_moe", torch.float64)
     assert enable_vmap_checkpointing(model) > 0
-    model.train()
-    apply, params, frozen = functional_model(model)
-    data = _batch()
-
-    def loss(p, example):
-        return per_example_loss(apply, p, frozen, example, task="causal_lm")
-
-    def losses(p, batch):
-        return batch_losses(apply, p, frozen, batch, task="causal_lm")
-
-    engine = Engine(gradients=LayerwiseGradients(model, losses))
-    grad_fn, state = clipped_grad(loss, clipping_norm=C, batch_argnums=1, microbatch_size=2, engine=engine)
-    clipped, _ = grad_fn(params, data, state=state)
-    reference = _float64_loop(loss, params, data, C)
-    for name, value in reference.items():
-        assert float((clipped.value[name] - value).norm()) <= 1e-12 * float(value.norm()), name
+    _assert_layerwise_equals_the_float64_loop(model.train(), microbatch_size=2)
 
 
 def test_layerwise_engine_refuses_expert_parallel_experts() -> None:
