@@ -136,23 +136,26 @@ def _ftrl_step(strategy, expected_batch_size):
     return release, noise_state
 
 
+def _ftrl_options(strategy, expected_batch_size):
+    """The arguments of every ``dp_ftrl`` step audited here, but the loss and the optimizer."""
+    return {
+        "params": _params(),
+        "strategy": strategy,
+        "n_steps": STEPS,
+        "clipping_norm": C,
+        "noise_multiplier": Z,
+        "expected_batch_size": expected_batch_size,
+        "compute_dtype": torch.float64,
+        "key": KEY,
+    }
+
+
 def _library_ftrl_step(strategy, expected_batch_size):
     """The library's composed ``opake_core.step.dp_ftrl``."""
     from opake_core.step import dp_ftrl
 
     opt = optim.sgd(1.0)
-    step_fn, dp_state = dp_ftrl(
-        _loss,
-        params=_params(),
-        optimizer=opt,
-        strategy=strategy,
-        n_steps=STEPS,
-        clipping_norm=C,
-        noise_multiplier=Z,
-        expected_batch_size=expected_batch_size,
-        compute_dtype=torch.float64,
-        key=KEY,
-    )
+    step_fn, dp_state = dp_ftrl(_loss, optimizer=opt, **_ftrl_options(strategy, expected_batch_size))
 
     def release(params, state, batch):
         new, _, new_state, _ = step_fn(params, opt.init(params), state, batch)
@@ -172,37 +175,75 @@ def _expected_batch_size(sampler):
     return getattr(sampler, "expected_batch_size", None) or sampler.batch_size  # Sequential: the fixed batch
 
 
-def _audit(release, state, sampler):
-    x, y = _data()
-    bound = C / _expected_batch_size(sampler)
+def _target(sampler):
+    """The differing example: the one that takes part most often, so that the audit exercises it."""
     draws, sampler_state = [], sampler.init()
     for _ in range(STEPS):
         idx, sampler_state = sampler.sample(KEY, sampler_state)
         draws.append(torch.as_tensor(np.asarray(idx), dtype=torch.long))
-    # the differing example: the one that takes part most often, so that the audit exercises it
-    target = int(torch.cat(draws).mode().values) if sum(len(d) for d in draws) else 0
-    extreme = t.extreme_examples((x[target], y[target]))[0]  # x * 1e6: a saturating gradient
-    params, sampler_state = _params(), sampler.init()
-    violations, participated = [], 0
+    return int(torch.cat(draws).mode().values) if sum(len(d) for d in draws) else 0
+
+
+def _neighbours(release, params, state, sampler, data, extreme, move):
+    """Every step's release of the sampled batch of ``data`` (per-example tensors), of that batch without the target,
+    and of it with the target replaced by ``extreme(target)`` (one entry per tensor, None: kept), and whether the
+    target took part; then the parameters move by ``move(release)`` and the state advances."""
+    target = _target(sampler)
+    replacement = extreme(target)
+    sampler_state = sampler.init()
     for step in range(STEPS):
         idx, sampler_state = sampler.sample(KEY, sampler_state)
         idx = torch.as_tensor(np.asarray(idx), dtype=torch.long)
-        batch = (x[idx], y[idx])
-        out, next_state = release(params, state, batch)
-        without = idx[idx != target]
-        out_removed, _ = release(params, state, (x[without], y[without]))
-        replaced = (torch.where(idx[:, None] == target, extreme[0], x[idx]), y[idx])
-        out_replaced, _ = release(params, state, replaced)
-        d_remove, d_replace = _distance(out, out_removed), _distance(out, out_replaced)
-        if target in idx.tolist():
+        hit = idx == target
+        out, next_state = release(params, state, tuple(d[idx] for d in data))
+        removed, _ = release(params, state, tuple(d[idx[~hit]] for d in data))
+        replaced_batch = tuple(
+            d[idx] if e is None else torch.where(hit.view(-1, *[1] * (d.dim() - 1)), e, d[idx])
+            for d, e in zip(data, replacement, strict=True)
+        )
+        replaced, _ = release(params, state, replaced_batch)
+        yield step, out, removed, replaced, bool(hit.any())
+        params = {k: params[k] - move(out)[k] for k in params}
+        state = next_state
+
+
+def _extreme_input(x, y):
+    """The target's input scaled by 1e6 (a saturating gradient), its label kept."""
+    return lambda target: (t.extreme_examples((x[target], y[target]))[0][0], None)
+
+
+def _audit(release, state, sampler):
+    x, y = _data()
+    bound = C / _expected_batch_size(sampler)
+    violations, participated = [], 0
+    steps = _neighbours(release, _params(), state, sampler, (x, y), _extreme_input(x, y), move=lambda out: out)
+    for step, out, removed, replaced, took_part in steps:
+        d_remove, d_replace = _distance(out, removed), _distance(out, replaced)
+        if took_part:
             participated += 1
             if d_remove > bound * (1 + 1e-6) or d_replace > 2 * bound * (1 + 1e-6):
                 violations.append((step, d_remove / bound, d_replace / bound))
         elif d_remove != 0 or d_replace != 0:
             violations.append((step, "changed without participating", d_remove, d_replace))
-        params = {k: params[k] - out[k] for k in params}
-        state = next_state
     return violations, participated
+
+
+def _two_stream_violations(step, took_part, moves, declared, sigma, joint):
+    """A release of two streams: ``moves`` is ``[(kind, factor, [d_1, d_2])]`` (removal: factor 1, replacement: 2);
+    each stream may move by ``factor`` times its declared sensitivity, the pair whitened by ``sigma`` by ``factor *
+    joint``, and nothing may move when the target did not take part."""
+    found = []
+    for kind, factor, moved in moves:
+        if not took_part:
+            if moved != [0.0, 0.0]:
+                found.append((step, kind, "changed without participating", moved))
+            continue
+        if any(d > factor * b * (1 + 1e-6) for d, b in zip(moved, declared, strict=True)):
+            found.append((step, kind, "stream", moved, declared))
+        whitened = math.sqrt(sum((d / sd) ** 2 for d, sd in zip(moved, sigma, strict=True)))
+        if whitened > factor * joint * (1 + 1e-6):
+            found.append((step, kind, "joint", whitened / joint))
+    return found
 
 
 @pytest.mark.parametrize(("mechanism", "sampler_name"), CASES, ids=[f"{m}-{s}" for m, s in CASES])
@@ -440,17 +481,10 @@ def _paired_ftrl(strategy, expected_batch_size):
     return _moments_release(
         lambda opt: dp_ftrl(
             _loss,
-            params=_params(),
             optimizer=opt,
-            strategy=strategy,
-            n_steps=STEPS,
-            clipping_norm=C,
-            noise_multiplier=Z,
-            expected_batch_size=expected_batch_size,
-            compute_dtype=torch.float64,
-            key=KEY,
             second_moment=True,
             second_moment_strategy=strategy,
+            **_ftrl_options(strategy, expected_batch_size),
         )
     )
 
@@ -467,38 +501,18 @@ def _jme(expected_batch_size):
 
 def _audit_moments(release, state, sampler, *, strategy_sensitivity=1.0, row_norms=None):
     x, y = _data()
-    draws, sampler_state = [], sampler.init()
-    for _ in range(STEPS):
-        idx, sampler_state = sampler.sample(KEY, sampler_state)
-        draws.append(torch.as_tensor(np.asarray(idx), dtype=torch.long))
-    target = int(torch.cat(draws).mode().values) if sum(len(d) for d in draws) else 0
-    extreme = t.extreme_examples((x[target], y[target]))[0]
-    params, sampler_state = _params(), sampler.init()
     violations, participated = [], 0
-    for step in range(STEPS):
-        idx, sampler_state = sampler.sample(KEY, sampler_state)
-        idx = torch.as_tensor(np.asarray(idx), dtype=torch.long)
-        out, next_state = release(params, state, (x[idx], y[idx]))
-        without = idx[idx != target]
-        removed, _ = release(params, state, (x[without], y[without]))
-        replaced, _ = release(params, state, (torch.where(idx[:, None] == target, extreme[0], x[idx]), y[idx]))
+    steps = _neighbours(release, _params(), state, sampler, (x, y), _extreme_input(x, y), lambda out: out.first.value)
+    for step, out, removed, replaced, took_part in steps:
         row = 1.0 if row_norms is None else float(row_norms[step])
-        sigma = [out.first.noise_std / row, out.second.noise_std / row]
+        moves = [
+            (kind, factor, [_distance(out.first.value, o.first.value), _distance(out.second.value, o.second.value)])
+            for kind, factor, o in (("remove", 1.0, removed), ("replace", 2.0, replaced))
+        ]
         declared = [out.first.sensitivity, out.second.sensitivity]
-        for kind, other, factor in (("remove", removed, 1.0), ("replace", replaced, 2.0)):
-            moved = [_distance(out.first.value, other.first.value), _distance(out.second.value, other.second.value)]
-            whitened = math.sqrt(sum((d / s) ** 2 for d, s in zip(moved, sigma, strict=True)))
-            if target not in idx.tolist():
-                if moved != [0.0, 0.0]:
-                    violations.append((step, kind, "changed without participating", moved))
-                continue
-            if any(d > factor * b * (1 + 1e-6) for d, b in zip(moved, declared, strict=True)):
-                violations.append((step, kind, "stream", moved, declared))
-            if whitened > factor / (Z * strategy_sensitivity) * (1 + 1e-6):
-                violations.append((step, kind, "joint", whitened * Z * strategy_sensitivity))
-        participated += target in idx.tolist()
-        params = {k: params[k] - out.first.value[k] for k in params}
-        state = next_state
+        sigma = [out.first.noise_std / row, out.second.noise_std / row]
+        violations += _two_stream_violations(step, took_part, moves, declared, sigma, 1 / (Z * strategy_sensitivity))
+        participated += took_part
     return violations, participated
 
 
@@ -619,44 +633,19 @@ def test_neighbour_invariance_of_the_router_release(sampler_name):
         return ({k: p[k] - new[k] for k in p}, released), (dp_next, router_next)
 
     tokens, mask = _router_data()
-    draws, sampler_state = [], sampler.init()
-    for _ in range(STEPS):
-        idx, sampler_state = sampler.sample(KEY, sampler_state)
-        draws.append(torch.as_tensor(np.asarray(idx), dtype=torch.long))
-    target = int(torch.cat(draws).mode().values) if sum(len(d) for d in draws) else 0
     # the extreme replacement: every token real, large, and routed to the same two experts in both layers
-    extreme_tokens = torch.full((5, 4), 1e3, dtype=torch.float64)
-    extreme_mask = torch.ones(5, dtype=torch.float64)
+    extreme = (torch.full((5, 4), 1e3, dtype=torch.float64), torch.ones(5, dtype=torch.float64))
     z_eff = Z / math.sqrt(1 + rho)
-    states, sampler_state = (dp_state, router_state), sampler.init()
     violations, participated = [], 0
-    for step in range(STEPS):
-        idx, sampler_state = sampler.sample(KEY, sampler_state)
-        idx = torch.as_tensor(np.asarray(idx), dtype=torch.long)
-        (grad, stat), next_states = release(params, states, (tokens[idx], mask[idx]))
-        without = idx[idx != target]
-        removed = release(params, states, (tokens[without], mask[without]))[0]
-        hit = (idx == target)[:, None, None]
-        replaced_batch = (
-            torch.where(hit, extreme_tokens, tokens[idx]),
-            torch.where(hit[:, 0], extreme_mask, mask[idx]),
-        )
-        replaced = release(params, states, replaced_batch)[0]
-        for kind, (g, s), factor in (("remove", removed, 1.0), ("replace", replaced, 2.0)):
-            moved = [_distance(grad, g), float((stat.value - s.value).norm())]
-            declared = [C / n, stat.sensitivity]
-            sigma = [Z * C / n, stat.noise_std]
-            if target not in idx.tolist():
-                if moved != [0.0, 0.0]:
-                    violations.append((step, kind, "changed without participating", moved))
-                continue
-            if any(d > factor * b * (1 + 1e-6) for d, b in zip(moved, declared, strict=True)):
-                violations.append((step, kind, "stream", moved, declared))
-            whitened = math.sqrt(sum((d / sd) ** 2 for d, sd in zip(moved, sigma, strict=True)))
-            if whitened > factor / z_eff * (1 + 1e-6):
-                violations.append((step, kind, "joint", whitened * z_eff))
-        participated += target in idx.tolist()
-        params = {k: params[k] - grad[k] for k in params}
-        states = next_states
+    steps = _neighbours(release, params, (dp_state, router_state), sampler, (tokens, mask), lambda _: extreme,
+                        move=lambda out: out[0])  # fmt: skip
+    for step, (grad, stat), removed, replaced, took_part in steps:
+        moves = [
+            (kind, factor, [_distance(grad, g), float((stat.value - s.value).norm())])
+            for kind, factor, (g, s) in (("remove", 1.0, removed), ("replace", 2.0, replaced))
+        ]
+        sigma = [Z * C / n, stat.noise_std]
+        violations += _two_stream_violations(step, took_part, moves, [C / n, stat.sensitivity], sigma, 1 / z_eff)
+        participated += took_part
     assert violations == [], f"router release with {sampler_name}: {violations}"
     assert participated >= 1
