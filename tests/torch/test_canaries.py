@@ -76,6 +76,11 @@ def _dp_sgd_with(*, noise_multiplier: float):
     return mechanism
 
 
+def _audit(canaries, **kwargs):
+    """``audit_dirac_run`` of the test model on its data, clipping norm 1."""
+    return audit_dirac_run(_loss, _params(), _data(), canaries, clipping_norm=1.0, **kwargs)
+
+
 def test_dirac_canary_gradients_are_scaled_coordinate_vectors():
     canaries = dirac_canaries(key=random.key(1), num_canaries=6, gradient_norm=3.0)
     x, y, slots = canary_rows(_data(5), canaries)
@@ -102,14 +107,10 @@ def test_noise_free_observations_are_the_participations_at_the_sampling_rate():
 
     noiseless = _dp_sgd_with(noise_multiplier=0.0)
 
-    report = audit_dirac_run(
-        _loss,
-        _params(),
-        _data(),
+    report = _audit(
         canaries,
         key=random.key(2),
         noise_multiplier=1.0,
-        clipping_norm=1.0,
         steps=20,
         sample_rate=0.3,
         mechanism=noiseless,
@@ -131,18 +132,7 @@ def test_correct_dp_sgd_run_observations_and_audit():
     q, steps = 0.2, 100
     z = _multiplier(4.0, q, steps)
     canaries = dirac_canaries(key=random.key(3), num_canaries=1000, gradient_norm=100.0)
-    report = audit_dirac_run(
-        _loss,
-        _params(),
-        _data(),
-        canaries,
-        key=random.key(3),
-        noise_multiplier=z,
-        clipping_norm=1.0,
-        steps=steps,
-        sample_rate=q,
-        claim_test=True,
-    )
+    report = _audit(canaries, key=random.key(3), noise_multiplier=z, steps=steps, sample_rate=q, claim_test=True)
     out = report.observations[:, ~canaries.included].ravel()
     chi = float(np.sum(out**2) / z**2)
     assert stats.chi2.sf(chi, out.size) > 5e-5 and stats.chi2.cdf(chi, out.size) > 5e-5
@@ -162,18 +152,7 @@ def test_halved_noise_is_flagged_with_the_claim_unchanged():
 
     leaky = _dp_sgd_with(noise_multiplier=z / 2)
 
-    report = audit_dirac_run(
-        _loss,
-        _params(),
-        _data(),
-        canaries,
-        key=random.key(4),
-        noise_multiplier=z,
-        clipping_norm=1.0,
-        steps=steps,
-        sample_rate=q,
-        mechanism=leaky,
-    )
+    report = _audit(canaries, key=random.key(4), noise_multiplier=z, steps=steps, sample_rate=q, mechanism=leaky)
     assert report.flagged and report.epsilon_lower_bound > report.theoretical_epsilon
 
 
@@ -181,9 +160,9 @@ def test_final_model_scores_are_the_summed_observations_under_sgd():
     """Under SGD the final canary coordinate moves by -lr * (C / B) * sum_t x_t: the final-model score is the sum
     of the all-iterates observations (up to float32 rounding)."""
     canaries = dirac_canaries(key=random.key(5), num_canaries=300, gradient_norm=2.0)
-    common = dict(key=random.key(5), noise_multiplier=1.5, clipping_norm=1.0, steps=15, sample_rate=0.25)
-    every = audit_dirac_run(_loss, _params(), _data(), canaries, **common, guess_sets=[(30, 30)])
-    final = audit_dirac_run(_loss, _params(), _data(), canaries, observe="final", **common, guess_sets=[(30, 30)])
+    common = dict(key=random.key(5), noise_multiplier=1.5, steps=15, sample_rate=0.25, guess_sets=[(30, 30)])
+    every = _audit(canaries, **common)
+    final = _audit(canaries, observe="final", **common)
     batch = 0.25 * (200 + 300)
     np.testing.assert_allclose(final.scores, 0.1 * (1.0 / batch) * every.observations.sum(axis=0), rtol=1e-4, atol=1e-6)
     assert final.observations is None and final.score == "sum"
@@ -195,14 +174,10 @@ def test_band_mf_audit_decorrelates_the_noise():
     steps = 24
     canaries = dirac_canaries(key=random.key(6), num_canaries=400, gradient_norm=5.0)
     z = 1.2
-    report = audit_dirac_run(
-        _loss,
-        _params(),
-        _data(),
+    report = _audit(
         canaries,
         key=random.key(6),
         noise_multiplier=z,
-        clipping_norm=1.0,
         steps=steps,
         sample_rate=0.05,
         strategy=mf.band_mf(bands=4),
