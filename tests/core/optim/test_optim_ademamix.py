@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from noisy_quadratic import gradient, start
+from noisy_quadratic import flat, gradient, run, start
 
 from opake_core import optim
 from opake_core.optim.ademamix import alpha_at, beta3_at
@@ -55,14 +55,7 @@ def _paper(lr, b1, b2, b3, alpha, eps, weight_decay, t_alpha, t_beta3) -> dict[s
 
 
 def _ours(opt: optim.Optimizer) -> dict[str, list[float]]:
-    params = start()
-    state = opt.init(params)
-    for t in range(STEPS):
-        grads = {k: torch.tensor(gradient(k, v.flatten().tolist(), t), dtype=torch.float64).view(v.shape)
-                 for k, v in params.items()}  # fmt: skip
-        updates, state = opt.update(Noised(grads, 1.0, 0.3), state, params=params)
-        params = optim.apply_updates(params, updates)
-    return {k: v.flatten().tolist() for k, v in params.items()}
+    return flat(run(opt, STEPS)[0])
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from noisy_quadratic import gradient, start
+from noisy_quadratic import flat, gradient, run, start
 
 from opake_core import optim
 from opake_core.errors import ConfigurationError
@@ -67,16 +67,8 @@ def _implementation(lr, b1, b2, eps, decay, warmup, r, power):
 
 
 def _ours(opt: optim.Optimizer):
-    params = start()
-    state = opt.init(params)
-    for t in range(STEPS):
-        grads = {k: torch.tensor(gradient(k, v.flatten().tolist(), t), dtype=torch.float64).view(v.shape)
-                 for k, v in params.items()}  # fmt: skip
-        updates, state = opt.update(Noised(grads, 1.0, 0.3), state, params=params)
-        params = optim.apply_updates(params, updates)
-    x = opt.eval_params(state, params)
-    flat = lambda tree: {k: v.flatten().tolist() for k, v in tree.items()}  # noqa: E731
-    return flat(x), flat(params)
+    params, state = run(opt, STEPS)
+    return flat(opt.eval_params(state, params)), flat(params)
 
 
 def _assert_close(got: dict[str, list[float]], want: dict[str, list[float]]) -> None:
