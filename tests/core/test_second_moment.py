@@ -494,21 +494,17 @@ def test_private_moments_adam_refuses_single_and_unnoised_streams():
             opt.update(bad, state)
 
 
+def _paired_dp_sgd(**kwargs):
+    """``dp_sgd`` with private second moments at multiplier ``Z`` and expected batch 4."""
+    return dp_sgd(_loss, noise_multiplier=Z, expected_batch_size=4.0, second_moment=True, **kwargs)
+
+
 # -- composed steps and the bias-correction refusal ------------------------------------------------------------------
 
 
 def test_dp_sgd_with_second_moments_runs_and_replays():
     opt = private_moments_adam(1e-2)
-    step_fn, dp_state = dp_sgd(
-        _loss,
-        clipping_norm=1.0,
-        noise_multiplier=Z,
-        key=random.key(5),
-        optimizer=opt,
-        expected_batch_size=4.0,
-        second_moment=True,
-        compute_dtype=torch.float64,
-    )
+    step_fn, dp_state = _paired_dp_sgd(clipping_norm=1.0, key=random.key(5), optimizer=opt, compute_dtype=torch.float64)
     params, (x, y) = _params(), _data(5)
     opt_state = opt.init(params)
     out1 = step_fn(params, opt_state, dp_state, (x, y))
@@ -521,25 +517,9 @@ def test_dp_sgd_with_second_moments_runs_and_replays():
 def test_second_moments_and_bias_correction_are_refused_together():
     bc = optim.adam(1e-3, noise_bias_correction=True)
     with pytest.raises(ConfigurationError, match="bias correction"):
-        dp_sgd(
-            _loss,
-            clipping_norm=1.0,
-            noise_multiplier=Z,
-            key=random.key(0),
-            optimizer=bc,
-            expected_batch_size=4.0,
-            second_moment=True,
-        )
+        _paired_dp_sgd(clipping_norm=1.0, key=random.key(0), optimizer=bc)
     with pytest.raises(ConfigurationError, match="private_moments_adam"):
-        dp_sgd(
-            _loss,
-            clipping_norm=1.0,
-            noise_multiplier=Z,
-            key=random.key(0),
-            optimizer=optim.adam(1e-3),
-            expected_batch_size=4.0,
-            second_moment=True,
-        )
+        _paired_dp_sgd(clipping_norm=1.0, key=random.key(0), optimizer=optim.adam(1e-3))
     # a mechanism that releases moments (JME) meets a bias-corrected optimizer at the first step
     step_fn, dp_state = dp_step(
         _loss,
@@ -561,16 +541,7 @@ def test_reduce_is_applied_to_each_stream():
         return Clipped(optree.tree_map(lambda v: v * 1.0, clipped.value), clipped.sensitivity)
 
     opt = private_moments_adam(1e-2)
-    step_fn, dp_state = dp_sgd(
-        _loss,
-        clipping_norm=0.5,
-        noise_multiplier=Z,
-        key=random.key(5),
-        optimizer=opt,
-        expected_batch_size=4.0,
-        second_moment=True,
-        reduce=reduce,
-    )
+    step_fn, dp_state = _paired_dp_sgd(clipping_norm=0.5, key=random.key(5), optimizer=opt, reduce=reduce)
     params, (x, y) = _params(), _data(4)
     step_fn(params, opt.init(params), dp_state, (x, y))
     assert calls == [0.125, 0.0625]
