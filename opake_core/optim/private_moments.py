@@ -42,6 +42,7 @@ from torchopt import chain
 from opake_core import validate
 from opake_core.errors import ConfigurationError, InputTypeError
 from opake_core.moments import ClippedMoments, NoisedMoments
+from opake_core.optim._checks import betas as check_betas
 from opake_core.optim._foreach import add_decayed_weights
 from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
 from opake_core.tree import Clipped, Noised
@@ -178,10 +179,7 @@ def private_moments_adam(
         ``jme_noise``. There is no noise-variance bias correction: see the module docstring.
     """
     lr = check_lr(lr)
-    if not isinstance(betas, tuple | list) or len(betas) != 2:
-        raise ConfigurationError(f"betas must be a pair (b1, b2), got {betas!r}.")
-    b1 = validate.decay("betas[0]", betas[0])
-    b2 = validate.decay("betas[1]", betas[1])
+    b1, b2 = check_betas(betas, 2)
     eps = validate.positive("eps", eps)
     weight_decay = validate.non_negative("weight_decay", weight_decay)
     tail = chain(add_decayed_weights(weight_decay), scale_by_neg_lr(lr))
