@@ -4,7 +4,8 @@ Usage: ``python benchmarks/audit_table.py [--seeds 10] [--quick] [--only NAME,..
 with every seed's numbers, the markdown table, then a table of flag rates on simulated observations by number of
 canaries. CPU only, single-threaded torch (about ten minutes on two cores; ``--quick`` runs 2 seeds and 20
 simulations). The rows ``leak15big`` (10,000 canaries, about 15 minutes), ``leak15huge`` and ``dpsgd4huge``
-(20,000 canaries) run only when named in ``--only``.
+(20,000 canaries), ``dpsgd4smallq`` and ``leak15smallq`` (q = 0.002, 20,000 steps) run only when named in
+``--only``.
 
 Every row trains the same small model, for real, with the core step (``opake_torch.audit.audit_dirac_run``) or
 ``DPTrainer`` (``audit_trainer_dirac``): an MLP 16-32-10 on 1,000 generated examples, plus one row per canary slot.
@@ -62,6 +63,7 @@ from opake_torch.audit import audit_core_run, audit_dirac_run, dirac_canaries, m
 D, H, K = 16, 32, 10
 N_REAL = 1000
 Q, STEPS, CLIP, DELTA = 0.2, 200, 1.0, 1e-5
+SMALL_Q, SMALL_Q_STEPS = 0.002, 20_000  # the regime of large-scale training: a small rate, many steps, z below 1
 CANARY_NORM = 100.0
 
 
@@ -410,6 +412,17 @@ def main() -> None:
             q=0.02,
             steps=2000,
         ),
+        "dpsgd4smallq": lambda: dirac_row(
+            "DP-SGD, Poisson, q = 0.002, 20,000 steps", claim, seeds, q=SMALL_Q, steps=SMALL_Q_STEPS
+        ),
+        "leak15smallq": lambda: dirac_row(
+            "leak: noise / 1.5, q = 0.002, 20,000 steps",
+            claim,
+            seeds,
+            leak=lambda z: scaled_noise(z, 1.5),
+            q=SMALL_Q,
+            steps=SMALL_Q_STEPS,
+        ),
         "leak15big": lambda: dirac_row(
             "leak: noise / 1.5", claim, seeds, m=10_000, leak=lambda z: scaled_noise(z, 1.5)
         ),
@@ -418,7 +431,7 @@ def main() -> None:
         ),
         "dpsgd4huge": lambda: dirac_row(dpsgd, claim, seeds, m=20_000),
     }
-    slow = ("leak15big", "leak15huge", "dpsgd4huge")  # 10,000 and 20,000 canaries
+    slow = ("leak15big", "leak15huge", "dpsgd4huge", "dpsgd4smallq", "leak15smallq")  # many canaries or steps
     chosen = [k for k in a.only.split(",") if k] or [k for k in plans if k not in slow]
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, 1 thread", flush=True)
     rows = []

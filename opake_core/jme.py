@@ -235,7 +235,8 @@ def jme_noise(
     Args:
         noise_multiplier: ``z >= 0``, the multiplier of the joint Gaussian release (0: no noise, a non-private run;
             the projection still applies).
-        key: the noise key, kept in the state; step ``t`` draws from ``fold_in(key, JME_STREAMS[k], t, leaf)``.
+        key: the noise key, kept in the state; step ``t`` draws from ``fold_in(key, JME_STREAMS[k], t)``
+            (``random.normal_tree``).
         aggregate_norm: the public projection radius ``R > 0`` (in the units of the normalized clipped sum).
         allocation: how ``lambda`` is chosen (default :meth:`JmeAllocation.first_variance_cap` with ``kappa = 1.5``).
         compute_dtype: dtype the noise is drawn and added in (fp16, bf16, fp32, fp64).

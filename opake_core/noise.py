@@ -13,9 +13,9 @@ The privatizer contract, which :func:`opake_core.step.dp_step` relies on and eve
 The Gaussian mechanism adds ``N(0, sigma^2)`` to every coordinate of a clipped sum with L2 sensitivity ``Delta``,
 ``sigma = noise_multiplier * Delta`` (per group: the allocation of :func:`noise_std_for`); the accountant only needs
 the noise multiplier. It is the matrix mechanism of :mod:`opake_core.mf.streaming` with the identity strategy and no
-horizon (DP-SGD is DP-FTRL with ``C = I``, as in JAX Privacy). Noise for step ``t`` and leaf ``i`` is drawn from
-``fold_in(key, "opake.noise.gaussian", t, i)`` on the leaf's own device, every leaf of a step in one pass, so it
-replays bit-exactly from ``(key, t)``.
+horizon (DP-SGD is DP-FTRL with ``C = I``, as in JAX Privacy). The noise of step ``t`` is
+``random.normal_tree(fold_in(key, "opake.noise.gaussian", t), leaves)``: one draw per device, cut into the leaves in
+order, each piece on its leaf's device, so it replays bit-exactly from ``(key, t)``.
 
 Private second moments (:mod:`opake_core.moments`): ``gaussian_noise``'s ``noise_fn`` also takes a
 :class:`~opake_core.moments.ClippedMoments` pair (``clipped_grad(..., second_moment=True)``) and noises both streams

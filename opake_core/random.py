@@ -44,6 +44,7 @@ __all__ = [
     "key_to_json",
     "normal",
     "normal_many",
+    "normal_tree",
     "numpy_generator",
     "random_key",
     "split",
@@ -222,17 +223,22 @@ def normal_many(
     ]
 
 
-def normal_like(keys: Sequence[Key], tensors: Sequence[torch.Tensor], *, dtype: torch.dtype) -> list[torch.Tensor]:
-    """One standard normal draw per key, shaped and placed like the matching tensor (``normal_many`` per device): the
-    noise of a tree of leaves, ``keys[i]`` for leaf ``i``."""
+def normal_tree(k: Key, tensors: Sequence[torch.Tensor], *, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Standard normal draws shaped and placed like ``tensors`` (the leaves of a tree), from one key and one draw
+    per device: the tensors on the ``d``-th device to appear are consecutive pieces, in order, of
+    ``normal(fold_in(k, d), [their total size])``. One generator call per device instead of one per leaf (a model
+    has hundreds of leaves); the pieces are views of that draw."""
+    _check_key(k, "normal_tree")
+    _check_dtype(dtype)
     by_device: dict[torch.device, list[int]] = {}
     for i, tensor in enumerate(tensors):
         by_device.setdefault(tensor.device, []).append(i)
-    out: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-    for device, indices in by_device.items():
-        draws = normal_many([keys[i] for i in indices], [tensors[i].shape for i in indices], dtype=dtype, device=device)
-        for i, draw in zip(indices, draws, strict=True):
-            out[i] = draw
+    out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    for d, (device, indices) in enumerate(by_device.items()):
+        sizes = [tensors[i].numel() for i in indices]
+        flat = normal(fold_in(k, d), (sum(sizes),), dtype=dtype, device=device)
+        for i, piece in zip(indices, flat.split(sizes), strict=True):
+            out[i] = piece.view(tensors[i].shape)
     return out
 
 

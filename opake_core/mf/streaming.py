@@ -1,7 +1,7 @@
 """The Gaussian matrix mechanism, streamed one step at a time: :func:`matrix_mechanism`.
 
-Step ``t`` adds ``sigma * (C^-1 z)_t`` to the clipped sum, with ``z_t ~ N(0, I)`` drawn from
-``fold_in(key, stream, t, leaf_index)`` on the leaf's device (all leaves of a step in one pass), and
+Step ``t`` adds ``sigma * (C^-1 z)_t`` to the clipped sum, with ``z_t ~ N(0, I)`` drawn by
+``random.normal_tree(fold_in(key, stream, t), leaves)`` (one draw per device, cut into the leaves in order), and
 
     sigma = noise_multiplier * sens(C) * Delta,
 
@@ -282,9 +282,7 @@ def matrix_mechanism(
             if scale == 0:
                 out, new_buffers = [v.to(dtype) for v in values], state.buffers
             else:
-                step_key = random.fold_in(state.key, stream, t)
-                keys = [random.fold_in(step_key, i) for i in range(len(values))]
-                draws = random.normal_like(keys, values, dtype=draw_dtype)  # every leaf in one pass
+                draws = random.normal_tree(random.fold_in(state.key, stream, t), values, dtype=draw_dtype)
                 xs, per_buffer = [], [[] for _ in range(plan.num_buffers)]
                 for i, draw in enumerate(draws):
                     x, leaf_buffers = _advance(plan, draw, [b[i] for b in state.buffers])

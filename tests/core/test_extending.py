@@ -31,17 +31,14 @@ class DoubledState:
 
 
 def doubled_gaussian(*, noise_multiplier: float, key: random.Key):
-    """``N(0, (2 z Delta)^2)`` on every coordinate, drawn from ``fold_in(key, "test.doubled", t, leaf)``."""
+    """``N(0, (2 z Delta)^2)`` on every coordinate, drawn from ``fold_in(key, "test.doubled", t)``."""
 
     def noise_fn(clipped, state):
         if isinstance(clipped, Noised) or not isinstance(clipped, Clipped):
             raise InputTypeError(f"doubled_gaussian expects a Clipped tree, got {type(clipped).__name__}.")
         std = 2 * noise_multiplier * clipped.sensitivity
         leaves, treedef = optree.tree_flatten(clipped.value)
-        step_key = random.fold_in(state.key, "test.doubled", state.step)
-        draws = random.normal_like(
-            [random.fold_in(step_key, i) for i in range(len(leaves))], leaves, dtype=leaves[0].dtype
-        )
+        draws = random.normal_tree(random.fold_in(state.key, "test.doubled", state.step), leaves, dtype=leaves[0].dtype)
         noised = [leaf + std * draw for leaf, draw in zip(leaves, draws, strict=True)]
         return Noised(optree.tree_unflatten(treedef, noised), clipped.sensitivity, std), DoubledState(
             state.key, state.step + 1

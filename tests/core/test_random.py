@@ -114,6 +114,22 @@ def test_normal_many_of_philox_keys_equals_one_normal_per_key():
         random.normal_many(keys, shapes[:2])
 
 
+@pytest.mark.parametrize("impl", random.IMPLS)
+def test_normal_tree_cuts_one_draw_per_device_into_the_leaves_in_order(impl):
+    k = random.key(3, impl=impl)
+    leaves = [torch.zeros(2, 3), torch.zeros(()), torch.zeros(0), torch.zeros(5, 1)]
+    draws = random.normal_tree(k, leaves, dtype=torch.float64)
+    flat = random.normal(random.fold_in(k, 0), (12,), dtype=torch.float64)
+    assert [d.shape for d in draws] == [leaf.shape for leaf in leaves]
+    assert all(d.dtype == torch.float64 for d in draws)
+    assert torch.equal(torch.cat([d.reshape(-1) for d in draws]), flat)
+    assert random.normal_tree(k, [], dtype=torch.float32) == []
+    with pytest.raises(ConfigurationError, match="normal draws one of"):
+        random.normal_tree(k, leaves, dtype=torch.int32)
+    with pytest.raises(InputTypeError):
+        random.normal_tree(7, leaves, dtype=torch.float32)
+
+
 def test_numpy_generator_replays():
     k = random.key(9)
     assert np.array_equal(random.numpy_generator(k).random(5), random.numpy_generator(k).random(5))

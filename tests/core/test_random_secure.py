@@ -177,3 +177,15 @@ def test_cuda_chunks_and_batches_do_not_change_the_values(monkeypatch):
     monkeypatch.setitem(random._CHUNK_BLOCKS, "cuda", 1000)
     for a, b in zip(whole, random.normal_many(keys, shapes, device="cuda"), strict=True):
         assert b.device.type == "cuda" and torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("impl", random.IMPLS)
+def test_normal_tree_draws_once_per_device_in_order_of_appearance(impl):
+    k = random.key(4, impl=impl)
+    leaves = [torch.zeros(3, device="cuda"), torch.zeros(2), torch.zeros(2, 2, device="cuda")]
+    draws = random.normal_tree(k, leaves, dtype=torch.float32)
+    on_cuda = random.normal(random.fold_in(k, 0), (7,), device="cuda")
+    assert [d.device.type for d in draws] == ["cuda", "cpu", "cuda"]
+    assert torch.equal(torch.cat([draws[0], draws[2].reshape(-1)]), on_cuda)
+    assert torch.equal(draws[1], random.normal(random.fold_in(k, 1), (2,)))

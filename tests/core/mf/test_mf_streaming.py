@@ -53,16 +53,12 @@ def _run(strategy, steps, *, dtype, key, multiplier=1.0, sensitivity=1.0, stream
 
 def _dense_reference(strategy, key, dtype, stream=STREAM):
     C_inv = np.linalg.inv(mf.materialize(strategy, N))
-    refs = {}
-    for i, (name, shape) in enumerate(sorted(SHAPES.items())):
-        Z = np.stack(
-            [
-                random.normal(random.fold_in(key, stream, t, i), shape, dtype=dtype).double().numpy().ravel()
-                for t in range(N)
-            ]
-        )
-        refs[name] = C_inv @ Z
-    return refs
+    names = sorted(SHAPES)  # the tree's leaf order
+    leaves = [torch.zeros(SHAPES[name], dtype=dtype) for name in names]
+    draws = [random.normal_tree(random.fold_in(key, stream, t), leaves, dtype=dtype) for t in range(N)]
+    return {
+        name: C_inv @ np.stack([draws[t][i].double().numpy().ravel() for t in range(N)]) for i, name in enumerate(names)
+    }
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: type(s).__name__)

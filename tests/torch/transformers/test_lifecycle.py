@@ -92,13 +92,12 @@ def test_the_public_seed_does_not_predict_the_noise(tmp_path):
         trainer = DPTrainer(model, _args(tmp_path / str(kw), max_steps=1, save_strategy="no", **kw), train_dataset=DATA)
         trainer.train()
         after = dict(trainer.model.named_parameters())
-        names = sorted(before)  # the noise is drawn leaf by leaf in the pytree (sorted key) order
+        names = sorted(before)  # the noise is cut into the leaves in the pytree (sorted key) order
         update = torch.cat([(after[k].detach() - before[k]).flatten() for k in names])
         seed = random.key(kw.get("privacy_noise_seed", 42))
         guess = random.fold_in(random.fold_in(seed, NOISE_STREAM), "opake.noise.gaussian", 0)
-        noise = torch.cat(
-            [random.normal(random.fold_in(guess, i), before[k].shape).flatten() for i, k in enumerate(names)]
-        )
+        draws = random.normal_tree(guess, [before[k] for k in names], dtype=torch.float32)
+        noise = torch.cat([d.flatten() for d in draws])
         return torch.corrcoef(torch.stack([update, noise]))[0, 1].item(), update.numel()
 
     known, _ = correlation(privacy_noise_seed=42)
