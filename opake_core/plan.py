@@ -30,7 +30,7 @@ from opake_core.errors import CalibrationError, ConfigurationError, PrivacyBudge
 
 __all__ = ["SAMPLERS", "Plan", "check_combination", "is_horizon", "plan"]
 
-SAMPLERS: dict[str, tuple[str, ...]] = {"gaussian": ("poisson", "k_out_of_t", "sequential")}
+SAMPLERS: dict[str, tuple[str, ...]] = {"gaussian": ("poisson", "k_out_of_t", "fixed_size", "sequential")}
 SAMPLERS.update(accounting.COMPATIBLE_SAMPLERS)
 """Mechanism name -> the samplers it has an accountant with (the first is the usual one)."""
 HORIZON_SAMPLERS = ("k_out_of_t",)

@@ -566,6 +566,8 @@ def _process_rate(process: Any) -> float | None:
         return process.sample_rate
     if isinstance(process, acc.RandomAllocation):
         return 1.0 / process.num_steps
+    if isinstance(process, acc.WithoutReplacement):
+        return process.sample_size / process.dataset_size
     return None
 
 

@@ -32,7 +32,7 @@ from opake_torch.demo import add_demo_command
 
 __all__ = ["build_parser", "main"]
 
-SAMPLERS = ("poisson", "truncated_poisson", "k_out_of_t")
+SAMPLERS = ("poisson", "truncated_poisson", "k_out_of_t", "fixed_size")
 MF_SAMPLERS = ("cyclic_poisson", "b_min_sep", "balls_in_bins")
 MECHANISMS = ("gaussian", *acc.COMPATIBLE_SAMPLERS)
 _MF_DEFAULT_SAMPLER = {"mf_band": "cyclic_poisson", "mf_identity": "poisson"}
@@ -141,6 +141,12 @@ def _step_factory(args: argparse.Namespace, q: float) -> Callable[[float], acc.P
             q,
             dataset_size=args.dataset_size,
             truncated_batch_size=args.truncated_batch_size,
+        )
+    if args.sampler == "fixed_size":
+        if args.batch_size is None or args.dataset_size is None:
+            _fail("--sampler fixed_size needs --batch-size and --dataset-size (batches of exactly that size).")
+        return lambda sigma: acc.without_replacement(
+            acc.gaussian(sigma), dataset_size=args.dataset_size, sample_size=args.batch_size
         )
     return lambda sigma: acc.poisson(acc.gaussian(sigma), q)
 

@@ -26,8 +26,10 @@ from opake_core.accounting.processes import (
     RandomAllocation,
     Repeat,
     TruncatedPoisson,
+    WithoutReplacement,
     adaptive_clipping,
     compose,
+    contains_without_replacement,
     gaussian,
     is_nonprivate,
     k_out_of_t,
@@ -36,6 +38,7 @@ from opake_core.accounting.processes import (
     repeat,
     to_dp_event,
     truncated_poisson,
+    without_replacement,
 )
 from opake_core.accounting.queries import ACCOUNTANTS, Result, delta, epsilon
 from opake_core.accounting.random_allocation import MonteCarlo
@@ -59,11 +62,13 @@ __all__ = [
     "Repeat",
     "Result",
     "TruncatedPoisson",
+    "WithoutReplacement",
     "adaptive_clipping",
     "calibrate_noise_multiplier",
     "calibrate_steps",
     "check_delta",
     "compose",
+    "contains_without_replacement",
     "delta",
     "epsilon",
     "from_json",
@@ -82,4 +87,5 @@ __all__ = [
     "to_dp_event",
     "to_json",
     "truncated_poisson",
+    "without_replacement",
 ]

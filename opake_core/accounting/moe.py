@@ -26,6 +26,7 @@ from opake_core.accounting.processes import (
     RandomAllocation,
     Repeat,
     TruncatedPoisson,
+    WithoutReplacement,
 )
 from opake_core.errors import ConfigurationError, InputTypeError
 
@@ -60,6 +61,11 @@ def moe_aux(process: Process, *, ratio: float) -> Process:
         raise ConfigurationError(
             "moe_aux accounts the router release next to a fixed-bound Gaussian gradient, got adaptive_clipping(...); "
             "use a fixed clipping bound with the router release."
+        )
+    if isinstance(process, WithoutReplacement):
+        raise ConfigurationError(
+            "moe_aux accounts the router release under add-or-remove adjacency; sampling without replacement is "
+            "accounted under replace-one only. Use Poisson sampling with the router release."
         )
     if isinstance(process, Poisson | TruncatedPoisson | RandomAllocation):
         return dataclasses.replace(process, inner=moe_aux(process.inner, ratio=rho))

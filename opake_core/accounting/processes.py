@@ -5,7 +5,9 @@ A process says *what* was released (a Gaussian sum, subsampled or not, repeated,
 maps to a dp-accounting ``DpEvent`` (:func:`to_dp_event`), and dp-accounting does the arithmetic.
 
 Notation: ``sigma`` (noise multiplier) is the noise standard deviation divided by the L2 sensitivity of the
-released sum; ``q`` the sampling rate; ``t`` a number of steps.
+released sum under add-or-remove adjacency (the clipping bound); ``q`` the sampling rate; ``t`` a number of steps.
+``without_replacement`` is accounted under replace-one adjacency, where that sensitivity doubles: its event gets
+``sigma / 2`` (a caller passes the same ``sigma`` as everywhere else, never a halved one).
 
 =====================================  ======================================================================
 factory                                DpEvent
@@ -14,6 +16,8 @@ factory                                DpEvent
 ``adaptive_clipping(g, ...)``          ``GaussianDpEvent(sigma_eff)`` (Andrew et al. 2021, Thm 1)
 ``poisson(g, q)``                      ``PoissonSampledDpEvent(q, g)``; ``q = 1`` is ``g``
 ``truncated_poisson(g, q, N, B)``      ``TruncatedSubsampledGaussianDpEvent(N, q, B, sigma)`` (PLD only)
+``without_replacement(g, N, B)``       ``SampledWithoutReplacementDpEvent(N, B, GaussianDpEvent(sigma / 2))``
+                                       (RDP, replace-one adjacency only; see :class:`WithoutReplacement`)
 ``random_allocation(g, t)``            none: accounted by :mod:`opake_core.accounting.random_allocation`
 ``repeat(p, n)``                       ``SelfComposedDpEvent(p, n)``
 ``compose(p1, p2, ...)``               ``ComposedDpEvent([p1, p2, ...])``
@@ -38,9 +42,11 @@ __all__ = [
     "RandomAllocation",
     "Repeat",
     "TruncatedPoisson",
+    "WithoutReplacement",
     "adaptive_clipping",
     "compose",
     "contains_random_allocation",
+    "contains_without_replacement",
     "gaussian",
     "is_nonprivate",
     "k_out_of_t",
@@ -49,6 +55,7 @@ __all__ = [
     "repeat",
     "to_dp_event",
     "truncated_poisson",
+    "without_replacement",
 ]
 
 
@@ -154,6 +161,35 @@ class TruncatedPoisson:
 
 
 @dataclass(frozen=True)
+class WithoutReplacement:
+    """One step on a batch of exactly ``sample_size`` distinct examples drawn uniformly from ``dataset_size``,
+    followed by the Gaussian release ``inner``.
+
+    Accounted under **replace-one** adjacency (the dataset size is public, a neighbour replaces one example), the
+    only relation with an amplification bound for this sampler (Wang, Balle and Kasiviswanathan 2019, Theorem 27;
+    dp-accounting's RDP accountant). Replacing an example moves the clipped sum by up to twice the clipping bound,
+    so a noise of ``sigma`` times the bound is a Gaussian release with multiplier ``sigma / 2`` under that
+    relation, which is the event given to dp-accounting. The epsilon is not comparable one-to-one with an
+    add-or-remove epsilon (Poisson sampling): it answers for a replaced example, not a removed one.
+    """
+
+    inner: Gaussian
+    dataset_size: int
+    sample_size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, Gaussian):
+            raise ConfigurationError(
+                f"without_replacement amplifies a plain Gaussian release, got {type(self.inner).__name__}: adaptive "
+                "clipping's count is accounted with Poisson sampling only. Use gaussian(...)."
+            )
+        n = validate.integer("dataset_size", self.dataset_size, minimum=1)
+        b = validate.integer("sample_size", self.sample_size, minimum=1)
+        if b > n:
+            raise ConfigurationError(f"sample_size must be <= dataset_size, got sample_size={b} > dataset_size={n}.")
+
+
+@dataclass(frozen=True)
 class RandomAllocation:
     """A whole-horizon release: the example takes part in exactly one of ``num_steps`` steps, chosen
     uniformly.
@@ -201,7 +237,9 @@ class Compose:
             _check_process("compose", p)
 
 
-Process = Gaussian | AdaptiveClipping | Poisson | TruncatedPoisson | RandomAllocation | Repeat | Compose
+Process = (
+    Gaussian | AdaptiveClipping | Poisson | TruncatedPoisson | WithoutReplacement | RandomAllocation | Repeat | Compose
+)
 
 
 def _check_process(where: str, p: object) -> None:
@@ -229,6 +267,11 @@ def truncated_poisson(
 ) -> TruncatedPoisson:
     """One truncated-Poisson step of ``inner`` (see :class:`TruncatedPoisson`)."""
     return TruncatedPoisson(inner, sample_rate, dataset_size, truncated_batch_size)
+
+
+def without_replacement(inner: Gaussian, *, dataset_size: int, sample_size: int) -> WithoutReplacement:
+    """One step on a uniformly drawn batch of exactly ``sample_size`` examples (see :class:`WithoutReplacement`)."""
+    return WithoutReplacement(inner, dataset_size, sample_size)
 
 
 def random_allocation(inner: Gaussian, num_steps: int) -> RandomAllocation:
@@ -295,11 +338,16 @@ def contains_random_allocation(p: Process) -> bool:
     return isinstance(p, RandomAllocation) or any(contains_random_allocation(c) for c in _children(p))
 
 
+def contains_without_replacement(p: Process) -> bool:
+    """Whether ``p`` has a sampled-without-replacement part (accounted under replace-one adjacency only)."""
+    return isinstance(p, WithoutReplacement) or any(contains_without_replacement(c) for c in _children(p))
+
+
 def is_nonprivate(p: Process) -> bool:
     """Whether any part of ``p`` is released without noise (its epsilon is inf)."""
     if isinstance(p, Gaussian):
         return p.noise_multiplier == 0.0
-    if isinstance(p, Poisson | TruncatedPoisson | RandomAllocation | AdaptiveClipping):
+    if isinstance(p, Poisson | TruncatedPoisson | RandomAllocation | AdaptiveClipping | WithoutReplacement):
         return is_nonprivate(p.inner)
     return any(is_nonprivate(c) for c in _children(p))
 
@@ -334,6 +382,14 @@ def to_dp_event(p: Process) -> dp_accounting.DpEvent:
             sampling_probability=p.sample_rate,
             truncated_batch_size=p.truncated_batch_size,
             noise_multiplier=sigma,
+        )
+    if isinstance(p, WithoutReplacement):
+        sigma = p.inner.noise_multiplier
+        if sigma == 0.0:
+            return dp_accounting.NonPrivateDpEvent()
+        # replace-one sensitivity of the clipped sum: twice the clipping bound
+        return dp_accounting.SampledWithoutReplacementDpEvent(
+            p.dataset_size, p.sample_size, dp_accounting.GaussianDpEvent(sigma / 2.0)
         )
     if isinstance(p, Repeat):
         return dp_accounting.SelfComposedDpEvent(to_dp_event(p.process), p.count)

@@ -10,8 +10,10 @@
 One surface for every process: ``epsilon`` and ``delta`` dispatch on the process, DP-SGD and DP-FTRL alike.
 
 Adjacency is add-or-remove-one by default; ``adjacency="replace_one"`` or ``"replace_special"`` select
-dp-accounting's other neighbouring relations where the analysis needs them. A process with a noise multiplier
-of 0 anywhere is non-private: epsilon is ``inf`` and delta is 1 (values, not errors).
+dp-accounting's other neighbouring relations where the analysis needs them. A process that samples without
+replacement (fixed-size batches) has an amplification bound under replace-one only, by RDP: ``adjacency=None`` and
+``accountant=None`` resolve to ``"replace_one"`` and ``"rdp"`` for it, and anything else is refused. A process with
+a noise multiplier of 0 anywhere is non-private: epsilon is ``inf`` and delta is 1 (values, not errors).
 
 Bounded cost. A PLD grid spans the privacy loss of the run, so its size grows with epsilon: a tiny noise multiplier,
 or many steps without sampling, would otherwise take minutes and gigabytes (0.3 noise over 1000 unsampled steps:
@@ -43,7 +45,9 @@ from opake_core.accounting.processes import (
     Compose,
     Process,
     Repeat,
+    WithoutReplacement,
     contains_random_allocation,
+    contains_without_replacement,
     is_nonprivate,
     to_dp_event,
 )
@@ -76,8 +80,14 @@ class Result:
 
 def _resolve(process: Process, accountant: str | None) -> str:
     needs_mc = isinstance(process, MonteCarloMF) or contains_random_allocation(process)
+    fixed_size = not isinstance(process, MonteCarloMF) and contains_without_replacement(process)
     if accountant is None:
-        return "monte_carlo" if needs_mc else "pld"
+        return "monte_carlo" if needs_mc else "rdp" if fixed_size else "pld"
+    if fixed_size and accountant != "rdp":
+        raise ConfigurationError(
+            f"sampling without replacement is accounted by RDP only (Wang, Balle and Kasiviswanathan 2019; "
+            f"dp-accounting's PLD has no event for it), not {accountant!r}. Use accountant='rdp' or None."
+        )
     if accountant not in ACCOUNTANTS:
         raise ConfigurationError(f"accountant must be one of {ACCOUNTANTS} or None, got {accountant!r}.")
     if needs_mc and accountant != "monte_carlo":
@@ -125,13 +135,55 @@ def _rdp_bound(event: dp_accounting.DpEvent, relation: _Rel) -> float | None:
         return accountant.get_epsilon(1e-10)
 
 
+def _parts(process: Process) -> list[Process]:
+    """The releases ``process`` composes (inside its repeats and compositions)."""
+    if isinstance(process, Repeat):
+        return _parts(process.process)
+    if isinstance(process, Compose):
+        return [part for p in process.processes for part in _parts(p)]
+    return [process]
+
+
+def _check_rdp_replace_one(process: Process) -> None:
+    """Under replace-one, dp-accounting's RDP reads a Gaussian's multiplier against the replace-one sensitivity (twice
+    the clipping bound); only :class:`WithoutReplacement` converts to that convention, so it must be alone."""
+    if all(isinstance(part, WithoutReplacement) for part in _parts(process)):
+        return
+    if contains_without_replacement(process):
+        raise ConfigurationError(
+            "sampling without replacement cannot be composed with other releases here: no accountant covers both "
+            "(they are accounted under different adjacencies and accountants). Account each run on its own."
+        )
+    raise ConfigurationError(
+        "under replace-one adjacency the RDP accountant serves sampling without replacement only: dp-accounting's "
+        "RDP reads a plain Gaussian's multiplier against the replace-one sensitivity (twice the clipping bound), "
+        "these processes against the clipping bound. Use accountant='pld', which models the replacement itself."
+    )
+
+
+def _adjacency(process: Process, adjacency: str | None) -> str:
+    """The neighbouring relation of the query: replace-one for a process that samples without replacement (the
+    only one it is accounted under), add-or-remove otherwise, unless given."""
+    fixed_size = contains_without_replacement(process)
+    if adjacency is None:
+        return "replace_one" if fixed_size else "add_or_remove"
+    if adjacency not in ADJACENCIES:
+        raise ConfigurationError(f"adjacency must be one of {sorted(ADJACENCIES)}, got {adjacency!r}.")
+    if fixed_size and adjacency != "replace_one":
+        raise ConfigurationError(
+            f"sampling without replacement has an amplification bound under replace-one adjacency only, not "
+            f"{adjacency!r}: the dataset size is public. Use adjacency='replace_one' or None, or Poisson sampling "
+            "for an add-or-remove guarantee."
+        )
+    return adjacency
+
+
 def _composed(
-    process: Process, name: str, adjacency: str, discretization: float | None
+    process: Process, name: str, adjacency: str | None, discretization: float | None
 ) -> tuple[dp_accounting.PrivacyAccountant, str]:
     """The accountant that answers for ``process`` (with ``process`` composed in) and its name (module docstring:
     a PLD grid sized to the epsilon; RDP where epsilon is in the millions, which no grid can hold)."""
-    if adjacency not in ADJACENCIES:
-        raise ConfigurationError(f"adjacency must be one of {sorted(ADJACENCIES)}, got {adjacency!r}.")
+    adjacency = _adjacency(process, adjacency)
     relation = ADJACENCIES[adjacency]
     event = to_dp_event(process)
     if name == "pld":
@@ -148,6 +200,8 @@ def _composed(
         discretization = validate.real("discretization", discretization)
         if discretization <= 0:
             raise ConfigurationError(f"discretization must be > 0, got {discretization!r}; the default is 1e-4.")
+    if name == "rdp" and adjacency == "replace_one":
+        _check_rdp_replace_one(process)
     if name == "rdp":
         accountant = rdp.RdpAccountant(neighboring_relation=relation)
     else:
@@ -167,7 +221,7 @@ def epsilon(
     *,
     delta: float,
     accountant: str | None = None,
-    adjacency: str = "add_or_remove",
+    adjacency: str | None = None,
     discretization: float | None = None,
     monte_carlo: _ra.MonteCarlo | None = None,
 ) -> Result:
@@ -194,7 +248,7 @@ def delta(
     *,
     epsilon: float,
     accountant: str | None = None,
-    adjacency: str = "add_or_remove",
+    adjacency: str | None = None,
     discretization: float | None = None,
     monte_carlo: _ra.MonteCarlo | None = None,
 ) -> Result:

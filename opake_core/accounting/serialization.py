@@ -20,6 +20,7 @@ from opake_core.accounting.processes import (
     RandomAllocation,
     Repeat,
     TruncatedPoisson,
+    WithoutReplacement,
 )
 from opake_core.errors import ConfigurationError, InputTypeError
 
@@ -59,6 +60,13 @@ def _node(p: Process) -> dict[str, Any]:
             "dataset_size": p.dataset_size,
             "truncated_batch_size": p.truncated_batch_size,
         }
+    if isinstance(p, WithoutReplacement):
+        return {
+            "type": "without_replacement",
+            "inner": _node(p.inner),
+            "dataset_size": p.dataset_size,
+            "sample_size": p.sample_size,
+        }
     if isinstance(p, RandomAllocation):
         return {"type": "random_allocation", "inner": _node(p.inner), "num_steps": p.num_steps}
     if isinstance(p, Repeat):
@@ -90,6 +98,7 @@ _BUILDERS = {
     "adaptive_clipping": (AdaptiveClipping, ("inner", "count_noise_fraction", "expected_batch_size")),
     "poisson": (Poisson, ("inner", "sample_rate")),
     "truncated_poisson": (TruncatedPoisson, ("inner", "sample_rate", "dataset_size", "truncated_batch_size")),
+    "without_replacement": (WithoutReplacement, ("inner", "dataset_size", "sample_size")),
     "random_allocation": (RandomAllocation, ("inner", "num_steps")),
     "repeat": (Repeat, ("process", "count")),
     "compose": (Compose, ("processes",)),

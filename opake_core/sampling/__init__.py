@@ -8,6 +8,7 @@ steps)``, so a sampler and its accountant are chosen together.
 from opake_core.sampling.b_min_sep import BMinSep, b_min_sep
 from opake_core.sampling.balls_in_bins import BallsInBins, balls_in_bins
 from opake_core.sampling.cyclic_poisson import CyclicPoisson, cyclic_poisson
+from opake_core.sampling.fixed_size import FixedSize, fixed_size
 from opake_core.sampling.k_out_of_t import KOutOfT, k_out_of_t
 from opake_core.sampling.poisson import Poisson, poisson
 from opake_core.sampling.sequential import Sequential, sequential
@@ -17,6 +18,7 @@ __all__ = [
     "BMinSep",
     "BallsInBins",
     "CyclicPoisson",
+    "FixedSize",
     "KOutOfT",
     "Poisson",
     "SamplerState",
@@ -24,6 +26,7 @@ __all__ = [
     "b_min_sep",
     "balls_in_bins",
     "cyclic_poisson",
+    "fixed_size",
     "k_out_of_t",
     "poisson",
     "sequential",

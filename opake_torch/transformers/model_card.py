@@ -44,6 +44,7 @@ ADJACENCY = {
 SAMPLERS = {
     "poisson": "Poisson sampling: every row joins each batch independently with probability q",
     "k_out_of_t": "k-out-of-t sampling: every row takes part in k of every t steps, at random",
+    "fixed_size": "fixed-size batches: every batch is a uniformly random set of exactly B distinct rows",
     "sequential": "a fixed sequential order (no amplification; allowed for non-private runs only)",
     "cyclic_poisson": "cyclic Poisson sampling: the rows are split into bands, each sampled with Poisson in turn",
     "b_min_sep": "b-min-separation sampling: a row takes part at most once in any b consecutive steps",

@@ -124,6 +124,8 @@ def _sampler(args: Any, dataset_size: int, steps: int) -> Any:
         return sampling.poisson(dataset_size=dataset_size, sample_rate=rate, truncated_batch_size=cap)
     if mode == "k_out_of_t":
         return sampling.k_out_of_t(dataset_size=dataset_size, k=kwargs["k"], t=steps, allocation=kwargs["allocation"])
+    if mode == "fixed_size":
+        return sampling.fixed_size(dataset_size=dataset_size, batch_size=batch)
     if mode == "sequential":
         return sampling.sequential(dataset_size=dataset_size, batch_size=batch)
     if mode == "cyclic_poisson":

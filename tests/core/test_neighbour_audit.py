@@ -66,6 +66,8 @@ def _sampler(name):
         return sampling.k_out_of_t(dataset_size=N, k=2, t=STEPS, allocation="block")
     if name == "k_out_of_t_total":
         return sampling.k_out_of_t(dataset_size=N, k=2, t=STEPS, allocation="total")
+    if name == "fixed_size":
+        return sampling.fixed_size(dataset_size=N, batch_size=expected)
     if name == "sequential":
         return sampling.sequential(dataset_size=N, batch_size=expected)
     if name == "cyclic_poisson":
@@ -88,7 +90,7 @@ STRATEGIES = {
 
 # mechanism -> sampler names; "poisson" also covers its truncated variant, "k_out_of_t" both allocations.
 PAIRS = {
-    "gaussian": ("poisson", "poisson_truncated", "k_out_of_t_block", "k_out_of_t_total", "sequential"),
+    "gaussian": ("poisson", "poisson_truncated", "k_out_of_t_block", "k_out_of_t_total", "fixed_size", "sequential"),
     "mf_identity": ("poisson", "balls_in_bins"),
     "mf_band": ("cyclic_poisson", "b_min_sep"),
     "mf_blt": ("balls_in_bins",),

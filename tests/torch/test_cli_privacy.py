@@ -164,3 +164,18 @@ def test_a_tiny_multiplier_answers_at_once(capsys):
     direct = rdp.RdpAccountant()
     direct.compose(dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(0.01)), 1000)
     assert answer["accountant"] == "rdp" and answer["epsilon"] == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_fixed_size_batches_are_accounted_by_rdp_under_replace_one(capsys):
+    answer = _run(
+        capsys, "privacy", "epsilon", "--noise-multiplier", "2.0", "--sampler", "fixed_size", "--batch-size", "50",
+        "--dataset-size", "5000", "--steps", "300", "--delta", "1e-5", "--json",
+    )  # fmt: skip
+    accountant = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    event = dp_accounting.SampledWithoutReplacementDpEvent(5000, 50, dp_accounting.GaussianDpEvent(1.0))
+    accountant.compose(event, 300)
+    assert answer["accountant"] == "rdp" and answer["sampler"] == "fixed_size"
+    assert answer["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+    assert main(["privacy", "epsilon", "--noise-multiplier", "2", "--sampler", "fixed_size", "--sample-rate", "0.01",
+                 "--steps", "3", "--delta", "1e-5"]) != 0  # fmt: skip
+    assert "needs --batch-size and --dataset-size" in capsys.readouterr().err

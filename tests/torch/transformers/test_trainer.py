@@ -46,16 +46,22 @@ def _args(tmp_path, **kw):
     return TrainingArguments(str(tmp_path / "out"), **{**base, **kw})
 
 
-def test_one_step_equals_core_composition(tmp_path):
+@pytest.mark.parametrize(
+    ("mode", "sampler"),
+    [
+        ("poisson", sampling.poisson(dataset_size=len(DATA), sample_rate=8 / len(DATA))),
+        ("fixed_size", sampling.fixed_size(dataset_size=len(DATA), batch_size=8)),
+    ],
+)
+def test_one_step_equals_core_composition(tmp_path, mode, sampler):
     """Bitwise, with the same (vmap) engine; tests/torch/layerwise compares the layerwise engine with this one."""
-    args = _args(tmp_path, max_steps=1, optim="sgd", per_example_gradients="vmap")
+    args = _args(tmp_path, max_steps=1, optim="sgd", per_example_gradients="vmap", sampling_mode=mode)
     trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA)
     trainer.train()
 
     model = tiny_model("llama")
     apply, params, frozen = functional_model(model)
     root = random.key(args.privacy_noise_seed)
-    sampler = sampling.poisson(dataset_size=len(DATA), sample_rate=8 / len(DATA))
     index, _ = sampler.sample(random.fold_in(root, "opake.trainer.sampler"), sampler.init())
     batch = language_modeling_labels(collate([DATA[i] for i in index]))
 
