@@ -17,6 +17,9 @@ Modes (per workload):
 * ``dp_graphs``: ``DPTrainer`` with ``cuda_graphs=1`` (one knob set): each chunk, padded to the microbatch size,
   captured once and replayed. ``dp_graphs4``: ``cuda_graphs=4``, chunks rounded up to the next quarter of the
   microbatch, four captures.
+* ``dp_fixed``: ``DPTrainer`` with ``sampling_mode="fixed_size"`` (one knob set): every step draws exactly the batch
+  size without replacement, one shape and one chunk per step. A different guarantee (replace-one adjacency, a
+  looser accountant: docs/accounting.md), so it is compared for speed only.
 * ``dp_rows4``, ``dp_expandable``: diagnostics of ``dp`` with each chunk's rows rounded up to a multiple of 4 (dead
   rows; ``opake_torch.transformers.engines.ROW_MULTIPLE``), or with the CUDA allocator's expandable segments.
 * ``dp_kernels``: ``DPTrainer`` with ``use_performance_kernels=True``; its ratios are against ``hf_kernels``.
@@ -80,6 +83,7 @@ MODES = (
     "dp_q1",
     "dp_graphs",
     "dp_graphs4",
+    "dp_fixed",
     "dp_rows4",
     "dp_expandable",
     "dp_kernels",
@@ -258,6 +262,7 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
         "dp_kernels": {"use_performance_kernels": True},
         "dp_graphs": {"cuda_graphs": 1},
         "dp_graphs4": {"cuda_graphs": 4},
+        "dp_fixed": {"sampling_mode": "fixed_size"},
     }.get(mode, {})
     data = dataset(workload, dataset_size(workload, mode))
     with tempfile.TemporaryDirectory() as folder:
@@ -329,6 +334,7 @@ RUNNERS: dict[str, Callable[[Workload, argparse.Namespace, StepClock], dict[str,
     "dp_q1": lambda w, o, c: run_dp(w, o, c, mode="dp_q1"),
     "dp_graphs": lambda w, o, c: run_dp(w, o, c, mode="dp_graphs"),
     "dp_graphs4": lambda w, o, c: run_dp(w, o, c, mode="dp_graphs4"),
+    "dp_fixed": lambda w, o, c: run_dp(w, o, c, mode="dp_fixed"),
     "dp_rows4": lambda w, o, c: run_dp(w, o, c, mode="dp_rows4"),
     "dp_expandable": lambda w, o, c: run_dp(w, o, c, mode="dp_expandable"),
     "dp_kernels": lambda w, o, c: run_dp(w, o, c, mode="dp_kernels"),

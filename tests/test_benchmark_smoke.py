@@ -110,7 +110,7 @@ def test_e2e_trainer_tiny_in_process(tmp_path: Path) -> None:
     """``trainer.train()`` of HF's Trainer and DPTrainer on the tiny workloads: every row runs and has a finite step
     time and a finite ratio to its ``hf`` row (memory is not measured on CPU)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny CPU ops: threads only add contention
-    modes = ("hf", "dp", "dp_q1")
+    modes = ("hf", "dp", "dp_q1", "dp_fixed")
     command = [sys.executable, str(E2E_TRAINER), "--tiny", "--in-process", "--modes", *modes, "--out", str(tmp_path)]
     command += ["--profile-steps", "1"]  # one more step per row, profiled
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
@@ -127,7 +127,8 @@ def test_e2e_trainer_tiny_in_process(tmp_path: Path) -> None:
         if r["mode"] == "hf":
             assert r["time_vs_baseline"] == 1.0 and r["sampling_rate"] is None
         else:
-            assert r["engine"] in ("layerwise", "vmap") and r["sampling_mode"] == "poisson"
+            sampler = "fixed_size" if r["mode"] == "dp_fixed" else "poisson"
+            assert r["engine"] in ("layerwise", "vmap") and r["sampling_mode"] == sampler
             assert r["sampling_rate"] == (1.0 if r["mode"] == "dp_q1" else 0.01)
             assert r["diagnostic"] == (r["mode"] == "dp_q1")
             assert r["profile"]["opake_ranges_host_ms"]["opake::clipped_grad"] > 0  # the private step's ranges
