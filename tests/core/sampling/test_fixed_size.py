@@ -13,6 +13,7 @@ import dp_accounting
 import numpy as np
 import pytest
 from dp_accounting import pld, rdp
+from sampler_draws import draw
 from scipy import stats
 
 from opake_core import accounting as acc
@@ -27,13 +28,7 @@ KEY = key(77)
 
 
 def _draw(sampler, steps, state=None, k=KEY):
-    state = sampler.init() if state is None else state
-    out = []
-    for _ in range(steps):
-        indices, state = sampler.sample(k, state)
-        assert indices.dtype == np.int64 and np.all(np.diff(indices) > 0)  # sorted and distinct
-        out.append(indices)
-    return out, state
+    return draw(sampler, steps, k, state)
 
 
 def test_every_batch_has_exactly_batch_size_distinct_examples():

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from sampler_draws import draw
 from scipy import stats
 
 from opake_core import accounting as acc
@@ -24,14 +25,7 @@ KEY = key(77)
 
 
 def _draw(sampler, steps, state=None, k=KEY):
-    state = sampler.init() if state is None else state
-    out = []
-    for _ in range(steps):
-        indices, state = sampler.sample(k, state)
-        assert indices.dtype == np.int64
-        assert np.all(np.diff(indices) > 0)
-        out.append(indices)
-    return out, state
+    return draw(sampler, steps, k, state)
 
 
 # --- cyclic Poisson ---------------------------------------------------------------------------------------------

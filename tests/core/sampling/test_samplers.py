@@ -11,6 +11,7 @@ import json
 
 import numpy as np
 import pytest
+from sampler_draws import draw
 from scipy import stats
 
 from opake_core import accounting as acc
@@ -22,15 +23,8 @@ ALPHA = 1e-6
 KEY = key(1234)
 
 
-def _draw(sampler, steps, k=KEY, state=None):
-    state = sampler.init() if state is None else state
-    out = []
-    for _ in range(steps):
-        indices, state = sampler.sample(k, state)
-        assert indices.dtype == np.int64
-        assert np.all(np.diff(indices) > 0)
-        out.append(indices)
-    return out, state
+def _draw(sampler, steps, state=None, k=KEY):
+    return draw(sampler, steps, k, state)
 
 
 def test_poisson_inclusion_frequency_is_q():

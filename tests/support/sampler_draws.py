@@ -1,0 +1,17 @@
+"""Draw steps from a sampler, checking what every draw must be: sorted, distinct int64 indices."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def draw(sampler, steps, key, state=None):
+    """``(batches, state)``: ``steps`` draws of ``sampler`` under ``key`` from ``state`` (default: a fresh one)."""
+    state = sampler.init() if state is None else state
+    out = []
+    for _ in range(steps):
+        indices, state = sampler.sample(key, state)
+        assert indices.dtype == np.int64
+        assert np.all(np.diff(indices) > 0)
+        out.append(indices)
+    return out, state
