@@ -36,12 +36,13 @@ recomputed input and output gradient for the book-keeping sum, ``T (in + out)`` 
 output gradients of its linear layers, not the layer's whole activations).
 
 Supported layers: ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, Hugging Face's ``Conv1D`` and
-Llama-style ``*RMSNorm`` layers, with their stock ``forward``; every layer must see the batch in dimension 0 (Hugging
-Face models are batch-first). Hugging Face's mixture-of-experts layers too, which see the tokens flattened to
-``[m T, d]``: top-k routers (a linear layer on those rows; a tensor hook on the logits they return sees the gradient
-through the routing weights) and stacked ``[E, ...]`` experts, which run :func:`_tapped_experts_forward` during the
-pass (one row per token and chosen expert; ghost norms per expert from the rows of each example routed to it, the
-clipped sum one matmul per expert).
+Llama- and gpt-oss-style ``*RMSNorm`` layers, with their stock ``forward``; every layer must see the batch in dimension
+0 (Hugging Face models are batch-first). Attention sinks (gpt-oss) through Hugging Face's eager attention, which
+expands them over the batch (:class:`_BroadcastTap`). Hugging Face's mixture-of-experts layers too, which see the
+tokens flattened to ``[m T, d]``: top-k routers (a linear layer on those rows; a tensor hook on the logits they
+return sees the gradient through the routing weights) and stacked ``[E, ...]`` experts, which run
+:func:`_tapped_experts_forward` during the pass (one row per token and chosen expert; ghost norms per expert from the
+rows of each example routed to it, the clipped sum one matmul per expert).
 
 A parameter used by several layers or calls (tied embeddings) is instantiated per call and summed before its norm
 is taken. The batched pass assumes that examples do not interact: modules that mix
@@ -94,6 +95,14 @@ def _llama_rms_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.weight * hidden_states.to(input_dtype)
 
 
+def _gpt_oss_rms_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return (self.weight * hidden_states).to(input_dtype)
+
+
 def _same_code(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
     """Whether two functions compile to the same code (same source up to their names and modules)."""
     ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
@@ -106,7 +115,9 @@ def _kind(module: nn.Module) -> str | None:
     """The layer kind this engine knows, for a module whose ``forward`` is the stock one; otherwise None.
 
     RMSNorm: ``nn.RMSNorm``, and Hugging Face's Llama-style ``*RMSNorm`` (Llama, Mistral, Qwen2, Qwen3, ...), whose
-    ``forward`` must compile to exactly :func:`_llama_rms_norm` (Gemma's ``1 + weight`` variant does not).
+    ``forward`` must compile to exactly :func:`_llama_rms_norm` (Gemma's ``1 + weight`` variant does not), or to
+    :func:`_gpt_oss_rms_norm` (gpt-oss: the weight multiplies the float32 normalized input, then the cast).
+    Attention sinks: a Hugging Face attention layer's own ``sinks`` parameter (gpt-oss), see :class:`_BroadcastTap`.
     """
     conv1d = _conv1d_type()
     bases = (("linear", nn.Linear), ("embedding", nn.Embedding), ("layer_norm", nn.LayerNorm), ("rms_norm", nn.RMSNorm))
@@ -119,6 +130,11 @@ def _kind(module: nn.Module) -> str | None:
         return "conv1d"
     if hasattr(module, "variance_epsilon") and _same_code(type(module).forward, _llama_rms_norm):
         return "llama_rms_norm"
+    if hasattr(module, "variance_epsilon") and _same_code(type(module).forward, _gpt_oss_rms_norm):
+        return "gpt_oss_rms_norm"
+    sinks = module._parameters.get("sinks")
+    if type(module).__module__.startswith("transformers.") and isinstance(sinks, nn.Parameter):
+        return "attention_sinks"
     return _moe_kind(module)
 
 
@@ -182,6 +198,29 @@ class _Tap(torch.autograd.Function):
         ctx.record(grad)
         dtype, device = ctx.anchor
         return grad, torch.zeros((), dtype=dtype, device=device), None
+
+
+class _BroadcastTap(torch.overrides.TorchFunctionMode):
+    """Active during one call of an attention layer with sinks: the expansion of its ``sinks`` parameter over the
+    batch (``sinks.reshape(1, -1, 1, 1).expand(m, -1, T, -1)`` in Hugging Face's eager attention, the only place it
+    is used) goes through ``on_expand``, which taps it; the tap's gradient ``[m, H, T, 1]`` summed over the positions
+    is each example's gradient of the sinks. ``tapped`` says whether that expansion happened (other attention
+    implementations use the sinks otherwise, and are refused)."""
+
+    def __init__(self, param: torch.Tensor, m: int, on_expand: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.seen, self.m, self.on_expand, self.tapped = [param], m, on_expand, False
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not args or not any(args[0] is seen for seen in self.seen):
+            return out
+        if func is torch.Tensor.expand and out.dim() and out.shape[0] == self.m:
+            self.tapped = True
+            return self.on_expand(out)
+        if func in (torch.Tensor.reshape, torch.Tensor.view):
+            self.seen.append(out)
+        return out
 
 
 @dataclass(frozen=True)
@@ -490,8 +529,12 @@ def _add_dense(call: _Call, attr: str, out: torch.Tensor, *, first: bool) -> Non
     ``first``: ``out`` holds zeros, so it is written instead."""
     m, dtype = out.shape[0], out.dtype
     g = _in(call.grad, dtype)
+    if call.kind == "attention_sinks":  # the gradient of sinks broadcast to [m, H, T, 1]
+        total = g.sum(dim=(2, 3))
+        out.copy_(total) if first else out.add_(total)
+        return
     if call.kind in _NORMS:
-        dims = len(call.module.normalized_shape) if call.kind != "llama_rms_norm" else 1
+        dims = len(call.module.normalized_shape) if call.kind in ("layer_norm", "rms_norm") else 1
         g = g.reshape(m, -1, *g.shape[-dims:])
         if attr == "weight":
             g = g * _in(_normalized(call), dtype).reshape(g.shape)
@@ -520,7 +563,7 @@ def _add_sum(g: torch.Tensor, out: torch.Tensor, *, first: bool) -> None:
         out.add_(g.sum(dim=1))
 
 
-_NORMS = ("layer_norm", "rms_norm", "llama_rms_norm")
+_NORMS = ("layer_norm", "rms_norm", "llama_rms_norm", "gpt_oss_rms_norm")
 
 
 def _normalized(call: _Call) -> torch.Tensor:
@@ -532,7 +575,7 @@ def _normalized(call: _Call) -> torch.Tensor:
         return F.rms_norm(x, module.normalized_shape, eps=module.eps)
     hidden = x.to(torch.float32)
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-    return hidden.to(x.dtype)
+    return hidden if call.kind == "gpt_oss_rms_norm" else hidden.to(x.dtype)
 
 
 def _ghost_names(calls: list[_Call], out: _Gradients) -> dict[str, tuple[_Call, torch.Tensor]]:
@@ -894,8 +937,37 @@ class LayerwiseGradients:
             tapped = tap(call, y)
             return y if tapped is None else tapped
 
+        modes: list[_BroadcastTap] = []  # the sinks taps of the attention calls in progress
+
+        def enter_sinks(module: nn.Module, args: tuple[Any, ...]) -> None:
+            attrs = by_module[module][1]
+
+            def on_expand(expanded: torch.Tensor) -> torch.Tensor:
+                call = _Call("attention_sinks", module, attrs, None, expanded.shape[2])
+                calls.append(call)
+                if not torch.is_grad_enabled():  # a checkpointed layer's forward: its recompute is tapped
+                    return expanded
+                return _Tap.apply(expanded, anchor, lambda grad: record(call, grad))
+
+            modes.append(_BroadcastTap(module.sinks, out.m, on_expand))
+            modes[-1].__enter__()
+
+        def leave_sinks(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            mode = modes.pop()
+            mode.__exit__(None, None, None)
+            if not mode.tapped:
+                raise ConfigurationError(
+                    f"the attention sinks of {type(module).__name__} are served with eager attention only (the "
+                    "sinks expanded over the batch); this attention implementation uses them otherwise. Set "
+                    "attn_implementation='eager', freeze the sinks, or use vmap(grad) for this model."
+                )
+
         handles = []
         for module, (kind, _) in by_module.items():
+            if kind == "attention_sinks":
+                handles.append(module.register_forward_pre_hook(enter_sinks))
+                handles.append(module.register_forward_hook(leave_sinks))
+                continue
             if kind == "experts":
                 forward = functools.partial(_tapped_experts_forward, examples=out.m)
                 handles.append(_replace_forward(module, forward, tap_experts))
@@ -911,6 +983,8 @@ class LayerwiseGradients:
             return self._backward(result, out, calls, anchor, instantiate=instantiate)
         finally:
             _ACTIVE.anchor = None
+            while modes:  # a forward that raised left its sinks tap active
+                modes.pop().__exit__(None, None, None)
             for handle in handles:
                 handle.remove()
 

@@ -53,7 +53,7 @@ FAMILIES: tuple[Family, ...] = (
         "gpt_oss",
         "gpt-oss (MoE)",
         attention="eager",
-        note="HF v5 stacked experts; attention sinks; no SDPA in transformers 5.24",
+        note="HF v5 stacked experts; attention sinks (layerwise: eager attention only); no SDPA in transformers 5.24",
     ),
     Family("gemma", "Gemma"),
     Family("gemma2", "Gemma2", attention="eager", note="no SDPA in transformers 5.24; softcapping"),

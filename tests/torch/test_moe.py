@@ -120,8 +120,8 @@ def _float64_loop(loss, params, batch, bound):
     return total
 
 
-# Mixtral and Qwen3-MoE fully; gpt-oss through its MLPs (its RMSNorm and attention sinks are outside the engine)
-TRAINED = {"mixtral": "", "qwen3_moe": "", "gpt_oss": ".mlp."}
+# every parameter: embeddings, attention (gpt-oss's sinks included), norms (gpt-oss's RMSNorm), routers, experts
+TRAINED = {"mixtral": "", "qwen3_moe": "", "gpt_oss": ""}
 
 
 def _assert_layerwise_equals_the_float64_loop(model: torch.nn.Module, microbatch_size: int | None = None) -> None:
@@ -167,16 +167,48 @@ def test_layerwise_engine_serves_routers_and_stacked_experts(model_type: str, gh
     _assert_layerwise_equals_the_float64_loop(model)
 
 
-def test_checkpointed_moe_layers_give_the_float64_loop_sum() -> None:
-    """Routers and experts inside checkpointed decoder layers (``enable_vmap_checkpointing``): their forward keeps
-    nothing, the recompute in the backward runs the tapped experts forward, and the clipped sum equals the float64
-    loop (whose per-example gradients run the same checkpointing under torch.func)."""
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_checkpointed_moe_layers_give_the_float64_loop_sum(model_type: str) -> None:
+    """Routers and experts (and gpt-oss's attention sinks) inside checkpointed decoder layers
+    (``enable_vmap_checkpointing``): their forward keeps nothing, the recompute in the backward is tapped, and the
+    clipped sum equals the float64 loop (whose per-example gradients run the same checkpointing under torch.func)."""
     from opake_torch.patches.checkpointing import enable_vmap_checkpointing
 
     apply_compat_patches()
-    model = tiny_moe("qwen3_moe", torch.float64)
+    model = tiny_moe(model_type, torch.float64)
     assert enable_vmap_checkpointing(model) > 0
     _assert_layerwise_equals_the_float64_loop(model.train(), microbatch_size=2)
+
+
+def test_attention_sinks_used_other_than_by_eager_attention_are_refused(monkeypatch) -> None:
+    """The sinks' tap sees their expansion over the batch in Hugging Face's eager attention; an attention function
+    that uses them another way (here: through a copy) would leave their gradient unformed: refused."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    from opake_torch.layerwise import LayerwiseGradients
+
+    original = modeling_gpt_oss.eager_attention_forward
+
+    class WithCopiedSinks:  # the layer, but its sinks a copy the tap does not know
+        def __init__(self, module):
+            self.module, self.sinks = module, module.sinks.clone()
+
+        def __getattr__(self, name):
+            return getattr(self.module, name)
+
+    def indexed_sinks(module, *args, **kwargs):
+        return original(WithCopiedSinks(module), *args, **kwargs)
+
+    monkeypatch.setattr(modeling_gpt_oss, "eager_attention_forward", indexed_sinks)
+    model = tiny_moe("gpt_oss", torch.float64).eval()
+    apply, params, frozen = functional_model(model)
+    engine = Engine(
+        gradients=LayerwiseGradients(model, lambda p, b: batch_losses(apply, p, frozen, b, task="causal_lm"))
+    )
+    grad_fn, state = clipped_grad(lambda p, e: per_example_loss(apply, p, frozen, e, task="causal_lm"),
+                                  clipping_norm=C, batch_argnums=1, engine=engine)  # fmt: skip
+    with pytest.raises(ConfigurationError, match="attention sinks of GptOssAttention are served with eager"):
+        grad_fn(params, _batch(), state=state)
 
 
 def test_layerwise_engine_refuses_expert_parallel_experts() -> None:

@@ -100,7 +100,7 @@ def test_a_dense_model_and_per_example_metrics_are_refused_at_trainer_constructi
         WithMetrics(tiny_moe("qwen3_moe"), _args(tmp_path), train_dataset=DATA)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_the_layerwise_engine_trains_the_release_as_vmap_does(tmp_path, model_type):
     """With the release on, 'auto' takes the layerwise engine: its batched loss returns every example's surrogate
     and load statistic from one forward. With the same keys it trains the weights and releases the load estimates
