@@ -145,7 +145,7 @@ def _sampler(args: Any, dataset_size: int, steps: int) -> Any:
     raise ConfigurationError(f"sampling_mode={mode!r} is not supported by the trainer.")
 
 
-DDP_SAMPLING_MODES = ("poisson", "cyclic_poisson")
+DDP_SAMPLING_MODES = ("poisson", "cyclic_poisson", "fixed_size")
 
 
 def _rank_sampler(args: Any, dataset_size: int, rate: float) -> Any:
@@ -163,9 +163,12 @@ def _rank_sampler(args: Any, dataset_size: int, rate: float) -> Any:
         return sampling.cyclic_poisson(
             dataset_size=dataset_size, sample_rate=rate, bands=bands, world_size=world, rank=rank
         )
+    if mode == "fixed_size":
+        batch = args.train_batch_size
+        return sampling.fixed_size(dataset_size=dataset_size, batch_size=batch, world_size=world, rank=rank)
     raise ConfigurationError(
         f"sampling_mode={mode!r} is not supported under DDP (world_size={world}); use one of {DDP_SAMPLING_MODES}, "
-        "whose per-rank shards are sampled independently so the union is the sampler the accountant analyses."
+        "whose per-rank parts together are the sampler the accountant analyses."
     )
 
 

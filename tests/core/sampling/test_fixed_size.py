@@ -64,6 +64,21 @@ def test_replays_and_restores_and_refuses_another_configuration():
         sampling.poisson(dataset_size=40, sample_rate=0.125).sample(KEY, state)
 
 
+def test_data_parallel_ranks_split_one_global_draw():
+    whole, _ = _draw(sampling.fixed_size(dataset_size=30, batch_size=7), 20)
+    ranks = [_draw(sampling.fixed_size(dataset_size=30, batch_size=7, world_size=3, rank=r), 20)[0] for r in range(3)]
+    for step, batch in enumerate(whole):
+        parts = [ranks[r][step] for r in range(3)]
+        assert [len(p) for p in parts] == [3, 2, 2]
+        np.testing.assert_array_equal(np.sort(np.concatenate(parts)), batch)
+    state = sampling.fixed_size(dataset_size=30, batch_size=7, world_size=3, rank=1).init()
+    assert dict(state.config)["world_size"] == 3
+    with pytest.raises(StateError, match="differ"):
+        sampling.fixed_size(dataset_size=30, batch_size=7).sample(KEY, state)
+    with pytest.raises(ConfigurationError, match="rank must be in"):
+        sampling.fixed_size(dataset_size=30, batch_size=7, world_size=2, rank=2)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [

@@ -46,6 +46,8 @@ def _args(tmp_path, **kw):
 def _mf(kind):
     if kind == "adaptive":
         return {"clipping_mode": "adaptive"}
+    if kind == "fixed":
+        return {"sampling_mode": "fixed_size"}
     if kind != "mf":
         return {}
     return {
@@ -60,6 +62,8 @@ def _rank_samplers(kind, rate):
         return [
             sampling.cyclic_poisson(dataset_size=40, sample_rate=rate, bands=2, world_size=2, rank=r) for r in (0, 1)
         ]
+    if kind == "fixed":
+        return [sampling.fixed_size(dataset_size=40, batch_size=2 * PER_DEVICE, world_size=2, rank=r) for r in (0, 1)]
     return [sampling.poisson(dataset_size=40, sample_rate=rate, world_size=2, rank=r) for r in (0, 1)]
 
 
@@ -83,10 +87,11 @@ def _single_process(tmp_path, kind):
     return run.params, ledger_epsilon(run.ledger, run.plan.delta), sizes
 
 
-@pytest.mark.parametrize("kind", ["sgd", "mf", "adaptive"])
+@pytest.mark.parametrize("kind", ["sgd", "mf", "adaptive", "fixed"])
 def test_ddp_trainer_equals_single_process(tmp_path, kind):
     """Adaptive clipping: the clipped counts and batch sizes are summed across ranks before the noisy count, so the
-    bound follows the cluster batch exactly as a single process on the union batch."""
+    bound follows the cluster batch exactly as a single process on the union batch. Fixed-size batches: every rank
+    takes its half of the same global draw, exactly ``PER_DEVICE`` rows per rank and step."""
     ranks = launch(f"trainer_{kind}", tmp_path / "ddp", DDP_TEST_BATCH=str(PER_DEVICE))
     expected, epsilon, sizes = _single_process(tmp_path, kind)
     for name in expected:
@@ -99,6 +104,8 @@ def test_ddp_trainer_equals_single_process(tmp_path, kind):
     ]
     if kind == "sgd":
         assert any(0 in step for step in sizes), sizes  # some rank had an empty local batch and still stepped
+    if kind == "fixed":
+        assert sizes == [[PER_DEVICE, PER_DEVICE]] * STEPS
 
 
 def test_ddp_router_release_equals_single_process_on_the_union_batch(tmp_path, monkeypatch):
