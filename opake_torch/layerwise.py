@@ -529,9 +529,11 @@ def _add_dense(call: _Call, attr: str, out: torch.Tensor, *, first: bool) -> Non
     ``first``: ``out`` holds zeros, so it is written instead."""
     m, dtype = out.shape[0], out.dtype
     g = _in(call.grad, dtype)
-    if call.kind == "attention_sinks":  # the gradient of sinks broadcast to [m, H, T, 1]
-        total = g.sum(dim=(2, 3))
-        out.copy_(total) if first else out.add_(total)
+    if call.kind == "attention_sinks":  # the gradient of the sinks broadcast to [m, H, T, 1]
+        if first:
+            torch.sum(g, dim=(2, 3), out=out)
+        else:
+            out.add_(g.sum(dim=(2, 3)))
         return
     if call.kind in _NORMS:
         dims = len(call.module.normalized_shape) if call.kind in ("layer_norm", "rms_norm") else 1
