@@ -228,7 +228,7 @@ class RouterState:
     Attributes:
         filtered: ``[E]`` float64, the EMA ``sum_i beta^{t-i} (1 - beta) y_i`` of the pooled, projected releases
             before the bias correction.
-        key: the noise key; step ``t`` draws from ``fold_in(key, STREAM, t)``.
+        key: the noise key; step ``t`` draws from ``fold_in(key, STREAM, t)`` on the statistic's device.
         step: releases made so far (``t``).
         noise_var: ``v_t``, the variance of every coordinate of ``filtered``'s noise (before the bias correction).
         top_k, beta: ``k`` and ``filter_beta``, to read the estimate from the state alone.
@@ -350,8 +350,8 @@ def _release(
             sigma = multiplier * sensitivity
             noised = value.to(torch.float64)
             if sigma > 0.0:
-                draw = random.normal(random.fold_in(state.key, STREAM, state.step), shape, dtype=torch.float64)
-                noised = noised + sigma * draw.to(value.device)
+                step_key = random.fold_in(state.key, STREAM, state.step)
+                noised = noised + sigma * random.normal(step_key, shape, dtype=torch.float64, device=value.device)
             pooled = noised.mean(dim=0)
             projected = pooled - pooled.mean()
             filtered = beta * state.filtered.to(projected.device) + (1.0 - beta) * projected
