@@ -52,6 +52,7 @@ __all__ = [
     "k_out_of_t",
     "poisson",
     "random_allocation",
+    "releases",
     "repeat",
     "to_dp_event",
     "truncated_poisson",
@@ -333,14 +334,20 @@ def _children(p: Process) -> tuple[Process, ...]:
     return ()
 
 
+def releases(p: Process) -> list[Process]:
+    """The single releases ``p`` composes: its parts inside every repeat and composition, in order."""
+    children = _children(p)
+    return [p] if not children else [part for c in children for part in releases(c)]
+
+
 def contains_random_allocation(p: Process) -> bool:
     """Whether ``p`` has a random-allocation part (it has no dp-accounting event)."""
-    return isinstance(p, RandomAllocation) or any(contains_random_allocation(c) for c in _children(p))
+    return any(isinstance(part, RandomAllocation) for part in releases(p))
 
 
 def contains_without_replacement(p: Process) -> bool:
     """Whether ``p`` has a sampled-without-replacement part (accounted under replace-one adjacency only)."""
-    return isinstance(p, WithoutReplacement) or any(contains_without_replacement(c) for c in _children(p))
+    return any(isinstance(part, WithoutReplacement) for part in releases(p))
 
 
 def is_nonprivate(p: Process) -> bool:

@@ -49,6 +49,7 @@ from opake_core.accounting.processes import (
     contains_random_allocation,
     contains_without_replacement,
     is_nonprivate,
+    releases,
     to_dp_event,
 )
 from opake_core.errors import ConfigurationError
@@ -80,7 +81,7 @@ class Result:
 
 def _resolve(process: Process, accountant: str | None) -> str:
     needs_mc = isinstance(process, MonteCarloMF) or contains_random_allocation(process)
-    fixed_size = not isinstance(process, MonteCarloMF) and contains_without_replacement(process)
+    fixed_size = contains_without_replacement(process)
     if accountant is None:
         return "monte_carlo" if needs_mc else "rdp" if fixed_size else "pld"
     if fixed_size and accountant != "rdp":
@@ -135,19 +136,10 @@ def _rdp_bound(event: dp_accounting.DpEvent, relation: _Rel) -> float | None:
         return accountant.get_epsilon(1e-10)
 
 
-def _parts(process: Process) -> list[Process]:
-    """The releases ``process`` composes (inside its repeats and compositions)."""
-    if isinstance(process, Repeat):
-        return _parts(process.process)
-    if isinstance(process, Compose):
-        return [part for p in process.processes for part in _parts(p)]
-    return [process]
-
-
 def _check_rdp_replace_one(process: Process) -> None:
     """Under replace-one, dp-accounting's RDP reads a Gaussian's multiplier against the replace-one sensitivity (twice
     the clipping bound); only :class:`WithoutReplacement` converts to that convention, so it must be alone."""
-    if all(isinstance(part, WithoutReplacement) for part in _parts(process)):
+    if all(isinstance(part, WithoutReplacement) for part in releases(process)):
         return
     if contains_without_replacement(process):
         raise ConfigurationError(
