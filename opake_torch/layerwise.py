@@ -11,8 +11,9 @@ and forms no parameter gradient). From them, per layer:
   group;
 * **ghost norm** (Li et al. 2022, arXiv 2110.05679, section 4.2): ``||G_i||^2 = sum_{t,s} (a_it . a_is)(g_it . g_is)``,
   taken in float64 from two ``T x T`` Gram matrices when ``T (in + out) < in * out``; the clipped sum is then
-  ``sum_i c_i G_i = (c * g)^T a``, one matmul, the same as a non-private weight gradient ("book-keeping",
-  Bu et al. 2023, arXiv 2210.00038).
+  ``sum_i c_i G_i = g^T (c * a)``, one matmul, the same as a non-private weight gradient ("book-keeping",
+  Bu et al. 2023, arXiv 2210.00038); the scaled input ``c * a`` is formed once for the layers that read the same
+  input (q, k and v), and masked only when some example is dropped (scale 0: a non-finite norm or a dead row).
 
 A linear layer that ran in bfloat16 (bf16 weights or bf16 autocast: its output gradient is bf16) has the weight
 gradient ``g^T bf16(a)``, a product of bf16 factors, so its norms are taken from the bf16-rounded input and its
@@ -323,14 +324,17 @@ def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
-def _add_bf16_product(call: _Call, keep: torch.Tensor, scale: torch.Tensor, total: torch.Tensor) -> None:
+def _add_bf16_product(call: _Call, keep: torch.Tensor | None, scale: torch.Tensor, total: torch.Tensor) -> None:
     """``total += sum_i scale_i G_i`` for a layer with bf16 factors (float32 ``total``): the float32 scaled factor
     ``fl32(scale_i g_it)`` in three exact bf16 parts times the bf16 input, one matmul, then the parts' three
-    products added, smallest first."""
+    products added, smallest first. ``keep`` (``[m, 1, 1]``, None: every example) masks dropped examples."""
     m, out = scale.shape[0], call.grad.shape[-1]
-    g = torch.where(keep, _in(_rows(call.grad, m), torch.float32) * scale, 0.0)
+    g = _in(_rows(call.grad, m), torch.float32) * scale
+    a = _input_factor(call, m)
+    if keep is not None:
+        g, a = torch.where(keep, g, 0.0), torch.where(keep, a, 0.0)
     parts = _bf16_parts(g).reshape(-1, 3 * out)
-    a = torch.where(keep, _input_factor(call, m), 0.0).reshape(m * g.shape[1], -1)
+    a = a.reshape(m * g.shape[1], -1)
     if call.kind == "linear":
         high, mid, low = _mm_float32(parts.T, a).view(3, out, -1).unbind(0)
     else:  # conv1d: weight [in, out]
@@ -421,7 +425,8 @@ class _Gradients:
             scale = rows[0].expand(len(leaves), -1) if not rows.stride(0) else torch.stack([rows[k] for k in leaves])
             scaled = group.buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(scale[:, :, None])
             torch._foreach_add_([sums[k].view(-1) for k in leaves], list(scaled.sum(dim=1).unbind(0)))
-        safe: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        rows_of: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        inputs = _ScaledInputs(self.m)
         with _ieee_float32_matmuls():
             for name, (call, _) in self.ghost.items():
                 if call.grad is None:  # the loss does not depend on this layer's output: a zero gradient
@@ -430,10 +435,10 @@ class _Gradients:
                 total = sums[k]
                 rows = scales[total.dtype]
                 key = (total.dtype, k if rows.stride(0) else 0)  # one row for all leaves (stride 0): one mask
-                if key not in safe:
+                if key not in rows_of:
                     scale = rows[k].reshape(self.m, 1, 1)
-                    safe[key] = (scale != 0, scale)
-                _add_ghost(call, *safe[key], total)
+                    rows_of[key] = (scale, _dropped(scale))
+                _add_ghost(call, *rows_of[key], total, inputs)
 
 
 @contextlib.contextmanager
@@ -454,28 +459,64 @@ def _ieee_float32_matmuls() -> Iterator[None]:
         cuda_matmul.allow_bf16_reduced_precision_reduction = reduced
 
 
-def _add_ghost(call: _Call, keep: torch.Tensor, scale: torch.Tensor, total: torch.Tensor) -> None:
-    """``total += sum_i scale_i G_i`` from the call's input and output gradient; ``scale`` and ``keep`` (whether the
-    scale is not 0) are ``[m, 1, 1]``; an example with scale 0 adds exactly 0 whatever its values."""
+def _dropped(scale: torch.Tensor) -> torch.Tensor | None:
+    """Which examples have scale 0 (``[m, 1, 1]`` bool), or None when none has: an example with a finite norm has
+    finite layer inputs and output gradients (its float64 Gram matrices are finite), so only dropped examples (a
+    non-finite norm, a dead row) need masking, and without them the scaled sums run without masks. Knowing that
+    none is dropped reads one flag from the device (a synchronization per scale row and chunk); inside a CUDA-graph
+    capture or ``torch.compile`` the masks are always applied instead."""
+    drop = scale == 0
+    capturing = scale.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing or torch.compiler.is_compiling() or bool(drop.any()):
+        return drop
+    return None
+
+
+class _ScaledInputs:
+    """The scaled input factors ``scale_i a_it`` (zero rows for dropped examples) of the ghost linear and Conv1D
+    calls, formed once for the calls that read the same input with the same scales (q, k and v)."""
+
+    def __init__(self, m: int) -> None:
+        self.m = m
+        self.made: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def __call__(self, call: _Call, scale: torch.Tensor, drop: torch.Tensor | None, dtype: torch.dtype) -> Any:
+        key = (call.input_key, dtype, scale.data_ptr())
+        if key not in self.made:
+            a = _in(_rows(call.inputs, self.m), dtype) * scale
+            self.made[key] = a if drop is None else torch.where(drop, 0.0, a)
+        return self.made[key]
+
+
+def _add_ghost(
+    call: _Call, scale: torch.Tensor, drop: torch.Tensor | None, total: torch.Tensor, inputs: _ScaledInputs
+) -> None:
+    """``total += sum_i scale_i G_i`` from the call's input and output gradient; ``scale`` is ``[m, 1, 1]`` and
+    ``drop`` (:func:`_dropped`) masks the examples with scale 0, which add exactly 0 whatever their values."""
     m = scale.shape[0]
+    keep = None if drop is None else ~drop
     if _bf16_factors(call) and total.dtype == torch.float32:
         _add_bf16_product(call, keep, scale, total)
         return
-    g = torch.where(keep, _in(_rows(call.grad, m), total.dtype) * scale, 0.0)
+    g = _in(_rows(call.grad, m), total.dtype)
+    if call.kind in ("linear", "conv1d"):  # sum_i scale_i g_i^T a_i = g^T (scale a)
+        a = inputs(call, scale, drop, total.dtype).reshape(-1, call.inputs.shape[-1])
+        g = (g if drop is None else torch.where(drop, 0.0, g)).reshape(-1, g.shape[-1])
+        if call.kind == "linear":
+            total.addmm_(g.T, a)
+        else:  # conv1d: weight [in, out]
+            total.addmm_(a.T, g)
+        return
+    g = g * scale if drop is None else torch.where(drop, 0.0, g * scale)
     if call.kind == "experts":
-        a = torch.where(keep, _in(_rows(call.inputs, m), total.dtype), 0.0)
+        a = _in(_rows(call.inputs, m), total.dtype)
+        a = a if drop is None else torch.where(drop, 0.0, a)
         _add_expert_products(call, g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1]), total)
         return
-    if call.kind == "embedding":
-        ids, live = _live_ids(call, m)
-        g = torch.where(live[..., None], g, 0.0)
-        total.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1]))
-        return
-    a = torch.where(keep, _in(_rows(call.inputs, m), total.dtype), 0.0)
-    if call.kind == "linear":
-        total.addmm_(g.reshape(-1, g.shape[-1]).T, a.reshape(-1, a.shape[-1]))  # sum_bt g^T a
-    else:  # conv1d: weight [in, out]
-        total.addmm_(a.reshape(-1, a.shape[-1]).T, g.reshape(-1, g.shape[-1]))
+    # embedding
+    ids, live = _live_ids(call, m)
+    g = torch.where(live[..., None], g, 0.0)
+    total.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1]))
 
 
 def _ghost_norms(call: _Call, m: int, input_gram: Callable[[_Call], torch.Tensor]) -> torch.Tensor:
