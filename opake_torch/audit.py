@@ -19,7 +19,9 @@ Learning", USENIX Security 2023):
   canaries do not interfere. Slots of excluded canaries stay in the data with a zero gradient (the zero-out
   neighbour, which for Poisson sampling is the same as removing the example), so the data set, and with it the
   sampler, does not depend on the coins. :func:`audit_dirac_run` (the core step) and :func:`audit_trainer_dirac`
-  (``DPTrainer``) observe either every privatized update (all iterates) or only the final model.
+  (``DPTrainer``) observe either every privatized update (all iterates) or only the final model. The core step's
+  engine, :class:`DiracGradients`, writes the canaries' per-example gradients down instead of materializing them,
+  so a step costs in proportion to the batch, not the batch times the canaries.
 
 A lower bound above the theoretical epsilon (beyond the stated false-alarm rate ``1 - confidence``) means the
 mechanism leaks more than it claims. A correct private run gives a bound below its epsilon; a non-private run on
@@ -35,11 +37,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import optree
 import torch
 from torch.func import grad, vmap
 
 from opake_core import accounting, mf, optim, random, sampling
 from opake_core.audit import AuditResult, coin_flips, one_run_audit
+from opake_core.clipping.engine import VMAP, Engine
+from opake_core.clipping.engine import example_grad as opake_example_grad
 from opake_core.errors import ConfigurationError, InputTypeError
 from opake_core.fdp_audit import (
     FDPAuditResult,
@@ -63,6 +68,7 @@ __all__ = [
     "Canaries",
     "CanaryAuditReport",
     "DiracCanaries",
+    "DiracGradients",
     "Observer",
     "audit_core_run",
     "audit_dirac_run",
@@ -418,6 +424,83 @@ def with_dirac_canaries(loss_fn: Callable[..., torch.Tensor], canaries: DiracCan
     return loss
 
 
+@dataclass(frozen=True)
+class DiracGradients:
+    """The ``gradients`` of an :class:`~opake_core.clipping.Engine` for the loss of :func:`with_dirac_canaries`
+    (``Engine(gradients=DiracGradients(loss_fn, canaries))``): the real leaves' per-example gradients come from
+    ``inner`` on the real rows' loss (``loss_fn``, zero on canary slots), and the canary block's are written down,
+    ``gradient_norm * e_j`` for included canary ``j`` and zero for every other row, instead of being materialized
+    ``[rows, m]`` by ``vmap(grad)``. The clipping rule, the scaled sum and everything after them are the library's
+    own; the clipped sum equals the default engine's (the canary coordinates bit for bit), at a cost that grows with
+    the batch, not with the batch times the number of canaries.
+
+    Args:
+        loss_fn: ``loss_fn(params, *example)`` for one real example, as given to :func:`with_dirac_canaries`.
+        canaries: the canaries of that loss.
+        inner: the engine's ``gradients`` for the real leaves (default: ``vmap(grad)``).
+    """
+
+    loss_fn: Callable[..., torch.Tensor]
+    canaries: DiracCanaries
+    inner: Callable[..., tuple[Any, Any]] = VMAP.gradients
+
+    def __call__(self, example_grad: Callable[..., Any], args: Sequence[Any], batch_argnums: tuple[int, ...]) -> Any:
+        params, *batch, slots = args
+        if not isinstance(params, dict) or CANARY_LEAF not in params or batch_argnums != tuple(range(1, len(args))):
+            raise ConfigurationError(
+                "DiracGradients serves the loss of with_dirac_canaries: loss(params, *example, slot) with the "
+                f"parameters (a dict holding {CANARY_LEAF!r}) first and every other argument batched."
+            )
+        real = {k: v for k, v in params.items() if k != CANARY_LEAF}
+        real_grad = opake_example_grad(_real_rows_loss(self.loss_fn), 0, False)
+        grads, values = self.inner(real_grad, (real, *batch, slots), batch_argnums)
+        block = params[CANARY_LEAF]
+        leaves = optree.tree_leaves(params)
+        position = next(i for i, leaf in enumerate(leaves) if leaf is block)
+        included = slots >= 0
+        norm = self.canaries.gradient_norm
+        values = values + torch.where(included, norm * block[slots.clamp(min=0)], 0.0).to(values.dtype)
+        return _WithCanaryBlock(grads, position, slots, norm), values
+
+
+def _real_rows_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def loss(params: dict[str, torch.Tensor], *example: torch.Tensor) -> torch.Tensor:
+        *inputs, slot = example
+        real = loss_fn(params, *inputs)
+        return torch.where(slot == REAL_ROW, real, torch.zeros_like(real))
+
+    return loss
+
+
+class _WithCanaryBlock:
+    """The real leaves' per-example gradients with the canary block inserted at leaf ``position``: row ``i``'s
+    canary gradient is ``norm * e_{slot_i}`` for an included canary's row (``slot_i >= 0``), zero otherwise."""
+
+    def __init__(self, real: Any, position: int, slots: torch.Tensor, norm: float) -> None:
+        self.real, self.position, self.slots, self.norm = real, position, slots, norm
+
+    def squared_norms(self) -> torch.Tensor:
+        rows = self.real.squared_norms()
+        canary = torch.where(self.slots >= 0, self.norm**2, 0.0).to(torch.float64)
+        return torch.cat([rows[: self.position], canary[None], rows[self.position :]])
+
+    def add_scaled(self, scales: dict[torch.dtype, torch.Tensor], sums: list[torch.Tensor]) -> None:
+        k = self.position
+        block = sums[k]
+        self.real.add_scaled({d: _without_row(s, k) for d, s in scales.items()}, sums[:k] + sums[k + 1 :])
+        scale = scales[block.dtype][k]
+        norm = torch.full_like(scale, self.norm)  # the canary's gradient entry in the sum's dtype, then scaled
+        contribution = torch.where(self.slots >= 0, norm * scale, 0.0)  # a row holds one canary at most
+        block.index_add_(0, self.slots.clamp(min=0), contribution)
+
+
+def _without_row(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """``[L, m]`` scales without row ``k`` (still a stride-0 view when all rows are one)."""
+    if not rows.stride(0):
+        return rows[0].expand(rows.shape[0] - 1, -1)
+    return torch.cat([rows[:k], rows[k + 1 :]])
+
+
 def canary_rows(data: tuple[torch.Tensor, ...], canaries: DiracCanaries) -> tuple[torch.Tensor, ...]:
     """The training set of a Dirac audit: the real rows, then one slot per canary (the inputs of real row 0, whose
     loss is masked), with the slot column appended: ``(*data, slots [n + m])``."""
@@ -686,8 +769,10 @@ def audit_dirac_run(
         guess_sets: ``(k_pos, k_neg)`` pairs to sweep (equal-weight Bonferroni); None: chosen in advance from
             simulations of the claimed mechanism, as ``guess_plan`` says (:func:`planned_guess_sets`).
         guess_plan: ``"robust"`` (default) or ``"tight"`` (:func:`planned_guess_sets`).
-        mechanism: ``mechanism(loss, *, optimizer, expected_batch_size, key) -> (step_fn, dp_state)``, the step
-            under test.
+        mechanism: ``mechanism(loss, *, optimizer, expected_batch_size, key, engine) -> (step_fn, dp_state)``, the
+            step under test; ``engine`` (a :class:`DiracGradients` engine) goes to its ``dp_sgd``, ``dp_ftrl`` or
+            ``clipped_grad`` so that the canaries cost memory in proportion to the batch (ignoring it is correct,
+            at a cost in proportion to the batch times the canaries).
         claim_test: also test the claimed mechanism's exact trade-off curve (its PLD profile, about a second).
 
     Returns:
@@ -720,8 +805,9 @@ def audit_dirac_run(
         sampler = sampling.cyclic_poisson(dataset_size=n_rows, sample_rate=sample_rate, bands=bands)
         claim = accounting.mf_process(concrete, sampler=sampler, noise_multiplier=z, n_steps=steps)
     batch_size = sampler.expected_batch_size
+    engine = Engine(gradients=DiracGradients(loss_fn, canaries))
     if mechanism is None:
-        common = {"optimizer": observer, "expected_batch_size": batch_size, "key": noise_key}
+        common = {"optimizer": observer, "expected_batch_size": batch_size, "key": noise_key, "engine": engine}
         if concrete is None:
             step_fn, dp_state = dp_sgd(loss, clipping_norm=clipping_norm, noise_multiplier=z, **common)
         else:
@@ -735,7 +821,9 @@ def audit_dirac_run(
                 **common,
             )
     else:
-        step_fn, dp_state = mechanism(loss, optimizer=observer, expected_batch_size=batch_size, key=noise_key)
+        step_fn, dp_state = mechanism(
+            loss, optimizer=observer, expected_batch_size=batch_size, key=noise_key, engine=engine
+        )
     current, opt_state = start, observer.init(start)
     sampler_state, sampler_key = sampler.init(), random.fold_in(key, "opake.audit.sampler")
     for _ in range(steps):

@@ -17,11 +17,14 @@ from tiny_hf import tiny_model, token_data
 from torch.func import grad, vmap
 
 from opake_core import accounting, mf, random
+from opake_core.clipping import VMAP, Engine, clipped_grad
 from opake_core.errors import ConfigurationError
 from opake_core.step import dp_sgd
+from opake_core.tree import per_group
 from opake_torch.audit import (
     CANARY_LEAF,
     EMPTY_SLOT,
+    DiracGradients,
     audit_core_run,
     audit_dirac_run,
     audit_trainer_dirac,
@@ -63,7 +66,7 @@ def _dp_sgd_with(*, noise_multiplier: float):
     """A mechanism for ``audit_dirac_run(mechanism=...)``: DP-SGD (clipping norm 1) with this noise multiplier,
     whatever the audit claims (a planted leak)."""
 
-    def mechanism(loss, *, optimizer, expected_batch_size, key):
+    def mechanism(loss, *, optimizer, expected_batch_size, key, engine):
         return dp_sgd(
             loss,
             clipping_norm=1.0,
@@ -71,6 +74,7 @@ def _dp_sgd_with(*, noise_multiplier: float):
             key=key,
             optimizer=optimizer,
             expected_batch_size=expected_batch_size,
+            engine=engine,
         )
 
     return mechanism
@@ -97,6 +101,34 @@ def test_dirac_canary_gradients_are_scaled_coordinate_vectors():
             expected[j] = 3.0
         torch.testing.assert_close(grads[CANARY_LEAF][5 + j], expected)
     assert list(canaries.slots) == [j if inc else EMPTY_SLOT for j, inc in enumerate(canaries.included)]
+
+
+@pytest.mark.parametrize("rule", ["fixed", "per_group"])
+def test_dirac_gradients_release_the_clipped_sum_of_vmap(rule):
+    """The audit's engine (the canary block written down, the real leaves by vmap of the real rows' loss) releases
+    the clipped sum, norms and losses of the default engine on the canary loss: the canary block bit for bit, the
+    real leaves to float rounding; with a clipping bound that binds, per-group bounds, a real row whose loss is not
+    finite (it adds nothing) and every kind of row (real, included, excluded) in one batch."""
+    canaries = dirac_canaries(key=random.key(3), num_canaries=12, gradient_norm=7.0)
+    x, y, slots = canary_rows(_data(9), canaries)
+    x[2] = math.inf  # a real row with a non-finite gradient
+    params = with_canary_block(_params(), canaries)
+    loss = with_dirac_canaries(_loss, canaries)
+    bound = 0.5 if rule == "fixed" else per_group(params, {CANARY_LEAF: 2.0}, fallback=0.5)
+    out = []
+    for engine in (VMAP, Engine(gradients=DiracGradients(_loss, canaries))):
+        grad_fn, state = clipped_grad(
+            loss, clipping_norm=bound, batch_argnums=(1, 2, 3), engine=engine, return_diagnostics=True
+        )
+        out.append(grad_fn(params, x, y, slots, state=state)[0])
+    (ref, ref_diag), (ours, diag) = out
+    assert torch.equal(ours.value[CANARY_LEAF], ref.value[CANARY_LEAF])
+    assert torch.count_nonzero(ours.value[CANARY_LEAF]) == int(canaries.included.sum())
+    for name in ("w1", "w2"):
+        assert torch.isfinite(ours.value[name]).all()
+        torch.testing.assert_close(ours.value[name], ref.value[name], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(diag.norms, ref_diag.norms, equal_nan=True)
+    torch.testing.assert_close(diag.losses, ref_diag.losses, equal_nan=True)
 
 
 def test_noise_free_observations_are_the_participations_at_the_sampling_rate():
