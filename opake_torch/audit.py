@@ -64,6 +64,7 @@ from opake_core.step import dp_ftrl, dp_sgd
 __all__ = [
     "CANARY_FIELD",
     "CANARY_LEAF",
+    "CANARY_WEIGHT",
     "AuditReport",
     "Canaries",
     "CanaryAuditReport",
@@ -352,6 +353,9 @@ def audit_trainer(
 CANARY_LEAF = "opake_audit_canaries"
 """The name of the parameter block of Dirac canaries: ``[m]`` coordinates, one per canary, that real data never
 touch."""
+CANARY_WEIGHT = f"{CANARY_LEAF}.weight"
+"""The trainable name of the canary block in a :func:`audit_trainer_dirac` run: an ``nn.Embedding`` of ``m + 1``
+rows of width 1 on the model (row ``j`` is canary ``j``; row ``m``, the padding index, takes the other rows)."""
 CANARY_FIELD = "opake_canary"
 """The dataset column (trainer) or last example tensor (core step) that marks a row: :data:`REAL_ROW` for a real
 example, :data:`EMPTY_SLOT` for an excluded canary's slot, ``j >= 0`` for included canary ``j``."""
@@ -897,7 +901,16 @@ class _CanaryRows(Sequence):
         return {**self.base[0], CANARY_FIELD: int(self.slots[i - len(self.base)])}
 
 
-def _recorder(trainer: Any) -> Any:
+def _canary_embedding(model: torch.nn.Module, num_canaries: int) -> None:
+    """The zero canary block of a trainer audit, registered on ``model`` (dtype of its first parameter): an
+    embedding, so that the layerwise engine serves it like any other layer."""
+    first = next(model.parameters())
+    block = torch.nn.Embedding(num_canaries + 1, 1, padding_idx=num_canaries, dtype=first.dtype)
+    torch.nn.init.zeros_(block.weight)
+    model.add_module(CANARY_LEAF, block)
+
+
+def _recorder(trainer: Any, m: int) -> Any:
     """A callback that keeps the canary block of ``trainer``'s iterate before every step (``before[t]``, float64)."""
     from transformers import TrainerCallback
 
@@ -906,31 +919,54 @@ def _recorder(trainer: Any) -> Any:
             self.before: list[np.ndarray] = []
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            block = trainer.trainable_params[CANARY_LEAF]
-            self.before.append(block.detach().double().cpu().numpy().copy())
+            self.before.append(_canary_values(trainer.trainable_params[CANARY_WEIGHT], m))
 
     return Recorder()
 
 
+def _canary_values(weight: torch.Tensor, m: int) -> np.ndarray:
+    return weight[:m, 0].detach().double().cpu().numpy().copy()
+
+
 def _dirac_trainer_class(base: type, canaries: DiracCanaries) -> type:
-    """A subclass of ``base`` whose per-example loss adds the Dirac canaries and whose batches keep their column."""
+    """A subclass of ``base`` whose losses add the Dirac canaries' (``gradient_norm`` times the canary's entry of
+    the block, looked up through the block's embedding so that both engines see a supported layer) and whose
+    batches keep their column. The batched loss carries them, unless ``base`` overrides only the per-example loss
+    (then that one does, and the run uses ``vmap(grad)`` as it would without the audit)."""
+    from opake_torch.transformers import DPTrainer
+
     m, scale = len(canaries), canaries.gradient_norm
 
-    class DiracCanaryTrainer(base):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            if self.dataset_columns is not None:  # remove_unused_columns keeps the model's inputs only
-                self.dataset_columns = self.dataset_columns | {CANARY_FIELD}
+    def with_canaries(owner: Any, params: dict[str, torch.Tensor], real: torch.Tensor, slot: torch.Tensor) -> Any:
+        block = owner.model.get_submodule(CANARY_LEAF)
+        rows = torch.where(slot >= 0, slot, m)  # row m: the padding index, no gradient
+        entry = torch.func.functional_call(block, {"weight": params[CANARY_WEIGHT]}, (rows,)).reshape(slot.shape)
+        return torch.where(slot == REAL_ROW, real, torch.zeros_like(real)) + scale * entry.to(real.dtype)
 
-        def compute_per_example_loss(self, params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]):
-            example = dict(example)
-            slot = example.pop(CANARY_FIELD)
-            real = super().compute_per_example_loss(params, example)
-            block = params[CANARY_LEAF]
-            hit = (torch.arange(m, device=block.device) == slot).to(block.dtype)
-            return torch.where(slot == REAL_ROW, real, torch.zeros_like(real)) + scale * (block * hit).sum()
+    def compute_batch_losses(self: Any, params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> Any:
+        batch = dict(batch)
+        slot = batch.pop(CANARY_FIELD)
+        return with_canaries(self, params, super(trainer, self).compute_batch_losses(params, batch), slot)
 
-    return DiracCanaryTrainer
+    def compute_per_example_loss(self: Any, params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]) -> Any:
+        example = dict(example)
+        slot = example.pop(CANARY_FIELD)
+        return with_canaries(self, params, super(trainer, self).compute_per_example_loss(params, example), slot)
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        if self.dataset_columns is not None:  # remove_unused_columns keeps the model's inputs only
+            self.dataset_columns = self.dataset_columns | {CANARY_FIELD}
+
+    own_example_loss = base.compute_per_example_loss is not DPTrainer.compute_per_example_loss
+    own_batch_loss = base.compute_batch_losses is not DPTrainer.compute_batch_losses
+    methods: dict[str, Any] = {"__init__": __init__}
+    if own_batch_loss or not own_example_loss:
+        methods["compute_batch_losses"] = compute_batch_losses
+    if own_example_loss:  # it does not reach the batched loss above
+        methods["compute_per_example_loss"] = compute_per_example_loss
+    trainer = type("DiracCanaryTrainer", (base,), methods)
+    return trainer
 
 
 def audit_trainer_dirac(
@@ -952,9 +988,12 @@ def audit_trainer_dirac(
 ) -> CanaryAuditReport:
     """Audit a :class:`~opake_torch.transformers.DPTrainer` run (DP-SGD, Poisson sampling) with Dirac canaries.
 
-    The model gains the canary block (a zero parameter :data:`CANARY_LEAF` of ``num_canaries`` coordinates); the
-    data set gains one row per canary slot (a copy of row 0 whose own loss is masked) and the column
-    :data:`CANARY_FIELD`; the trainer is a subclass of ``trainer_class`` whose per-example loss adds the canaries'.
+    The model gains the canary block (a zero ``nn.Embedding`` :data:`CANARY_LEAF` of ``num_canaries + 1`` rows of
+    width 1, trainable name :data:`CANARY_WEIGHT`); the data set gains one row per canary slot (a copy of row 0 whose
+    own loss is masked) and the column :data:`CANARY_FIELD`; the trainer is a subclass of ``trainer_class`` whose
+    batched loss adds the canaries' (its per-example loss where ``trainer_class`` defines only that), so that the
+    run uses the per-example gradient engine it would use without the audit (the layerwise engine where the model
+    allows it).
     With ``observe="all"`` the auditor reads the canary block before every step and after the last one and recovers
     each step's privatized gradient from ``theta_{t+1} - theta_t = -lr_t (g_t + weight_decay theta_t)``, which needs
     ``args.optim="sgd"``; ``observe="final"`` reads the final block only (any optimizer).
@@ -1001,11 +1040,10 @@ def audit_trainer_dirac(
         raise ConfigurationError(f"gradient_norm ({gradient_norm}) must be at least clipping_norm ({bound}).")
     if hasattr(model, CANARY_LEAF):
         raise ConfigurationError(f"the model already has {CANARY_LEAF!r}; audit a fresh model.")
-    first = next(model.parameters())
-    model.register_parameter(CANARY_LEAF, torch.nn.Parameter(torch.zeros(num_canaries, dtype=first.dtype)))
+    _canary_embedding(model, num_canaries)
     trainer_cls = _dirac_trainer_class(trainer_class, canaries)
     trainer = trainer_cls(model, args, train_dataset=_CanaryRows(list(train_dataset), canaries.slots), **trainer_kwargs)
-    recorder = _recorder(trainer)
+    recorder = _recorder(trainer, num_canaries)
     trainer.add_callback(recorder)
     output = trainer.train()
     plan = trainer.privacy_plan
@@ -1014,7 +1052,7 @@ def audit_trainer_dirac(
             "audit_trainer_dirac audits DP-SGD with Poisson sampling; for DP-FTRL use audit_dirac_run with the core "
             "step."
         )
-    final = getattr(trainer.model, CANARY_LEAF).detach().double().cpu().numpy()
+    final = _canary_values(trainer.model.get_submodule(CANARY_LEAF).weight, num_canaries)
     theoretical = output.metrics.get("privacy_epsilon", math.nan)
     z, q, steps = plan.noise_multiplier, plan.sample_rate, len(recorder.before)
     if observe == "final":

@@ -7,6 +7,7 @@ audit's own false-alarm rate where a run is audited once); the seeds are fixed, 
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -34,7 +35,7 @@ from opake_torch.audit import (
     with_canary_block,
     with_dirac_canaries,
 )
-from opake_torch.transformers import TrainingArguments
+from opake_torch.transformers import DPTrainer, TrainingArguments
 
 D, H, K = 8, 16, 4
 DELTA = 1e-5
@@ -264,7 +265,9 @@ def test_dp_trainer_dirac_audit_observes_every_privatized_gradient(tmp_path):
         key=random.key(8),
         num_canaries=300,
         confidence=0.999,
+        trainer_class=_Kept,
     )
+    assert _Kept.made[-1].per_example_gradients_engine == "layerwise"  # the engine a user's run gets
     x, included = report.observations, report.included
     assert x.shape == (15, 300)
     out = x[:, ~included].ravel()
@@ -285,6 +288,41 @@ def test_dp_trainer_dirac_audit_observes_every_privatized_gradient(tmp_path):
     assert final.observations is None and final.scores.shape == (300,)
     with pytest.raises(ConfigurationError, match="optim='sgd'"):
         audit_trainer_dirac(tiny_model("bert"), args("adamw"), token_data(10), key=random.key(8), num_canaries=10)
+
+
+class _Kept(DPTrainer):
+    """DPTrainer that keeps its instances (to read which engine the audited run used)."""
+
+    made: ClassVar[list[DPTrainer]] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _Kept.made.append(self)
+
+
+class _OwnExampleLoss(_Kept):
+    """A trainer with its own per-example loss and no batched one: the canaries go through that loss (vmap)."""
+
+    def compute_per_example_loss(self, params, example):
+        return 2.0 * super().compute_per_example_loss(params, example)
+
+
+def test_dp_trainer_dirac_audit_with_a_per_example_loss_only(tmp_path):
+    """A trainer that overrides only its per-example loss keeps it (and vmap) under the audit: excluded canaries'
+    recovered gradients are N(0, z^2) (chi-square, fails with probability 1e-4)."""
+    args = TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=20, max_steps=6, privacy_noise_multiplier=2.0, use_cpu=True,
+        disable_tqdm=True, save_strategy="no", report_to="none", optim="sgd", learning_rate=0.1, clipping_norm=1.0,
+    )  # fmt: skip
+    report = audit_trainer_dirac(
+        tiny_model("bert"), args, token_data(40, classes=3), key=random.key(9), num_canaries=60,
+        trainer_class=_OwnExampleLoss, confidence=0.999,
+    )  # fmt: skip
+    assert _Kept.made[-1].per_example_gradients_engine == "vmap"
+    assert report.observations.shape == (6, 60)
+    out = report.observations[:, ~report.included].ravel()
+    chi = float(np.sum(out**2) / 4.0)
+    assert stats.chi2.sf(chi, out.size) > 5e-5 and stats.chi2.cdf(chi, out.size) > 5e-5
 
 
 def test_bad_canary_settings_are_refused():
