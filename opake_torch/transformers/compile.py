@@ -80,13 +80,52 @@ def signature(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Ha
     return (str(spec), tuple(keys))
 
 
-class _Graph:
-    """One capture of ``fn`` on static copies of its inputs; ``pool`` is a memory pool shared with earlier captures
-    (safe: graphs replay one after the other on one stream, and their outputs are cloned at once)."""
+class _Buffers:
+    """Static tensors shared by the captures of one :class:`CudaGraphChunk`, keyed by the leaf's position and layout
+    (shape, stride, dtype, device, ``requires_grad``). Safe because the graphs replay one after the other on one
+    stream: each replay first copies its inputs into the shared input buffers, and its outputs are cloned right after
+    it. The trainable parameters and the clipped sums have the same layout in every signature (only the batch
+    changes), so ``k`` captures hold one copy of each instead of ``k``."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], pool: Any = None) -> None:
+    def __init__(self) -> None:
+        self.inputs: dict[Hashable, torch.Tensor] = {}
+        self.outputs: dict[Hashable, torch.Tensor] = {}
+
+    @staticmethod
+    def key(position: int, x: torch.Tensor) -> Hashable:
+        return (position, tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad)
+
+    def static_input(self, position: int, x: torch.Tensor) -> torch.Tensor:
+        """A static buffer holding ``x`` (a copy: the caller's tensor is not captured)."""
+        buffer = self.inputs.get(key := self.key(position, x))
+        if buffer is None:
+            buffer = self.inputs[key] = x.clone()
+        else:
+            buffer.copy_(x)
+        return buffer
+
+    def static_outputs(self, leaves: list[Any]) -> list[Any]:
+        """Inside a capture: where each output tensor lives after the replay, an earlier capture's buffer of the same
+        layout (the output copied into it, one multi-tensor copy, and freed with the capture's other intermediates),
+        or the output itself."""
+        shared = [self.outputs.setdefault(self.key(i, x), x) if isinstance(x, torch.Tensor) else x
+                  for i, x in enumerate(leaves)]  # fmt: skip
+        copies = [(b, x) for b, x in zip(shared, leaves, strict=True) if isinstance(x, torch.Tensor) and b is not x]
+        if copies:
+            torch._foreach_copy_([b for b, _ in copies], [x for _, x in copies])
+        return shared
+
+
+class _Graph:
+    """One capture of ``fn`` on static copies of its inputs (``buffers``, shared with the other captures); ``pool`` is
+    a memory pool shared with earlier captures (safe: graphs replay one after the other on one stream, and their
+    outputs are cloned at once)."""
+
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], pool: Any, buffers: _Buffers
+    ) -> None:
         leaves, self.spec = pytree.tree_flatten((args, kwargs))
-        self.static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.static = [buffers.static_input(i, x) if isinstance(x, torch.Tensor) else x for i, x in enumerate(leaves)]
         static_args, static_kwargs = pytree.tree_unflatten(self.static, self.spec)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -96,7 +135,8 @@ class _Graph:
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.output = fn(*static_args, **static_kwargs)
+            outputs, spec = pytree.tree_flatten(fn(*static_args, **static_kwargs))
+            self.output = pytree.tree_unflatten(buffers.static_outputs(outputs), spec)
 
     def replay(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -119,7 +159,8 @@ class CudaGraphChunk:
     A capture that fails (an operation that cannot be captured, such as a copy from pageable host memory inside
     the model) emits one ``RuntimeWarning`` naming the error, and every call runs eagerly from then on; the failure
     is kept in ``failure``. ``graphs`` holds the captures by signature; ``replays`` and ``eager_calls`` count the
-    calls served each way. All captures share one memory pool.
+    calls served each way. All captures share one memory pool, and one static copy of each input and output of the
+    same layout (the parameters, the clipped sums): captures for ``k`` batch shapes hold those once, not ``k`` times.
 
     Raises:
         ConfigurationError: at construction without CUDA.
@@ -134,6 +175,7 @@ class CudaGraphChunk:
             )
         self.fn, self.max_graphs = fn, max_graphs
         self.graphs: dict[Hashable, _Graph] = {}
+        self._buffers = _Buffers()
         self.eager_calls = 0
         self.replays = 0
         self.failure: str | None = None
@@ -149,7 +191,7 @@ class CudaGraphChunk:
                 raise ConfigurationError("cuda_graphs needs every tensor argument on a CUDA device; move the batch.")
             pool = next(iter(self.graphs.values())).graph.pool() if self.graphs else None
             try:
-                graph = _Graph(self.fn, args, kwargs, pool)
+                graph = _Graph(self.fn, args, kwargs, pool, self._buffers)
             except Exception as exc:
                 result = self.fn(*args, **kwargs)  # raises the function's own errors
                 self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"

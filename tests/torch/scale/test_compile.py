@@ -43,7 +43,7 @@ def test_capture_cap_then_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     captured = []
 
     class FakeGraph:
-        def __init__(self, fn, args, kwargs, pool):
+        def __init__(self, fn, args, kwargs, pool, buffers):
             captured.append((signature(args, kwargs), pool))
             self.fn = fn
             self.graph = SimpleNamespace(pool=lambda: f"pool of capture {len(captured)}")
@@ -112,7 +112,7 @@ def test_compile_eager_backend_matches() -> None:
 
 def test_a_failed_capture_warns_once_and_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
     class FailingGraph:
-        def __init__(self, fn, args, kwargs, pool):
+        def __init__(self, fn, args, kwargs, pool, buffers):
             raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture\nmore")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -126,3 +126,24 @@ def test_a_failed_capture_warns_once_and_runs_eagerly(monkeypatch: pytest.Monkey
         assert chunk(torch.ones(3)) == 3  # no second warning, no second attempt
     assert chunk.eager_calls == 2 and chunk.replays == 0 and not chunk.graphs
     assert chunk.failure.startswith("RuntimeError: Cannot copy") and "more" not in chunk.failure
+
+
+def test_captures_share_static_buffers_of_one_layout() -> None:
+    """The static inputs and outputs of the captures are shared by position and layout (shape, stride, dtype,
+    device): a parameter of every signature has one buffer, refilled with the next call's values; a batch of
+    another shape gets its own; an output of a later capture is copied into the earlier capture's buffer."""
+    buffers = compile_mod._Buffers()
+    params, batch = torch.arange(6.0).reshape(2, 3), torch.ones(4, 2)
+    first = [buffers.static_input(0, params), buffers.static_input(1, batch)]
+    assert first[0] is not params and torch.equal(first[0], params)  # a copy, not the caller's tensor
+    later = [buffers.static_input(0, params + 1), buffers.static_input(1, torch.zeros(8, 2))]
+    assert later[0] is first[0] and torch.equal(first[0], params + 1)  # one buffer, refilled
+    assert later[1] is not first[1] and first[1].shape == (4, 2)  # another batch shape: its own
+    assert buffers.static_input(2, params) is not first[0]  # another position: its own
+    assert buffers.static_input(0, params.t()) is not first[0]  # another stride: its own
+    sums, norms = torch.zeros(3), torch.zeros(4)
+    assert buffers.static_outputs([sums, norms, "aux"]) == [sums, norms, "aux"]
+    mine = [torch.full((3,), 7.0), torch.ones(8)]
+    shared = buffers.static_outputs(mine)
+    assert shared[0] is sums and torch.equal(sums, mine[0])  # copied into the first capture's buffer
+    assert shared[1] is mine[1] and torch.equal(norms, torch.zeros(4))  # another shape: its own
