@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU measurements behind docs/performance.md, docs/memory.md and docs/moe.md, in parts that each finish in
+# under ten minutes on one H200. Results go to $OUT/<part> (default: gpu_results/<part>).
+#
+#   benchmarks/gpu_tables.sh trainer-small   # BERT-base and GPT-2 small: Trainer, DPTrainer, Opacus, fixed-size, graphs
+#   benchmarks/gpu_tables.sh trainer-lora    # Llama-style 1.1B LoRA at 16 x 512 and 8 x 2048: the same modes
+#   benchmarks/gpu_tables.sh scale           # 8B-shaped LoRA at 8 x 4096 and 1.1B full, checkpointing; longest sequence
+#   benchmarks/gpu_tables.sh moe             # Qwen3-MoE-shaped full fine-tune, profiled (expert dispatch share)
+#   benchmarks/gpu_tables.sh cuda-tests      # the CUDA tests (pytest -m cuda)
+set -euo pipefail
+part=${1:?"usage: $0 trainer-small|trainer-lora|scale|moe|cuda-tests"}
+out=${OUT:-gpu_results}/$part
+mkdir -p "$out"
+e2e=(python benchmarks/e2e_trainer.py --steps 20 --warmup 15 --profile-steps 2 --budget-s 520)
+case $part in
+  trainer-small)
+    "${e2e[@]}" --out "$out" --workloads bert_base_s128_b32 gpt2_small_s512_b16 \
+      --modes hf dp opacus dp_fixed dp_graphs4 ;;
+  trainer-lora)
+    "${e2e[@]}" --out "$out" --workloads llama1b_lora16_s512_b16 llama1b_lora16_s2048_b8 \
+      --modes hf dp opacus dp_fixed ;;
+  scale)
+    "${e2e[@]}" --out "$out/e2e" --workloads llama1b_full_s512_b16_ckpt llama8b_lora16_s4096_b8_ckpt --modes hf dp \
+      --budget-s 300
+    python benchmarks/max_sequence.py --workload llama8b_lora16_s4096_b8_ckpt --modes hf dp_q1 --start 7680 \
+      --out "$out/max_sequence" --budget-s 120 ;;
+  moe)
+    "${e2e[@]}" --out "$out" --workloads qwen3moe_full_s512_b8 --modes hf dp ;;
+  cuda-tests)
+    python -m pytest -q -m cuda tests 2>&1 | tee "$out/pytest.txt" ;;
+  *)
+    echo "unknown part: $part" >&2
+    exit 2 ;;
+esac
