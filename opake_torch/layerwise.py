@@ -473,19 +473,22 @@ def _dropped(scale: torch.Tensor) -> torch.Tensor | None:
 
 
 class _ScaledInputs:
-    """The scaled input factors ``scale_i a_it`` (zero rows for dropped examples) of the ghost linear and Conv1D
-    calls, formed once for the calls that read the same input with the same scales (q, k and v)."""
+    """The scaled input factor ``scale_i a_it`` (zero rows for dropped examples) of a ghost linear or Conv1D call,
+    formed once for consecutive calls that read the same input with the same scales (q, k and v, in the forward's
+    order). Only the last one is kept, so that the scaled copies of the layer inputs never pile up."""
 
     def __init__(self, m: int) -> None:
         self.m = m
-        self.made: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.key: tuple[Any, ...] | None = None
+        self.value: torch.Tensor | None = None
 
     def __call__(self, call: _Call, scale: torch.Tensor, drop: torch.Tensor | None, dtype: torch.dtype) -> Any:
         key = (call.input_key, dtype, scale.data_ptr())
-        if key not in self.made:
+        if key != self.key:
+            self.key = self.value = None  # the previous copy is freed before the next is made
             a = _in(_rows(call.inputs, self.m), dtype) * scale
-            self.made[key] = a if drop is None else torch.where(drop, 0.0, a)
-        return self.made[key]
+            self.key, self.value = key, a if drop is None else torch.where(drop, 0.0, a)
+        return self.value
 
 
 def _add_ghost(

@@ -432,9 +432,19 @@ def test_layers_reading_one_tensor_share_its_gram_matrix(monkeypatch):
     def batch_loss(p, xb, yb):
         return F.cross_entropy(apply(p, frozen, xb), yb, reduction="none")
 
-    shapes = []
+    shapes, scaled = [], []
     gram = layerwise._gram
     monkeypatch.setattr(layerwise, "_gram", lambda t: shapes.append(t.shape[-1]) or gram(t))
+
+    class CountedInputs(layerwise._ScaledInputs):
+        def __call__(self, call, *args):
+            before = self.key
+            out = super().__call__(call, *args)
+            if self.key is not before:  # a scaled copy formed for this call
+                scaled.append(call.module)
+            return out
+
+    monkeypatch.setattr(layerwise, "_ScaledInputs", CountedInputs)
     grad_fn, state = clipped_grad(
         loss, clipping_norm=0.5, batch_argnums=(1, 2), engine=Engine(gradients=LayerwiseGradients(model, batch_loss))
     )
@@ -444,6 +454,8 @@ def test_layers_reading_one_tensor_share_its_gram_matrix(monkeypatch):
         torch.testing.assert_close(clipped.value[k].double(), expected[k], rtol=1e-9, atol=1e-12)
     # inputs: x once for q, k and v, tanh(x) once, the head's input once; outputs: q, k, v, other (16), head (3)
     assert sorted(shapes) == [3] + [16] * 7
+    # the scaled inputs of the clipped sum likewise: x once for q, k and v, then tanh(x), then the head's input
+    assert scaled == [model.q, model.other, model.head]
 
 
 def test_bf16_parts_hold_a_float32_value_exactly():
