@@ -2,10 +2,10 @@
 
 Usage: ``python benchmarks/audit_table.py [--seeds 10] [--quick] [--only NAME,...]``. Prints one JSON line per row
 with every seed's numbers, the markdown table, then a table of flag rates on simulated observations by number of
-canaries. CPU only, single-threaded torch (about twenty minutes on two cores; ``--quick`` runs 2 seeds and 20
-simulations). The rows ``dpsgd4smallq`` and ``leak15smallq`` (q = 0.002, 20,000 steps, about 8 minutes each) run
-only when named in ``--only``. Rows with 10,000 to 50,000 canaries cost seconds per seed: the core step forms the
-canaries' gradients with ``opake_torch.audit.DiracGradients``, in proportion to the batch.
+canaries. CPU only, single-threaded torch (about twenty-five minutes on two cores; ``--quick``, 2 seeds and 20
+simulations, about four minutes). The rows ``dpsgd4smallq`` and ``leak15smallq`` (q = 0.002, 20,000 steps, about 8
+minutes each) run only when named in ``--only``. Rows with 10,000 to 50,000 canaries cost seconds per seed: the core
+step forms the canaries' gradients with ``opake_torch.audit.DiracGradients``, in proportion to the batch.
 
 Every row trains the same small model, for real, with the core step (``opake_torch.audit.audit_dirac_run``) or
 ``DPTrainer`` (``audit_trainer_dirac``): an MLP 16-32-10 on 1,000 generated examples, plus one row per canary slot.
