@@ -13,7 +13,8 @@ An :class:`Engine` is one value with two parts:
 
 Engines here: :class:`VmapGradients` (``torch.func.vmap`` of ``example_grad``, the default, held as
 :class:`MaterializedGradients`); the adapter adds ``opake_torch.layerwise.LayerwiseGradients`` (one batched pass,
-ghost norms) and ``opake_torch.patches.kernels.FusedGradients`` (Triton norms and scaled sums for materialized
+ghost norms), ``opake_torch.patches.kernels.FusedGradients`` (Triton norms and scaled sums for materialized
+gradients) and ``opake_torch.audit.DiracGradients`` (an audit's Dirac canaries written down beside another engine's
 gradients). A new engine is a ``gradients`` callable, and a :class:`PerExampleGradients` class when its gradients are
 not plain tensors ``[m, *leaf.shape]``.
 """
