@@ -13,7 +13,7 @@ and forms no parameter gradient). From them, per layer:
   taken in float64 from two ``T x T`` Gram matrices when ``T (in + out) < in * out``; the clipped sum is then
   ``sum_i c_i G_i = g^T (c * a)``, one matmul, the same as a non-private weight gradient ("book-keeping",
   Bu et al. 2023, arXiv 2210.00038); the scaled input ``c * a`` is formed once for the layers that read the same
-  input (q, k and v), and masked only when some example is dropped (scale 0: a non-finite norm or a dead row).
+  input (q, k and v).
 
 A linear layer that ran in bfloat16 (bf16 weights or bf16 autocast: its output gradient is bf16) has the weight
 gradient ``g^T bf16(a)``, a product of bf16 factors, so its norms are taken from the bf16-rounded input and its
@@ -324,17 +324,14 @@ def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
-def _add_bf16_product(call: _Call, keep: torch.Tensor | None, scale: torch.Tensor, total: torch.Tensor) -> None:
+def _add_bf16_product(call: _Call, drop: torch.Tensor, scale: torch.Tensor, total: torch.Tensor) -> None:
     """``total += sum_i scale_i G_i`` for a layer with bf16 factors (float32 ``total``): the float32 scaled factor
     ``fl32(scale_i g_it)`` in three exact bf16 parts times the bf16 input, one matmul, then the parts' three
-    products added, smallest first. ``keep`` (``[m, 1, 1]``, None: every example) masks dropped examples."""
+    products added, smallest first. ``drop`` (``[m, 1, 1]``) masks the examples with scale 0."""
     m, out = scale.shape[0], call.grad.shape[-1]
-    g = _in(_rows(call.grad, m), torch.float32) * scale
-    a = _input_factor(call, m)
-    if keep is not None:
-        g, a = torch.where(keep, g, 0.0), torch.where(keep, a, 0.0)
+    g = torch.where(drop, 0.0, _in(_rows(call.grad, m), torch.float32) * scale)
     parts = _bf16_parts(g).reshape(-1, 3 * out)
-    a = a.reshape(m * g.shape[1], -1)
+    a = torch.where(drop, 0.0, _input_factor(call, m)).reshape(m * g.shape[1], -1)
     if call.kind == "linear":
         high, mid, low = _mm_float32(parts.T, a).view(3, out, -1).unbind(0)
     else:  # conv1d: weight [in, out]
@@ -425,7 +422,7 @@ class _Gradients:
             scale = rows[0].expand(len(leaves), -1) if not rows.stride(0) else torch.stack([rows[k] for k in leaves])
             scaled = group.buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(scale[:, :, None])
             torch._foreach_add_([sums[k].view(-1) for k in leaves], list(scaled.sum(dim=1).unbind(0)))
-        rows_of: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        rows_of: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
         inputs = _ScaledInputs(self.m)
         with _ieee_float32_matmuls():
             for name, (call, _) in self.ghost.items():
@@ -437,7 +434,7 @@ class _Gradients:
                 key = (total.dtype, k if rows.stride(0) else 0)  # one row for all leaves (stride 0): one mask
                 if key not in rows_of:
                     scale = rows[k].reshape(self.m, 1, 1)
-                    rows_of[key] = (scale, _dropped(scale))
+                    rows_of[key] = (scale, scale == 0)
                 _add_ghost(call, *rows_of[key], total, inputs)
 
 
@@ -459,19 +456,6 @@ def _ieee_float32_matmuls() -> Iterator[None]:
         cuda_matmul.allow_bf16_reduced_precision_reduction = reduced
 
 
-def _dropped(scale: torch.Tensor) -> torch.Tensor | None:
-    """Which examples have scale 0 (``[m, 1, 1]`` bool), or None when none has: an example with a finite norm has
-    finite layer inputs and output gradients (its float64 Gram matrices are finite), so only dropped examples (a
-    non-finite norm, a dead row) need masking, and without them the scaled sums run without masks. Knowing that
-    none is dropped reads one flag from the device (a synchronization per scale row and chunk); inside a CUDA-graph
-    capture or ``torch.compile`` the masks are always applied instead."""
-    drop = scale == 0
-    capturing = scale.is_cuda and torch.cuda.is_current_stream_capturing()
-    if capturing or torch.compiler.is_compiling() or bool(drop.any()):
-        return drop
-    return None
-
-
 class _ScaledInputs:
     """The scaled input factor ``scale_i a_it`` (zero rows for dropped examples) of a ghost linear or Conv1D call,
     formed once for consecutive calls that read the same input with the same scales (q, k and v, in the forward's
@@ -482,38 +466,35 @@ class _ScaledInputs:
         self.key: tuple[Any, ...] | None = None
         self.value: torch.Tensor | None = None
 
-    def __call__(self, call: _Call, scale: torch.Tensor, drop: torch.Tensor | None, dtype: torch.dtype) -> Any:
+    def __call__(self, call: _Call, scale: torch.Tensor, drop: torch.Tensor, dtype: torch.dtype) -> Any:
         key = (call.input_key, dtype, scale.data_ptr())
         if key != self.key:
             self.key = self.value = None  # the previous copy is freed before the next is made
-            a = _in(_rows(call.inputs, self.m), dtype) * scale
-            self.key, self.value = key, a if drop is None else torch.where(drop, 0.0, a)
+            self.key, self.value = key, torch.where(drop, 0.0, _in(_rows(call.inputs, self.m), dtype) * scale)
         return self.value
 
 
 def _add_ghost(
-    call: _Call, scale: torch.Tensor, drop: torch.Tensor | None, total: torch.Tensor, inputs: _ScaledInputs
+    call: _Call, scale: torch.Tensor, drop: torch.Tensor, total: torch.Tensor, inputs: _ScaledInputs
 ) -> None:
-    """``total += sum_i scale_i G_i`` from the call's input and output gradient; ``scale`` is ``[m, 1, 1]`` and
-    ``drop`` (:func:`_dropped`) masks the examples with scale 0, which add exactly 0 whatever their values."""
+    """``total += sum_i scale_i G_i`` from the call's input and output gradient; ``scale`` and ``drop`` (whether the
+    scale is 0) are ``[m, 1, 1]``; an example with scale 0 adds exactly 0 whatever its values."""
     m = scale.shape[0]
-    keep = None if drop is None else ~drop
     if _bf16_factors(call) and total.dtype == torch.float32:
-        _add_bf16_product(call, keep, scale, total)
+        _add_bf16_product(call, drop, scale, total)
         return
     g = _in(_rows(call.grad, m), total.dtype)
     if call.kind in ("linear", "conv1d"):  # sum_i scale_i g_i^T a_i = g^T (scale a)
         a = inputs(call, scale, drop, total.dtype).reshape(-1, call.inputs.shape[-1])
-        g = (g if drop is None else torch.where(drop, 0.0, g)).reshape(-1, g.shape[-1])
+        g = torch.where(drop, 0.0, g).reshape(-1, g.shape[-1])
         if call.kind == "linear":
             total.addmm_(g.T, a)
         else:  # conv1d: weight [in, out]
             total.addmm_(a.T, g)
         return
-    g = g * scale if drop is None else torch.where(drop, 0.0, g * scale)
+    g = torch.where(drop, 0.0, g * scale)
     if call.kind == "experts":
-        a = _in(_rows(call.inputs, m), total.dtype)
-        a = a if drop is None else torch.where(drop, 0.0, a)
+        a = torch.where(drop, 0.0, _in(_rows(call.inputs, m), total.dtype))
         _add_expert_products(call, g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1]), total)
         return
     # embedding

@@ -40,7 +40,7 @@ from opake_core.accounting.processes import (
     truncated_poisson,
     without_replacement,
 )
-from opake_core.accounting.queries import ACCOUNTANTS, Result, delta, epsilon
+from opake_core.accounting.queries import ACCOUNTANTS, Result, default_adjacency, delta, epsilon
 from opake_core.accounting.random_allocation import MonteCarlo
 from opake_core.accounting.serialization import from_json, library_versions, to_json
 
@@ -69,6 +69,7 @@ __all__ = [
     "check_delta",
     "compose",
     "contains_without_replacement",
+    "default_adjacency",
     "delta",
     "epsilon",
     "from_json",

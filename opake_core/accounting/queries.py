@@ -54,7 +54,7 @@ from opake_core.accounting.processes import (
 )
 from opake_core.errors import ConfigurationError
 
-__all__ = ["ACCOUNTANTS", "ADJACENCIES", "DEFAULT_DISCRETIZATION", "Result", "delta", "epsilon"]
+__all__ = ["ACCOUNTANTS", "ADJACENCIES", "DEFAULT_DISCRETIZATION", "Result", "default_adjacency", "delta", "epsilon"]
 
 ACCOUNTANTS = ("pld", "rdp", "monte_carlo")
 DEFAULT_DISCRETIZATION = 1e-4
@@ -153,15 +153,19 @@ def _check_rdp_replace_one(process: Process) -> None:
     )
 
 
+def default_adjacency(process: Process) -> str:
+    """The neighbouring relation a query of ``process`` uses by default (``adjacency=None``): replace-one for a
+    process that samples without replacement (the only one it is accounted under), add-or-remove otherwise."""
+    return "replace_one" if contains_without_replacement(process) else "add_or_remove"
+
+
 def _adjacency(process: Process, adjacency: str | None) -> str:
-    """The neighbouring relation of the query: replace-one for a process that samples without replacement (the
-    only one it is accounted under), add-or-remove otherwise, unless given."""
-    fixed_size = contains_without_replacement(process)
+    """The neighbouring relation of the query: ``adjacency``, checked, or :func:`default_adjacency`."""
     if adjacency is None:
-        return "replace_one" if fixed_size else "add_or_remove"
+        return default_adjacency(process)
     if adjacency not in ADJACENCIES:
         raise ConfigurationError(f"adjacency must be one of {sorted(ADJACENCIES)}, got {adjacency!r}.")
-    if fixed_size and adjacency != "replace_one":
+    if contains_without_replacement(process) and adjacency != "replace_one":
         raise ConfigurationError(
             f"sampling without replacement has an amplification bound under replace-one adjacency only, not "
             f"{adjacency!r}: the dataset size is public. Use adjacency='replace_one' or None, or Poisson sampling "

@@ -201,7 +201,7 @@ def accountant_record(args: Any, plan: PrivacyPlan, ledger: accounting.Ledger) -
         "epsilon": epsilon,
         "delta": plan.delta,
         "accountant": None if result is None else result.accountant,
-        "adjacency": "replace_one" if accounting.contains_without_replacement(plan.release) else "add_or_remove",
+        "adjacency": accounting.default_adjacency(plan.release),
         "steps": plan.total_steps if plan.horizon else ledger.releases,
         "ledger": ledger.to_json(),
         "noise_multiplier": plan.noise_multiplier,

@@ -159,6 +159,18 @@ def test_queries_refuse_what_does_not_account_sampling_without_replacement():
     assert math.isinf(acc.epsilon(sampling.fixed_size(dataset_size=5, batch_size=2).process(0.0, 3), delta=1e-5).value)
 
 
+def test_the_default_adjacency_is_the_one_the_query_uses():
+    """``default_adjacency`` (what accountant.json and the model card state) names the relation that a query with
+    ``adjacency=None`` uses: replace-one for fixed-size batches, add-or-remove for Poisson sampling."""
+    fixed = sampling.fixed_size(dataset_size=100, batch_size=10).process(1.0, 10)
+    poisson = sampling.poisson(dataset_size=100, sample_rate=0.1).process(1.0, 10)
+    assert acc.default_adjacency(fixed) == "replace_one" and acc.default_adjacency(poisson) == "add_or_remove"
+    for process in (fixed, poisson):
+        named = acc.epsilon(process, delta=1e-5, adjacency=acc.default_adjacency(process))
+        assert acc.epsilon(process, delta=1e-5) == named
+    assert acc.epsilon(poisson, delta=1e-5) != acc.epsilon(poisson, delta=1e-5, adjacency="replace_one")
+
+
 def test_the_process_round_trips_through_json_and_its_rate_is_batch_over_dataset():
     sampler = sampling.fixed_size(dataset_size=300, batch_size=12)
     process = sampler.process(0.9, 7)
