@@ -41,59 +41,24 @@ def library_versions() -> dict[str, str]:
 
 
 def _node(p: Process) -> dict[str, Any]:
-    if isinstance(p, Gaussian):
-        return {"type": "gaussian", "noise_multiplier": p.noise_multiplier}
-    if isinstance(p, AdaptiveClipping):
-        return {
-            "type": "adaptive_clipping",
-            "inner": _node(p.inner),
-            "count_noise_fraction": p.count_noise_fraction,
-            "expected_batch_size": p.expected_batch_size,
-        }
-    if isinstance(p, Poisson):
-        return {"type": "poisson", "inner": _node(p.inner), "sample_rate": p.sample_rate}
-    if isinstance(p, TruncatedPoisson):
-        return {
-            "type": "truncated_poisson",
-            "inner": _node(p.inner),
-            "sample_rate": p.sample_rate,
-            "dataset_size": p.dataset_size,
-            "truncated_batch_size": p.truncated_batch_size,
-        }
-    if isinstance(p, WithoutReplacement):
-        return {
-            "type": "without_replacement",
-            "inner": _node(p.inner),
-            "dataset_size": p.dataset_size,
-            "sample_size": p.sample_size,
-        }
-    if isinstance(p, RandomAllocation):
-        return {"type": "random_allocation", "inner": _node(p.inner), "num_steps": p.num_steps}
-    if isinstance(p, Repeat):
-        return {"type": "repeat", "process": _node(p.process), "count": p.count}
-    if isinstance(p, Compose):
-        return {"type": "compose", "processes": [_node(c) for c in p.processes]}
-    if isinstance(p, BallsInBinsMF):
-        return {
-            "type": "mf_balls_in_bins",
-            "coef": list(p.coef),
-            "noise_multiplier": p.noise_multiplier,
-            "num_bins": p.num_bins,
-            "n_steps": p.n_steps,
-        }
-    if isinstance(p, BMinSepMF):
-        return {
-            "type": "mf_b_min_sep",
-            "coef": list(p.coef),
-            "noise_multiplier": p.noise_multiplier,
-            "min_sep": p.min_sep,
-            "sampling_prob": p.sampling_prob,
-            "n_steps": p.n_steps,
-        }
+    """The JSON node of ``p``: its type name and the fields :data:`_BUILDERS` lists for it."""
+    for name, (cls, fields) in _BUILDERS.items():
+        if isinstance(p, cls):
+            return {"type": name, **{field: _encode(field, getattr(p, field)) for field in fields}}
     raise InputTypeError(f"to_json expects a process, got {type(p).__name__} {p!r}.")
 
 
-_BUILDERS = {
+def _encode(field: str, value: Any) -> Any:
+    if field in ("inner", "process"):
+        return _node(value)
+    if field == "processes":
+        return [_node(c) for c in value]
+    if field == "coef":
+        return list(value)
+    return value
+
+
+_BUILDERS = {  # type name -> (class, fields): the node format both ways
     "gaussian": (Gaussian, ("noise_multiplier",)),
     "adaptive_clipping": (AdaptiveClipping, ("inner", "count_noise_fraction", "expected_batch_size")),
     "poisson": (Poisson, ("inner", "sample_rate")),
