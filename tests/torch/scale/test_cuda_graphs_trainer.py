@@ -1,7 +1,9 @@
 """DPTrainer with cuda_graphs on CUDA: the captured chunks replay the same private update as the eager run.
 
-Poisson batches of varying size are chunked by ``microbatch_size`` and padded to it, and sequences padded to a fixed
-multiple, so that every chunk has one signature: one capture, every later chunk a replay. Run: ``pytest -m cuda``.
+Poisson batches of varying size are chunked by ``microbatch_size`` (3) and each chunk rounded up with dead rows to a
+multiple of ``ceil(3 / cuda_graphs)`` rows (2 or 3 rows with ``cuda_graphs=2``), and sequences padded to a fixed
+multiple, so that the chunks meet at most ``cuda_graphs`` signatures: one capture each, every later chunk a replay.
+Run: ``pytest -m cuda``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def test_cuda_graphs_replay_the_eager_update(tmp_path, engine, clipping_mode):
     graphed = _train(tmp_path / "graphs", per_example_gradients=engine, clipping_mode=clipping_mode, cuda_graphs=2)
     graphs = graphed.chunk_graphs
     assert graphs.failure is None, graphs.failure
-    assert len(graphs.graphs) == 1 and graphs.eager_calls == 0 and graphs.replays >= 5  # >= one chunk per step
+    assert 1 <= len(graphs.graphs) <= 2 and graphs.eager_calls == 0  # every chunk replays one of <= 2 captures
+    assert graphs.replays >= 5  # >= one chunk per step
     bounds = [[row["privacy_clipping_norm"] for row in t.state.log_history if "loss" in row] for t in (eager, graphed)]
     assert bounds[0] == pytest.approx(bounds[1], rel=1e-6)
     for (name, a), (_, b) in zip(eager.model.named_parameters(), graphed.model.named_parameters(), strict=True):
