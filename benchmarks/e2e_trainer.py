@@ -394,7 +394,7 @@ def child_command(opts: argparse.Namespace, workload: Workload, mode: str, resul
     command = [sys.executable, str(Path(__file__).resolve()), "--child", str(result)]
     command += ["--workloads", workload.name, "--modes", mode, "--device", str(opts.device), "--seq", str(workload.seq)]
     command += ["--steps", str(opts.steps), "--warmup", str(opts.warmup), "--profile-steps", str(opts.profile_steps)]
-    return command + ["--tiny"] * opts.tiny + ["--no-tf32"] * (not opts.tf32)
+    return command + ["--tiny"] * opts.tiny + ["--tf32"] * opts.tf32
 
 
 def child_environment() -> dict[str, str]:
@@ -538,7 +538,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--in-process", action="store_true", help="run every row in this process, not a subprocess")
     parser.add_argument("--budget-s", type=float, default=1800.0, help="rows not started after this are skipped")
     parser.add_argument("--row-timeout-s", type=float, default=600.0, help="kill a row's subprocess after this")
-    parser.add_argument("--no-tf32", dest="tf32", action="store_false", help="fp32 matmuls without TF32 (default on)")
+    parser.add_argument("--tf32", action="store_true", help="TF32 matmuls on both sides (default off, as in PyTorch)")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: measure one row, write it here
     opts = parser.parse_args(argv)
     suite = SUITES["smoke" if opts.tiny else "gpu"]

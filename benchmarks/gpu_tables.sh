@@ -3,13 +3,13 @@
 # under ten minutes on one H200. Results go to $OUT/<part> (default: gpu_results/<part>).
 #
 #   benchmarks/gpu_tables.sh trainer-small   # BERT-base and GPT-2 small: Trainer, DPTrainer, Opacus, fixed-size, graphs
-#   benchmarks/gpu_tables.sh trainer-small-fp32  # the same without TF32 on either side (PyTorch's default setting)
+#   benchmarks/gpu_tables.sh trainer-small-tf32  # the same with TF32 matmuls on both sides (a setting, not the default)
 #   benchmarks/gpu_tables.sh trainer-lora    # Llama-style 1.1B LoRA at 16 x 512 and 8 x 2048: the same modes
 #   benchmarks/gpu_tables.sh scale           # 8B-shaped LoRA at 8 x 4096 and 1.1B full, checkpointing; longest sequence
 #   benchmarks/gpu_tables.sh moe             # Qwen3-MoE-shaped full fine-tune, profiled (expert dispatch share)
 #   benchmarks/gpu_tables.sh cuda-tests      # the CUDA tests (pytest -m cuda)
 set -euo pipefail
-part=${1:?"usage: $0 trainer-small|trainer-small-fp32|trainer-lora|scale|moe|cuda-tests"}
+part=${1:?"usage: $0 trainer-small|trainer-small-tf32|trainer-lora|scale|moe|cuda-tests"}
 out=${OUT:-gpu_results}/$part
 mkdir -p "$out"
 e2e=(python benchmarks/e2e_trainer.py --steps 20 --warmup 15 --profile-steps 2 --budget-s 520)
@@ -17,8 +17,8 @@ case $part in
   trainer-small)
     "${e2e[@]}" --out "$out" --workloads bert_base_s128_b32 gpt2_small_s512_b16 \
       --modes hf dp opacus dp_fixed dp_graphs4 ;;
-  trainer-small-fp32)
-    "${e2e[@]}" --out "$out" --workloads bert_base_s128_b32 gpt2_small_s512_b16 --modes hf dp dp_fixed --no-tf32 ;;
+  trainer-small-tf32)
+    "${e2e[@]}" --out "$out" --workloads bert_base_s128_b32 gpt2_small_s512_b16 --modes hf dp dp_fixed --tf32 ;;
   trainer-lora)
     "${e2e[@]}" --out "$out" --workloads llama1b_lora16_s512_b16 llama1b_lora16_s2048_b8 \
       --modes hf dp opacus dp_fixed ;;
