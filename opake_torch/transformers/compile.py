@@ -198,7 +198,8 @@ class CudaGraphChunk:
                 self.eager_calls += 1
                 warnings.warn(
                     f"capturing {getattr(self.fn, '__name__', self.fn)!r} as a CUDA graph failed; running it eagerly "
-                    f"from now on ({self.failure}). Set cuda_graphs=0 to silence this.",
+                    f"from now on ({self.failure}). The chunks keep their dead rows (rounded up for the captures), "
+                    "which cost compute: set cuda_graphs=0 to run the real rows only.",
                     RuntimeWarning,
                     stacklevel=2,
                 )
