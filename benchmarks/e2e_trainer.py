@@ -22,6 +22,9 @@ Modes (per workload):
   looser accountant: docs/accounting.md), so it is compared for speed only.
 * ``dp_rows4``, ``dp_expandable``: diagnostics of ``dp`` with each chunk's rows rounded up to a multiple of 4 (dead
   rows; ``opake_torch.transformers.engines.ROW_MULTIPLE``), or with the CUDA allocator's expandable segments.
+* ``dp_instantiate``: diagnostic of ``dp`` with ``opake_torch.layerwise.GHOST_ADVANTAGE = 1.5``: the layerwise
+  engine instantiates the weights whose Gram factors hold more than two thirds of their per-example gradients
+  (faster, more memory) instead of taking their ghost norms.
 * ``dp_kernels``: ``DPTrainer`` with ``use_performance_kernels=True``; its ratios are against ``hf_kernels``.
 * ``hf_kernels``: ``transformers.Trainer`` on a model patched by ``apply_performance_kernels`` with the switches
   DPTrainer uses under ``per_example_gradients="auto"`` (the LoRA kernel off), so that both kernel rows run the same
@@ -86,12 +89,13 @@ MODES = (
     "dp_fixed",
     "dp_rows4",
     "dp_expandable",
+    "dp_instantiate",
     "dp_kernels",
     "hf_kernels",
     "opacus",
 )
 BASELINES = {"dp_kernels": "hf_kernels"}  # every other mode is compared with "hf"
-DIAGNOSTIC = ("dp_q1", "dp_rows4", "dp_expandable")
+DIAGNOSTIC = ("dp_q1", "dp_rows4", "dp_expandable", "dp_instantiate")
 SAMPLING_RATE = 0.01
 NOISE_MULTIPLIER = 1.0
 CLIPPING_NORM = 1.0  # DPTrainer's default; Opacus gets the same bound
@@ -253,9 +257,11 @@ def run_hf(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, ke
 
 
 def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mode: str) -> dict[str, Any]:
+    from opake_torch import layerwise
     from opake_torch.transformers import DPTrainer, TrainingArguments, engines
 
     engines.ROW_MULTIPLE = 4 if mode == "dp_rows4" else 1  # reset: --in-process runs the rows in one process
+    layerwise.GHOST_ADVANTAGE = 1.5 if mode == "dp_instantiate" else 1.0
     if mode == "dp_expandable" and opts.device.type == "cuda":
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     extra = {
@@ -337,6 +343,7 @@ RUNNERS: dict[str, Callable[[Workload, argparse.Namespace, StepClock], dict[str,
     "dp_fixed": lambda w, o, c: run_dp(w, o, c, mode="dp_fixed"),
     "dp_rows4": lambda w, o, c: run_dp(w, o, c, mode="dp_rows4"),
     "dp_expandable": lambda w, o, c: run_dp(w, o, c, mode="dp_expandable"),
+    "dp_instantiate": lambda w, o, c: run_dp(w, o, c, mode="dp_instantiate"),
     "dp_kernels": lambda w, o, c: run_dp(w, o, c, mode="dp_kernels"),
     "opacus": run_opacus,
 }

@@ -17,7 +17,7 @@ e2e=(python benchmarks/e2e_trainer.py --steps 20 --warmup 15 --profile-steps 2 -
 case $part in
   trainer-small)
     "${e2e[@]}" --out "$out" --workloads bert_base_s128_b32 gpt2_small_s512_b16 \
-      --modes hf dp opacus dp_fixed dp_graphs4 ;;
+      --modes hf dp opacus dp_fixed dp_graphs4 dp_instantiate ;;
   trainer-small-tf32)
     "${e2e[@]}" --out "$out" --workloads bert_base_s128_b32 gpt2_small_s512_b16 --modes hf dp dp_fixed --tf32 ;;
   trainer-lora)

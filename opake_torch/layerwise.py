@@ -10,10 +10,10 @@ and forms no parameter gradient). From them, per layer:
   norm weights), written into one buffer per (dtype, size) group so that norms and scaled sums take one launch per
   group;
 * **ghost norm** (Li et al. 2022, arXiv 2110.05679, section 4.2): ``||G_i||^2 = sum_{t,s} (a_it . a_is)(g_it . g_is)``,
-  taken in float64 from two ``T x T`` Gram matrices when ``T (in + out) < in * out``; the clipped sum is then
-  ``sum_i c_i G_i = g^T (c * a)``, one matmul, the same as a non-private weight gradient ("book-keeping",
-  Bu et al. 2023, arXiv 2210.00038); the scaled input ``c * a`` is formed once for the layers that read the same
-  input (q, k and v).
+  taken in float64 from two ``T x T`` Gram matrices when ``T (in + out) < in * out`` (:data:`GHOST_ADVANTAGE`); the
+  clipped sum is then ``sum_i c_i G_i = g^T (c * a)``, one matmul, the same as a non-private weight gradient
+  ("book-keeping", Bu et al. 2023, arXiv 2210.00038); the scaled input ``c * a`` is formed once for the layers that
+  read the same input (q, k and v).
 
 A linear layer that ran in bfloat16 (bf16 weights or bf16 autocast: its output gradient is bf16) has the weight
 gradient ``g^T bf16(a)``, a product of bf16 factors, so its norms are taken from the bf16-rounded input and its
@@ -632,13 +632,25 @@ def _example_grad(loss_fn: Callable[..., torch.Tensor], params: dict[str, torch.
     return {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(leaves.items(), grads, strict=True)}
 
 
+GHOST_ADVANTAGE = 1.0
+"""A weight takes ghost norms when the factors it keeps, ``T (in + out)`` numbers per example, times this are fewer
+than the ``in * out`` of its instantiated gradient (experts: than the ``E * in * out`` of all experts); 1 keeps
+whichever holds less memory. By their flops, instantiating is the faster of the two wherever it fits: it costs the
+weight gradient's flops at the matmul rate, where ghost norms add two float64 Gram matrices (``T (in + out) /
+(in out)`` of those flops again) and a float32 sum at full precision. A larger value instantiates the weights near
+the boundary (GPT-2 small at 512 tokens: its ``c_attn``, ``c_fc`` and MLP ``c_proj``, whose factors hold 83% to 89%
+of their gradients) at the cost of memory, which the instantiated buffers take from the start of the backward; the
+harness's diagnostic mode ``dp_instantiate`` measures 1.5."""
+
+
 def _prefers_ghost(call: _Call, shape: torch.Size, m: int) -> bool:
-    """Ghost norm when its Gram matrices cost less than instantiating ``[m, *shape]`` (Li et al. 2022)."""
+    """Ghost norm when its Gram factors, weighted by :data:`GHOST_ADVANTAGE`, hold less than instantiating
+    ``[m, *shape]`` (Li et al. 2022)."""
     if call.kind == "embedding":
         return True
     if call.kind == "experts":  # [E, out, in]: one example's T rows against E instantiated experts
-        return call.positions * sum(shape[1:]) < math.prod(shape)
-    return call.positions * sum(shape) < math.prod(shape)
+        return call.positions * sum(shape[1:]) * GHOST_ADVANTAGE < math.prod(shape)
+    return call.positions * sum(shape) * GHOST_ADVANTAGE < math.prod(shape)
 
 
 # -- mixture-of-experts layers (Hugging Face v5: routers and stacked experts) ------------------------------------------

@@ -127,6 +127,26 @@ def test_clipped_sum_equals_a_float64_loop(case, bound, microbatch, multiple):
     assert ((flat - ref).norm() / ref.norm()).item() < 1e-9
 
 
+@pytest.mark.parametrize("advantage", [1.0, 10.0])
+def test_ghost_advantage_instantiates_a_ghost_layer_with_the_same_sum(advantage, monkeypatch):
+    """``GHOST_ADVANTAGE`` trades memory for time only: at 10 the wide layer (its factors, ``T (in + out)`` per
+    example, 18% of its gradient at T = 5) is instantiated instead of taking ghost norms; the clipped sum equals the
+    float64 loop either way."""
+    from opake_torch import layerwise
+
+    monkeypatch.setattr(layerwise, "GHOST_ADVANTAGE", advantage)
+    model, params, loss, batch_loss, batch = CASES["mixer"]()
+    engine = LayerwiseGradients(model, batch_loss)
+    grads, _ = engine._run(params, batch, instantiate=False)
+    assert ("wide.weight" in grads.ghost) == (advantage == 1.0) and "embed.weight" in grads.ghost
+    grad_fn, state = clipped_grad(loss, clipping_norm=0.05, batch_argnums=(1, 2), engine=Engine(gradients=engine))
+    clipped, _ = grad_fn(params, *batch, state=state)
+    expected, _ = _loop_reference(loss, params, batch, 0.05)
+    flat = torch.cat([clipped.value[k].reshape(-1) for k in sorted(params)])
+    ref = torch.cat([expected[k].reshape(-1) for k in sorted(params)])
+    assert ((flat - ref).norm() / ref.norm()).item() < 1e-9
+
+
 def test_chunks_do_not_change_the_result_and_the_rules_carry_over():
     model, params, loss, batch_loss, batch = _mixer_case()
     engine = Engine(gradients=LayerwiseGradients(model, batch_loss))
