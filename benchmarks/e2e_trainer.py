@@ -48,7 +48,10 @@ not started when ``--budget-s`` is spent are recorded as skipped.
     python benchmarks/e2e_trainer.py --workloads llama8b_lora16_s4096_b8_ckpt --modes hf dp --out e2e_8b
 
 The models at scale (``workloads.SCALE``: an 8B-shaped Llama with LoRA, a 1.1B full fine-tune) run only when named;
-their ``trainer_args`` (gradient checkpointing, bf16) go to both trainers. ``--seq`` runs the named workloads at
+their ``trainer_args`` (gradient checkpointing, bf16) go to both trainers. So do the CPU stand-ins
+(``workloads.HOST``), which keep a GPU workload's depth or its ratio of tokens to width (which weights take ghost
+norms) at a size where a CPU step is bound by host work, as BERT-base's step is on the GPU:
+``--device cpu --workloads host_bert12_w48_s8_b32 --modes hf dp dp_fixed``. ``--seq`` runs the named workloads at
 another sequence length (``max_sequence.py`` searches the longest that fits with it).
 
 Writes ``results.json`` and ``results.md`` to ``--out`` after every row.
@@ -78,7 +81,7 @@ from environment import environment
 from modes import LR, opacus_available, trainable
 from settings import Settings
 from timing import failure, fmt, free, peak_gib, reserved_gib, rope_restored, sync, table, tf32
-from workloads import SCALE, SUITES, Workload, build_model, make_batch
+from workloads import HOST, SCALE, SUITES, Workload, build_model, make_batch
 
 MODES = (
     "hf",
@@ -549,7 +552,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: measure one row, write it here
     opts = parser.parse_args(argv)
     suite = SUITES["smoke" if opts.tiny else "gpu"]
-    known = {w.name: w for w in suite + SCALE}  # the scale workloads run when named
+    known = {w.name: w for w in suite + SCALE + HOST}  # the scale and host workloads run when named
     names = [n for item in opts.workloads or [w.name for w in suite] for n in item.split(",")]
     unknown = sorted(set(names) - set(known))
     if unknown:

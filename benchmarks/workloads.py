@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SCALE", "SUITES", "Workload", "build_model", "make_batch", "model_inputs", "per_example_losses"]
+__all__ = ["HOST", "SCALE", "SUITES", "Workload", "build_model", "make_batch", "model_inputs", "per_example_losses"]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -219,6 +219,45 @@ SCALE: tuple[Workload, ...] = (
         config=TINY_LLAMA,
         trainer_args={**CHECKPOINTING, "bf16": True},
         description="tiny Llama, full fine-tune, bf16 autocast, gradient checkpointing",
+    ),
+)
+
+
+# CPU stand-ins with the layer-shape ratios of the GPU workloads (the ratio T / width sets which weights take ghost
+# norms), small enough that a CPU step is bound by the host work a GPU step is bound by. Run when named, on CPU.
+HOST_BERT = {
+    "hidden_size": 48,
+    "intermediate_size": 192,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 4,
+    "vocab_size": 1024,
+    "max_position_embeddings": 64,
+}
+HOST_GPT2 = {
+    "n_embd": 192,
+    "n_layer": 4,
+    "n_head": 4,
+    "vocab_size": 1024,
+    "n_positions": 128,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+HOST: tuple[Workload, ...] = (
+    Workload(
+        "host_bert12_w48_s8_b32",
+        "bert",
+        32,
+        8,
+        config=HOST_BERT,
+        description="BERT-base's depth and T / width (12 layers, width 48, 8 tokens), full fine-tune",
+    ),
+    Workload(
+        "host_gpt2_w192_s128_b8",
+        "gpt2",
+        8,
+        128,
+        config=HOST_GPT2,
+        description="GPT-2 small's T / width (4 layers, width 192, 128 tokens), full fine-tune",
     ),
 )
 
