@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from opake_core.errors import ConfigurationError
 
-__all__ = ["CudaGraphChunk", "compile_chunk", "signature"]
+__all__ = ["CudaGraphChunk", "EagerAfterFailedCapture", "compile_chunk", "signature"]
 
 
 def compile_chunk(fn: Callable[..., Any], *, backend: str = "inductor", mode: str | None = None) -> Callable[..., Any]:
@@ -198,8 +198,7 @@ class CudaGraphChunk:
                 self.eager_calls += 1
                 warnings.warn(
                     f"capturing {getattr(self.fn, '__name__', self.fn)!r} as a CUDA graph failed; running it eagerly "
-                    f"from now on ({self.failure}). The chunks keep their dead rows (rounded up for the captures), "
-                    "which cost compute: set cuda_graphs=0 to run the real rows only.",
+                    f"from now on ({self.failure}). Set cuda_graphs=0 to silence this.",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -207,3 +206,27 @@ class CudaGraphChunk:
             self.graphs[key] = graph
         self.replays += 1
         return graph.replay(args, kwargs)
+
+
+class EagerAfterFailedCapture:
+    """A DP step function whose chunks run through a :class:`CudaGraphChunk`, until a capture fails: from the next
+    step on, the step built without captures, which runs the real rows of each chunk only.
+
+    After a failed capture the chunks still run, eagerly, but rounded up with the dead rows that the captures needed;
+    those cost compute for nothing. ``eager()`` builds the step without captures; ``graphs()`` returns the current
+    :class:`CudaGraphChunk` (None before the first chunk). The switch is between steps and changes how the chunks
+    run, not what the step releases: dead rows add exactly nothing, and the batch, the noise key and the step state
+    are the caller's, as for any step function.
+    """
+
+    def __init__(
+        self, step_fn: Callable[..., Any], eager: Callable[[], Callable[..., Any]], graphs: Callable[[], Any]
+    ) -> None:
+        self._step, self._eager, self._graphs = step_fn, eager, graphs
+
+    def __call__(self, *inputs: Any) -> Any:
+        outputs = self._step(*inputs)
+        graphs = self._graphs()
+        if self._eager is not None and graphs is not None and graphs.failure is not None:
+            self._step, self._eager = self._eager(), None
+        return outputs

@@ -138,16 +138,16 @@ def engine(
     ``vmap(grad)`` with the fused Triton norms and scaled sums on CUDA (the identical torch path where they cannot
     run), but not inside a captured or compiled chunk.
 
-    Rows: with ``cuda_graphs = k``, each chunk is rounded up to a multiple of ``ceil(microbatch / k)`` (dead rows), so
-    that Poisson draws of any size meet at most ``k`` shapes, one captured graph each; compiled chunks are padded
-    to ``microbatch``; otherwise :data:`ROW_MULTIPLE`.
+    Rows: with ``transform`` and ``cuda_graphs = k``, each chunk is rounded up to a multiple of
+    ``ceil(microbatch / k)`` (dead rows), so that Poisson draws of any size meet at most ``k`` shapes, one captured
+    graph each; compiled chunks are padded to ``microbatch``; without ``transform``, :data:`ROW_MULTIPLE`.
     """
-    if args.cuda_graphs:
-        row_multiple = -(-microbatch // args.cuda_graphs)
-    elif transform is not None:
-        row_multiple = microbatch
-    else:
+    if transform is None:
         row_multiple = ROW_MULTIPLE
+    elif args.cuda_graphs:
+        row_multiple = -(-microbatch // args.cuda_graphs)
+    else:
+        row_multiple = microbatch
     if layerwise is not None:
         return Engine(gradients=layerwise, transform=transform, row_multiple=row_multiple)
     fused = args.device.type == "cuda" and transform is None

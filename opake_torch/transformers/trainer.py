@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -39,7 +40,7 @@ from opake_torch.functional import functional_model
 from opake_torch.transformers import checkpoint as ckpt
 from opake_torch.transformers import checkpointing, engines
 from opake_torch.transformers.arguments import LOG_LEVELS, TrainingArguments, as_training_arguments
-from opake_torch.transformers.compile import CudaGraphChunk
+from opake_torch.transformers.compile import CudaGraphChunk, EagerAfterFailedCapture
 from opake_torch.transformers.data import collate, fetch, language_modeling_labels, model_input_names, on_device
 from opake_torch.transformers.engines import step_factory
 from opake_torch.transformers.evaluation import DataLoaders, prediction_loop
@@ -330,7 +331,8 @@ class DPTrainer(DataLoaders):
                 expected_batch_size=plan.expected_batch_size,
                 noise_key=keys.noise,
             )
-        make_step = step_factory(
+        factory = functools.partial(
+            step_factory,
             plan,
             args,
             self._loss_fn(with_metrics=self._example_metrics is not None, router=router is not None),
@@ -338,13 +340,16 @@ class DPTrainer(DataLoaders):
             optimizer=optimizer,
             clipping=clipping_rule(args, self._params),
             key=keys.noise,
-            engine=engines.engine(args, self._layerwise, transform, microbatch=microbatch),
             topology=self.topology,
             has_aux=self._example_metrics is not None or router is not None,
         )
+        make_step = factory(engine=engines.engine(args, self._layerwise, transform, microbatch=microbatch))
         step_fn, dp_state = make_step(microbatch)
         if args.auto_find_microbatch_size:
             step_fn = ShrinkingStep(make_step, step_fn, microbatch)
+        if args.cuda_graphs:  # a failed capture hands over to the step without captures and their dead rows
+            eager = factory(engine=engines.engine(args, self._layerwise, None, microbatch=microbatch))
+            step_fn = EagerAfterFailedCapture(step_fn, lambda: eager(microbatch)[0], lambda: self.chunk_graphs)
         run = Run.start(
             plan,
             keys,

@@ -67,11 +67,12 @@ def test_cuda_graphs_replay_the_eager_update(tmp_path, engine, clipping_mode):
 
 def test_an_uncapturable_model_falls_back_to_the_eager_update(tmp_path):
     """Eager attention on padded batches: older transformers (5.17 among them) build the float mask from a host
-    tensor, which a capture cannot copy. Either the capture works (newer transformers) or the trainer warns and runs
-    eagerly; the update is the eager one either way."""
+    tensor, which a capture cannot copy. Either the capture works (newer transformers) or the trainer warns, runs
+    that step's chunks eagerly and the later steps without captures; the update is the eager one either way."""
     eager = _train(tmp_path / "eager", attention="eager")
     graphed = _train(tmp_path / "graphs", attention="eager", cuda_graphs=2)
     graphs = graphed.chunk_graphs
-    assert (graphs.failure is None and graphs.replays >= 5) or (graphs.eager_calls >= 5 and not graphs.graphs)
+    captured = graphs.failure is None and graphs.replays >= 5
+    assert captured or (graphs.failure is not None and graphs.eager_calls >= 1 and not graphs.graphs)
     for (name, a), (_, b) in zip(eager.model.named_parameters(), graphed.model.named_parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
