@@ -68,15 +68,14 @@ def collate(
             continue
         if max_length is not None:
             values = [v[:max_length] for v in values]
-        longest = max(v.shape[0] for v in values)
-        length = -(-longest // pad_to_multiple_of) * pad_to_multiple_of if pad_to_multiple_of else longest
-        pad = _PAD_VALUES.get(name, pad_token_id)
-        if all(v.shape[0] == longest for v in values):
-            padded = torch.stack(values)
-        else:
-            padded = torch.nn.utils.rnn.pad_sequence(values, batch_first=True, padding_value=pad)
-        if length > longest:
-            padded = torch.cat([padded, padded.new_full((len(values), length - longest, *padded.shape[2:]), pad)], 1)
+        length = max(v.shape[0] for v in values)
+        if pad_to_multiple_of:
+            length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+        padded = torch.full(
+            (len(values), length, *values[0].shape[1:]), _PAD_VALUES.get(name, pad_token_id), dtype=values[0].dtype
+        )
+        for row, value in enumerate(values):
+            padded[row, : value.shape[0]] = value
         batch[name] = padded
         if name == "input_ids" and "attention_mask" not in examples[0]:
             lengths = torch.tensor([v.shape[0] for v in values])

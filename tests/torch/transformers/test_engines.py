@@ -58,6 +58,7 @@ class _FailingCapture:
 def _train(folder, monkeypatch, *, cuda_graphs: int = 0):
     """DPTrainer on CPU; ``cuda_graphs`` is set after construction, which refuses it without CUDA."""
     from tiny_hf import tiny_model, token_data
+    from transformers import TrainerCallback
 
     from opake_torch.transformers import DPTrainer, TrainingArguments
 
@@ -67,7 +68,6 @@ def _train(folder, monkeypatch, *, cuda_graphs: int = 0):
         microbatch_size=3, logging_steps=4, save_strategy="no", report_to="none", disable_tqdm=True,
         use_cpu=True, privacy_noise_seed=0,
     )  # fmt: skip
-    from transformers import TrainerCallback
 
     class StepEnds(TrainerCallback):
         def on_step_end(self, *args, **kwargs):
