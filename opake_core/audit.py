@@ -20,6 +20,9 @@ One-run audits are loose by design (each canary is one binary observation), so t
 usually far below its theoretical epsilon; it can only be large when the mechanism leaks (a bug, or no noise). The
 ceiling for ``m`` canaries is about ``ln(m)`` at ``delta`` well below ``1 / m``.
 
+The bound says nothing about parameters the canaries do not touch, nor about whether the claimed epsilon is the
+one the run's accountant reported: :mod:`opake_core.noise_audit` and :mod:`opake_core.accounting_audit` check those.
+
 Everything here is a pure function on numbers (NumPy / SciPy); the training side lives in :mod:`opake_torch.audit`.
 """
 

@@ -57,8 +57,14 @@ class StepMetrics:
     """What one step reports.
 
     ``noise_std`` and ``step`` are public. ``batch_size``, ``loss`` (mean per-example loss, a tensor), ``clip_rate``
-    (a tensor) and ``aux`` (with ``has_aux``: the loss function's per-example auxiliary values, stacked ``[B, ...]``)
-    are exact statistics of the private batch: **outside the privacy guarantee**.
+    (a tensor), ``nonfinite`` and ``aux`` (with ``has_aux``: the loss function's per-example auxiliary values,
+    stacked ``[B, ...]``) are exact statistics of the private batch: **outside the privacy guarantee**.
+
+    ``nonfinite`` (an int64 scalar tensor) counts the examples whose per-example gradient was not finite (NaN or inf,
+    even where their loss is finite): clipping gave them scale 0, so they added nothing, while the step still
+    released its noise and is accounted in full. The step never warns about them itself (that would wait for the
+    device at every step); read the count here. When it equals ``batch_size`` at every step, the run releases noise
+    only.
     """
 
     step: int
@@ -66,6 +72,7 @@ class StepMetrics:
     batch_size: int
     loss: torch.Tensor
     clip_rate: torch.Tensor
+    nonfinite: torch.Tensor
     aux: Any = None
 
 
@@ -126,6 +133,11 @@ def dp_step(
             f"noise must be a privatizer's (noise_fn, state) pair, such as gaussian_noise(...), got {noise!r:.80}."
         )
     noise_fn, noise_state = noise
+    if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+        raise InputTypeError(
+            f"optimizer must be an opake_core.optim optimizer (init / update), such as optim.adam(lr=1e-3), got "
+            f"{type(optimizer).__name__} {optimizer!r:.40}."
+        )
     if second_moment:
         _check_moments_optimizer(optimizer, "second_moment=True")
     grad_fn, clip_state = clipped_grad(
@@ -163,6 +175,7 @@ def dp_step(
             batch_size=diagnostics.batch_size,
             loss=losses.mean() if losses.numel() else torch.zeros((), device=losses.device),
             clip_rate=diagnostics.clip_rate,
+            nonfinite=diagnostics.nonfinite,
             aux=aux[0] if aux else None,
         )
         return params, opt_state, DPState(dp_state.step + 1, clip, noise), metrics

@@ -67,6 +67,7 @@ __all__ = [
     "min_noise_samples",
     "neighbours",
     "noise_draws",
+    "process_rate",
     "remove_one",
     "replace_one",
 ]
@@ -552,10 +553,12 @@ def assert_replay(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ReplayRe
 # -- sampler against accountant -----------------------------------------------------------------------------------
 
 
-def _process_rate(process: Any) -> float | None:
+def process_rate(process: Any) -> float | None:
+    """The per-step inclusion rate a (truncated) Poisson, random-allocation or without-replacement process assumes
+    (inside repeats and compositions of one rate); None for other processes."""
     if isinstance(process, acc.Repeat | acc.Compose):
         inner = [process.process] if isinstance(process, acc.Repeat) else list(process.processes)
-        rates = {_process_rate(p) for p in inner}
+        rates = {process_rate(p) for p in inner}
         return rates.pop() if len(rates) == 1 else None
     if isinstance(process, acc.TruncatedPoisson):
         n, q, cap = process.dataset_size, process.sample_rate, process.truncated_batch_size
@@ -579,7 +582,7 @@ def accounted_rate(sampler: Any, steps: int) -> tuple[float, str]:
     ``expected_batch_size / dataset_size`` that the clipped sum is divided by.
     """
     try:
-        rate = _process_rate(sampler.process(1.0, steps))
+        rate = process_rate(sampler.process(1.0, steps))
     except TypeError:
         rate = None
     if rate is not None:

@@ -12,6 +12,8 @@ from typing import Any
 from opake_core.errors import ConfigurationError, InputTypeError
 
 __all__ = [
+    "MAX_NOISE_MULTIPLIER",
+    "MIN_NOISE_MULTIPLIER",
     "decay",
     "delta",
     "epsilon",
@@ -113,9 +115,23 @@ def epsilon(name: str, value: Any) -> float:
     return non_negative(name, value)
 
 
+MIN_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER = 1e-6, 1e6
+"""The range of a non-zero noise multiplier. Below 1e-6 a run's epsilon is astronomically large (non-private in all
+but name), its noise underflows float32 next to a small clipping bound, and dp-accounting's RDP accountant answers
+epsilon = 0 from about 1e-160 (its variance underflows): a wrong epsilon, not a large one. Above 1e6 every epsilon is
+0 to many digits and dp-accounting's variance overflows from about 1e154."""
+
+
 def noise_multiplier(name: str, value: Any) -> float:
-    """A finite noise multiplier ``>= 0`` (0 is an explicitly non-private release)."""
+    """A noise multiplier: 0 (an explicitly non-private release) or in
+    [:data:`MIN_NOISE_MULTIPLIER`, :data:`MAX_NOISE_MULTIPLIER`]."""
     value = real(name, value)
     if value < 0.0:
         raise ConfigurationError(f"{name} must be >= 0, got {value!r}; use 0 for an explicitly non-private run.")
+    if value and not MIN_NOISE_MULTIPLIER <= value <= MAX_NOISE_MULTIPLIER:
+        raise ConfigurationError(
+            f"{name} must be 0 (non-private) or in [{MIN_NOISE_MULTIPLIER:g}, {MAX_NOISE_MULTIPLIER:g}], got "
+            f"{value!r}: outside that range the accountants and the float32 noise lose their meaning (a multiplier "
+            "near 1e-160 reads as epsilon 0). Use 0.0 for a non-private run."
+        )
     return value

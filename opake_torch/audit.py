@@ -26,6 +26,10 @@ Learning", USENIX Security 2023):
 A lower bound above the theoretical epsilon (beyond the stated false-alarm rate ``1 - confidence``) means the
 mechanism leaks more than it claims. A correct private run gives a bound below its epsilon; a non-private run on
 memorizable canaries gives a clearly positive one.
+
+Scope: the Dirac canaries see only their own block, and the audit tests the mechanism against the claim it is given.
+Noise missing on the real parameters, or an accountant that counts other steps than the ones that ran, passes it;
+:mod:`opake_torch.audit_scope` checks both.
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ prints the installed version.
 cyclic_poisson, mf_identity: poisson, the others: balls_in_bins) and the strategy's parameters come from
 ``--bands``, ``--max-buffers``, ``--bandwidth``, ``--alpha``, ``--beta`` and ``--lambda``.
 
+Every flag is honoured or refused: a number outside :mod:`opake_torch.limits` is a usage error, and a flag that the
+chosen sampler or mechanism does not read (``--truncated-batch-size`` without ``--sampler truncated_poisson``,
+``--mc-samples`` where no Monte Carlo accountant runs) is refused rather than ignored. Refused input exits with status
+2, a file that cannot be written with status 1, each with one ``error:`` line and no traceback.
+
 To add a command, write ``_add_<name>(subparsers)`` that registers a parser with
 ``set_defaults(run=<function>)`` and call it from :func:`build_parser`; ``run(args) -> dict`` returns the
 JSON-ready answer.
@@ -26,8 +31,10 @@ from typing import Any
 
 from opake_core import accounting as acc
 from opake_core import mf, sampling
+from opake_core.accounting.mf_monte_carlo import default_monte_carlo
 from opake_core.errors import ConfigurationError, OpakeError
-from opake_torch import __version__
+from opake_torch import __version__, limits
+from opake_torch._cli_types import number, writable_path
 from opake_torch.demo import add_demo_command
 
 __all__ = ["build_parser", "main"]
@@ -35,6 +42,11 @@ __all__ = ["build_parser", "main"]
 SAMPLERS = ("poisson", "truncated_poisson", "k_out_of_t", "fixed_size")
 MF_SAMPLERS = ("cyclic_poisson", "b_min_sep", "balls_in_bins")
 MECHANISMS = ("gaussian", *acc.COMPATIBLE_SAMPLERS)
+# The samplers whose runs only a Monte Carlo accountant covers (random allocation; DP-FTRL with balls-in-bins or
+# b-min-sep): the only ones that read --mc-samples.
+MONTE_CARLO_SAMPLERS = ("k_out_of_t", "balls_in_bins", "b_min_sep")
+# Normal draws of one Monte Carlo answer (samples x steps): about a minute and a half on one CPU core.
+MAX_MC_DRAWS = 10**9
 _MF_DEFAULT_SAMPLER = {"mf_band": "cyclic_poisson", "mf_identity": "poisson"}
 _STRATEGY_FLAGS = {  # flag -> mechanisms it applies to
     "bands": ("mf_band",),
@@ -47,38 +59,49 @@ _STRATEGY_FLAGS = {  # flag -> mechanisms it applies to
 
 
 def _sampling_arguments(parser: argparse.ArgumentParser, *, steps_known: bool = True) -> None:
+    count = number(1, limits.MAX_COUNT, integer=True)
     group = parser.add_argument_group("sampling")
-    group.add_argument("--sample-rate", type=float, help="Poisson rate q in (0, 1] (or give --batch-size)")
-    group.add_argument("--batch-size", type=int, help="expected batch size; q = batch_size / dataset_size")
-    group.add_argument("--dataset-size", type=int, help="N; also sets the default delta 1/N**1.1")
+    group.add_argument(
+        "--sample-rate", type=number(0, 1, open_low=True), help="Poisson rate q in (0, 1] (or give --batch-size)"
+    )
+    group.add_argument("--batch-size", type=count, help="expected batch size; q = batch_size / dataset_size")
+    group.add_argument(
+        "--dataset-size", type=number(1, 2**53, integer=True), help="N; also sets the default delta 1/N**1.1"
+    )
     if steps_known:
-        group.add_argument("--steps", type=int, help="number of training steps (or give --epochs)")
-        group.add_argument("--epochs", type=float, help="epochs; steps = ceil(epochs / q)")
+        group.add_argument("--steps", type=count, help="number of training steps (or give --epochs)")
+        group.add_argument(
+            "--epochs", type=number(0, limits.MAX_SCALE, open_low=True), help="epochs; steps = ceil(epochs / q)"
+        )
     group.add_argument(
         "--sampler",
         choices=SAMPLERS + MF_SAMPLERS,
         default=None,
         help="batch sampler (default poisson; for --mechanism mf_*: the mechanism's usual sampler)",
     )
-    group.add_argument("--truncated-batch-size", type=int, help="cap of truncated_poisson")
-    group.add_argument("--k", type=int, help="participations per example for k_out_of_t")
+    group.add_argument("--truncated-batch-size", type=count, help="cap of truncated_poisson")
+    group.add_argument("--k", type=count, help="participations per example for k_out_of_t")
     group.add_argument("--allocation", choices=("block", "total"), help="k_out_of_t allocation")
     group.add_argument(
         "--mc-samples",
-        type=int,
+        type=number(100, MAX_MC_DRAWS, integer=True),
         default=None,
-        help="Monte Carlo samples per direction (k_out_of_t: default 1e6; MF: default ceil(4 log(2G/beta) / delta))",
+        help="Monte Carlo samples per direction, for k_out_of_t (default 1e6) and DP-FTRL with balls_in_bins or "
+        "b_min_sep (default ceil(4 log(2G/beta) / delta))",
     )
+    real = number(None, None)
     mech = parser.add_argument_group("mechanism")
     mech.add_argument("--mechanism", choices=MECHANISMS, default="gaussian", help="noise mechanism (default gaussian)")
-    mech.add_argument("--bands", type=int, help="mf_band: bands (= cyclic_poisson groups, b_min_sep min_sep); 16")
-    mech.add_argument("--max-buffers", type=int, help="mf_blt: most buffers (default 10)")
-    mech.add_argument("--bandwidth", type=int, help="mf_bsr (default 8) / mf_bisr (default 4): bandwidth")
-    mech.add_argument("--alpha", type=float, help="mf_bsr / mf_bisr: weight decay factor (default 1.0)")
-    mech.add_argument("--beta", type=float, help="mf_bsr (default 0.9) / mf_bisr (default 0.0): momentum")
-    mech.add_argument("--lambda", dest="lambda_", type=float, help="mf_lambda_cgd: lambda in [0, 1) (default 0.5)")
+    mech.add_argument("--bands", type=count, help="mf_band: bands (= cyclic_poisson groups, b_min_sep min_sep); 16")
+    mech.add_argument("--max-buffers", type=count, help="mf_blt: most buffers (default 10)")
+    mech.add_argument("--bandwidth", type=count, help="mf_bsr (default 8) / mf_bisr (default 4): bandwidth")
+    mech.add_argument("--alpha", type=real, help="mf_bsr / mf_bisr: weight decay factor (default 1.0)")
+    mech.add_argument("--beta", type=real, help="mf_bsr (default 0.9) / mf_bisr (default 0.0): momentum")
+    mech.add_argument("--lambda", dest="lambda_", type=real, help="mf_lambda_cgd: lambda in [0, 1) (default 0.5)")
     priv = parser.add_argument_group("privacy")
-    priv.add_argument("--delta", type=float, help="delta in (0, 1); default 1/N**1.1 with --dataset-size")
+    priv.add_argument(
+        "--delta", type=number(0, 1, open_low=True, open_high=True), help="delta in (0, 1); default 1/N**1.1"
+    )
     priv.add_argument(
         "--allow-large-delta",
         action="store_true",
@@ -88,26 +111,38 @@ def _sampling_arguments(parser: argparse.ArgumentParser, *, steps_known: bool = 
         "--accountant", choices=("pld", "rdp"), default=None, help="default pld (monte_carlo for k_out_of_t)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--plot", metavar="FILE", help="write epsilon against steps to a PNG")
+    parser.add_argument("--plot", metavar="FILE", type=writable_path, help="write epsilon against steps to a PNG")
 
 
 def _fail(message: str) -> None:
     raise ConfigurationError(message)
 
 
-def _sample_rate(args: argparse.Namespace) -> float:
+def _sample_rate(args: argparse.Namespace) -> float | None:
+    """q, or None for k_out_of_t (each example takes part in exactly k of the t steps: no rate)."""
+    if args.sampler == "k_out_of_t":
+        given = [flag for flag, name in (("--sample-rate", "sample_rate"), ("--batch-size", "batch_size"),
+                                         ("--epochs", "epochs")) if getattr(args, name, None) is not None]  # fmt: skip
+        if given:
+            _fail(
+                f"{' and '.join(given)} do not apply to --sampler k_out_of_t: each example takes part in exactly "
+                "--k of the --steps steps, whatever the rate; drop them and give --steps."
+            )
+        return None
     if args.sample_rate is not None:
         if args.batch_size is not None:
             _fail("give --sample-rate or --batch-size with --dataset-size, not both.")
         return args.sample_rate
     if args.batch_size is None or args.dataset_size is None:
         _fail("the sample rate is missing: give --sample-rate, or --batch-size and --dataset-size.")
-    if args.dataset_size < 1 or args.batch_size < 1:
-        _fail(f"--batch-size and --dataset-size must be >= 1, got {args.batch_size} and {args.dataset_size}.")
+    if args.batch_size > args.dataset_size:
+        _fail(f"--batch-size ({args.batch_size}) must be at most --dataset-size ({args.dataset_size}).")
     return args.batch_size / args.dataset_size
 
 
 def _delta(args: argparse.Namespace) -> float:
+    if args.allow_large_delta and args.delta is None:
+        _fail("--allow-large-delta applies to an explicit --delta; the default 1/N**1.1 is below 1/N already.")
     if args.delta is not None:
         if args.dataset_size is None:
             return args.delta
@@ -119,16 +154,15 @@ def _delta(args: argparse.Namespace) -> float:
     return 1.0 / args.dataset_size**1.1
 
 
-def _steps(args: argparse.Namespace, q: float) -> int:
+def _steps(args: argparse.Namespace, q: float | None) -> int:
     if (args.steps is None) == (args.epochs is None):
         _fail("give exactly one of --steps and --epochs.")
     if args.steps is not None:
-        if args.steps < 1:
-            _fail(f"--steps must be >= 1, got {args.steps}.")
         return args.steps
-    if not math.isfinite(args.epochs) or args.epochs <= 0:
-        _fail(f"--epochs must be a positive number, got {args.epochs}.")
-    return math.ceil(args.epochs / q - 1e-9)
+    steps = math.ceil(args.epochs / q - 1e-9)
+    if steps > limits.MAX_COUNT:
+        _fail(f"--epochs {args.epochs} at sample rate {q} is {steps} steps, more than 2**31 - 1; give fewer epochs.")
+    return steps
 
 
 def _step_factory(args: argparse.Namespace, q: float) -> Callable[[float], acc.Process]:
@@ -161,17 +195,33 @@ def _run_factory(args: argparse.Namespace, q: float, steps: int) -> Callable[[fl
     return lambda sigma: acc.repeat(step(sigma), steps)
 
 
-def _query(args: argparse.Namespace) -> dict[str, Any]:
+def _mc_samples(args: argparse.Namespace, delta: float) -> int | None:
+    """The Monte Carlo samples per direction the accountant draws, or None where no Monte Carlo accountant runs."""
+    if args.sampler not in MONTE_CARLO_SAMPLERS:
+        return None
+    if args.mc_samples is not None:
+        return args.mc_samples
+    if args.sampler == "k_out_of_t" or args.mechanism == "mf_identity":  # random allocation
+        return acc.MonteCarlo().num_samples
+    return default_monte_carlo(delta).num_samples  # DP-FTRL: enough for a certified floor of delta / 4
+
+
+def _query(args: argparse.Namespace, steps: int, delta: float) -> dict[str, Any]:
     extra: dict[str, Any] = {"accountant": args.accountant}
-    if args.sampler == "k_out_of_t":
-        extra["monte_carlo"] = acc.MonteCarlo(num_samples=args.mc_samples or 1_000_000)
-    elif args.mechanism != "gaussian" and args.mc_samples is not None:
-        extra["monte_carlo"] = acc.MonteCarlo(num_samples=args.mc_samples)
+    samples = _mc_samples(args, delta)
+    if samples is not None and samples * steps > MAX_MC_DRAWS:
+        _fail(
+            f"the Monte Carlo accountant would draw {samples} samples x {steps} steps = {samples * steps:.3g} normals "
+            f"(more than {MAX_MC_DRAWS:.0e}, minutes to hours): give fewer --steps, a smaller --mc-samples (a looser "
+            "bound at small delta), or a larger --delta."
+        )
+    if args.sampler == "k_out_of_t" or args.mc_samples is not None:
+        extra["monte_carlo"] = acc.MonteCarlo(num_samples=samples)
     return extra
 
 
 def _resolve_sampler(args: argparse.Namespace) -> None:
-    """Fill in the default sampler and refuse flags that do not apply to the mechanism."""
+    """Fill in the default sampler and refuse flags that do not apply to the mechanism or the sampler."""
     if args.mechanism == "gaussian":
         if args.sampler in MF_SAMPLERS:
             users = [m for m, s in acc.COMPATIBLE_SAMPLERS.items() if args.sampler in s]
@@ -191,6 +241,19 @@ def _resolve_sampler(args: argparse.Namespace) -> None:
         if getattr(args, flag, None) is not None and args.mechanism not in users:
             name = "--lambda" if flag == "lambda_" else "--" + flag.replace("_", "-")
             _fail(f"{name} applies to --mechanism {' / '.join(users)}, not {args.mechanism}; drop it.")
+    for name, sampler in (
+        ("truncated_batch_size", "truncated_poisson"),
+        ("k", "k_out_of_t"),
+        ("allocation", "k_out_of_t"),
+    ):
+        if getattr(args, name) is not None and args.sampler != sampler:
+            flag = "--" + name.replace("_", "-")
+            _fail(f"{flag} applies to --sampler {sampler}, not {args.sampler}: add --sampler {sampler} or drop {flag}.")
+    if args.mc_samples is not None and args.sampler not in MONTE_CARLO_SAMPLERS:
+        _fail(
+            f"--mc-samples applies to the Monte Carlo accountant, which runs for --sampler "
+            f"{' / '.join(MONTE_CARLO_SAMPLERS)} only, not {args.sampler}: drop --mc-samples."
+        )
 
 
 def _strategy(args: argparse.Namespace) -> Any:
@@ -253,8 +316,8 @@ def _inputs(args: argparse.Namespace, **resolved: Any) -> dict[str, Any]:
     for name in ("truncated_batch_size", "k", "allocation"):
         if getattr(args, name, None) is not None:
             out[name] = getattr(args, name)
-    if args.sampler == "k_out_of_t" or (args.mechanism != "gaussian" and args.mc_samples is not None):
-        out["mc_samples"] = args.mc_samples or 1_000_000
+    if _mc_samples(args, resolved["delta"]) is not None:
+        out["mc_samples"] = _mc_samples(args, resolved["delta"])
     if args.mechanism != "gaussian":
         out["mechanism"] = args.mechanism
         out.update({k: getattr(args, k) for k in _STRATEGY_FLAGS if getattr(args, k) is not None})
@@ -293,7 +356,7 @@ def run_epsilon(args: argparse.Namespace) -> dict[str, Any]:
     _resolve_sampler(args)
     q = _sample_rate(args)
     steps, delta = _steps(args, q), _delta(args)
-    query = _query(args)
+    query = _query(args, steps, delta)
     make = _run_factory if args.mechanism == "gaussian" else _mf_factory
     result = acc.epsilon(make(args, q, steps)(args.noise_multiplier), delta=delta, **query)
     _plot_steps(args, args.noise_multiplier, q, steps, delta, query)
@@ -308,7 +371,7 @@ def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     _resolve_sampler(args)
     q = _sample_rate(args)
     steps, delta = _steps(args, q), _delta(args)
-    query = _query(args)
+    query = _query(args, steps, delta)
     found = acc.calibrate_noise_multiplier(
         (_run_factory if args.mechanism == "gaussian" else _mf_factory)(args, q, steps),
         target_epsilon=args.target_epsilon,
@@ -339,7 +402,7 @@ def run_steps(args: argparse.Namespace) -> dict[str, Any]:
     delta = _delta(args)
     if args.sampler == "k_out_of_t":
         _fail("'steps' needs a per-step sampler; k_out_of_t is accounted for its whole horizon, use 'epsilon'.")
-    query = _query(args)
+    query = _query(args, args.max_steps, delta)
     found = acc.calibrate_steps(
         _step_factory(args, q)(args.noise_multiplier),
         target_epsilon=args.target_epsilon,
@@ -363,23 +426,33 @@ def _add_privacy(subparsers: argparse._SubParsersAction) -> None:
     privacy = subparsers.add_parser("privacy", help="privacy accounting before training")
     commands = privacy.add_subparsers(dest="privacy_command", required=True)
 
+    sigma = number(
+        limits.MIN_NOISE_MULTIPLIER, limits.MAX_NOISE_MULTIPLIER, zero=True, why="or 0 for a non-private run"
+    )
+    target = number(0, limits.MAX_SCALE, open_low=True, why="an epsilon anywhere near the top protects nothing")
     eps = commands.add_parser("epsilon", help="epsilon of a run at a noise multiplier")
-    eps.add_argument("--noise-multiplier", type=float, required=True, help="sigma >= 0 (0 = non-private)")
+    eps.add_argument("--noise-multiplier", type=sigma, required=True, help="sigma >= 0 (0 = non-private)")
     _sampling_arguments(eps)
     eps.set_defaults(run=run_epsilon)
 
     cal = commands.add_parser("calibrate", help="smallest noise multiplier for a target epsilon")
-    cal.add_argument("--target-epsilon", type=float, required=True)
-    cal.add_argument("--min", type=float, default=0.11, help="smallest multiplier searched (default 0.11)")
-    cal.add_argument("--max", type=float, default=10.0, help="largest multiplier searched (default 10.0)")
-    cal.add_argument("--tolerance", type=float, default=1e-3, help="relative epsilon tolerance (default 1e-3)")
+    searched = number(limits.MIN_NOISE_MULTIPLIER, limits.MAX_NOISE_MULTIPLIER)
+    cal.add_argument("--target-epsilon", type=target, required=True)
+    cal.add_argument("--min", type=searched, default=0.11, help="smallest multiplier searched (default 0.11)")
+    cal.add_argument("--max", type=searched, default=10.0, help="largest multiplier searched (default 10.0)")
+    cal.add_argument(
+        "--tolerance",
+        type=number(limits.MIN_TOLERANCE, 1, open_high=True),
+        default=1e-3,
+        help="relative epsilon tolerance (default 1e-3)",
+    )
     _sampling_arguments(cal)
     cal.set_defaults(run=run_calibrate)
 
     stp = commands.add_parser("steps", help="how many steps fit a target epsilon")
-    stp.add_argument("--noise-multiplier", type=float, required=True)
-    stp.add_argument("--target-epsilon", type=float, required=True)
-    stp.add_argument("--max-steps", type=int, default=10**7)
+    stp.add_argument("--noise-multiplier", type=sigma, required=True)
+    stp.add_argument("--target-epsilon", type=target, required=True)
+    stp.add_argument("--max-steps", type=number(1, limits.MAX_COUNT, integer=True), default=10**7)
     _sampling_arguments(stp, steps_known=False)
     stp.set_defaults(run=run_steps, steps=None, epochs=None)
 
@@ -402,12 +475,16 @@ def _human(answer: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0, or 2 for refused input)."""
+    """Run the command line; returns the exit status: 0, 2 for refused input, 1 for a file that cannot be written.
+    A usage error (a malformed or out-of-range flag) exits from ``argparse`` with status 2."""
     args = build_parser().parse_args(argv)
     try:
         answer = args.run(args)
     except OpakeError as exc:
         print(f"opake: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # the output folder or the plot file, found unwritable only when written
+        print(f"opake: error: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(answer, sort_keys=False) if args.json else _human(answer))
     return 0

@@ -25,9 +25,13 @@ from pathlib import Path
 
 import torch
 
+from opake_torch import limits
+from opake_torch._cli_types import number, writable_dir
 from opake_torch.transformers.loss import causal_lm_loss
 
 __all__ = ["DemoConfig", "add_demo_command", "exposure", "make_corpus", "run"]
+
+MAX_EPOCHS = 100  # the default 4 take about a minute on two CPU cores; 100 about half an hour
 
 ALPHABET = string.ascii_lowercase + string.digits + " :;.,-\n"
 NAMES = ["ada", "bo", "cyd", "dee", "eli", "fay", "gus", "hal", "ivy", "jo", "kai", "lu", "max", "nia", "oz", "pia"]
@@ -239,9 +243,19 @@ def _plot(result: dict, path: Path) -> None:
 def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
     """Register ``opake demo`` on the command line."""
     demo = subparsers.add_parser("demo", help="private fine-tuning of a small causal LM with planted secrets")
-    demo.add_argument("--output-dir", default="demo_output", help="where metrics.json and training.png go")
-    demo.add_argument("--epochs", type=float, default=DemoConfig.epochs)
-    demo.add_argument("--target-epsilon", type=float, default=DemoConfig.target_epsilon)
+    demo.add_argument(
+        "--output-dir", type=writable_dir, default="demo_output", help="where metrics.json and training.png go"
+    )
+    demo.add_argument(
+        "--epochs",
+        type=number(0, MAX_EPOCHS, open_low=True, why="the default 4 take about a minute on a CPU"),
+        default=DemoConfig.epochs,
+    )
+    demo.add_argument(
+        "--target-epsilon",
+        type=number(0, limits.MAX_SCALE, open_low=True, why="an epsilon anywhere near the top protects nothing"),
+        default=DemoConfig.target_epsilon,
+    )
     demo.set_defaults(run=_run_command, json=False)
 
 

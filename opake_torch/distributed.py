@@ -166,9 +166,10 @@ def _fingerprint(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def check_synchronized(**fields: Any) -> None:
+def check_synchronized(*, secret: frozenset[str] = frozenset(), **fields: Any) -> None:
     """All-gather the fingerprint of ``fields`` (keys as hex, step counters, privacy configuration) and raise
-    ConfigurationError naming the fields that differ between ranks. A no-op when not distributed."""
+    ConfigurationError naming the fields that differ between ranks. A no-op when not distributed. The message shows
+    this rank's values of the public fields only: a key, or a field named in ``secret``, is shown as ``<secret>``."""
     if not is_distributed():
         return
     mine = {k: (v.hex if isinstance(v, Key) else v) for k, v in fields.items()}
@@ -177,8 +178,10 @@ def check_synchronized(**fields: Any) -> None:
     dist.all_gather_object(gathered, prints)
     differ = sorted({k for other in gathered for k in prints if other.get(k) != prints[k]})
     if differ:
+        hidden = lambda k: isinstance(fields[k], Key) or k in secret  # noqa: E731
+        shown = {k: "<secret>" if hidden(k) else mine[k] for k in differ}
         raise ConfigurationError(
-            f"ranks disagree on {differ} (rank {dist.get_rank()} has { ({k: mine[k] for k in differ})!r}): every rank "
+            f"ranks disagree on {differ} (rank {dist.get_rank()} has {shown!r}): every rank "
             "must use the same seed, arguments, dataset size and checkpoint, or the noise would not be the same "
             "on every rank and the update would not be private."
         )

@@ -38,17 +38,22 @@ class ClipDiagnostics:
     private or do not log them.
 
     Attributes:
-        norms: float32 tensor ``[B]``, each example's gradient L2 norm before clipping (NaN for a non-finite one).
+        norms: float32 tensor ``[B]``, each example's gradient L2 norm before clipping (NaN or inf for a non-finite
+            one, which the clipped sum drops; a finite norm above float32's range reads as its largest value).
         clip_rate: float32 scalar tensor, fraction of examples whose norm exceeded its bound (any group exceeded, for
             per-group bounds); 0 for an empty batch.
         losses: tensor ``[B]`` of per-example loss values.
         batch_size: ``B``, the realized number of examples.
+        nonfinite: int64 scalar tensor, the examples whose gradient norm was not finite (NaN or inf anywhere in the
+            gradient): they got scale 0 and added nothing to the clipped sum, which is then a sum over the others.
+            A tensor, so that counting waits for no device.
     """
 
     norms: torch.Tensor
     clip_rate: torch.Tensor
     losses: torch.Tensor
     batch_size: int
+    nonfinite: torch.Tensor
 
 
 def clipped_grad(
@@ -110,12 +115,17 @@ def clipped_grad(
         (same structure, shapes and dtypes). Noise it with :func:`~opake_core.noise.gaussian_noise` (one Gaussian
         release for both streams) or :func:`~opake_core.noise.paired_mf_gaussian_noise`.
     """
+    if not callable(loss_fn):
+        raise InputTypeError(
+            f"loss_fn must be a function of one example, got {type(loss_fn).__name__} {loss_fn!r:.40}."
+        )
     bound = rules.check_rule(clipping_norm)
     diff_args = _argnums("argnums", argnums)
     batch_spec = batch_argnums if isinstance(batch_argnums, slice) else _argnums("batch_argnums", batch_argnums)
     if not isinstance(batch_spec, slice):  # a slice is resolved, and checked, at each call
         _disjoint(diff_args, batch_spec)
     normalize_by = validate.positive("normalize_by", normalize_by)
+    rules.check_scale(bound, normalize_by)
     if microbatch_size is not None:
         validate.integer("microbatch_size", microbatch_size, minimum=1)
     if isinstance(bound, PerGroup) and len(diff_args) != 1:
@@ -243,5 +253,7 @@ def _split_values(values: list[Any], has_aux: bool, device: torch.device) -> tup
 def _diagnostics(chunks: Chunked, losses: torch.Tensor, device: torch.device) -> ClipDiagnostics:
     if not chunks.size:
         empty = torch.zeros(0, dtype=torch.float32, device=device)
-        return ClipDiagnostics(empty, torch.zeros((), device=device), empty, 0)
-    return ClipDiagnostics(chunks.norms, chunks.clipped.float().mean(), losses, chunks.size)
+        none = torch.zeros((), dtype=torch.int64, device=device)
+        return ClipDiagnostics(empty, torch.zeros((), device=device), empty, 0, none)
+    nonfinite = (~torch.isfinite(chunks.norms)).sum()
+    return ClipDiagnostics(chunks.norms, chunks.clipped.float().mean(), losses, chunks.size, nonfinite)

@@ -48,7 +48,13 @@ class Chunked:
 
 
 def batch_size(batch: Sequence[Any]) -> int:
-    """The common leading dimension ``B`` of every tensor in the batched arguments."""
+    """The common leading dimension ``B`` of every tensor in the batched arguments, which hold tensors only."""
+    other = next((leaf for leaf in optree.tree_leaves(batch) if not isinstance(leaf, torch.Tensor)), None)
+    if other is not None:
+        raise InputTypeError(
+            f"the per-example (batched) arguments must hold tensors [B, ...] only, got a {type(other).__name__} "
+            f"{other!r:.40}; pass values shared by every example as arguments outside batch_argnums."
+        )
     sizes = {
         leaf.shape[0] if leaf.dim() else -1 for leaf in optree.tree_leaves(batch) if isinstance(leaf, torch.Tensor)
     }

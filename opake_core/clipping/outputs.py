@@ -52,11 +52,13 @@ class OutputDiagnostics:
         norms: float32 ``[B]``, each example's output L2 norm before clipping (NaN for a non-finite one).
         clip_rate: float32 scalar tensor, the fraction of examples whose norm exceeded its bound.
         batch_size: ``B``, the realized number of examples.
+        nonfinite: int64 scalar tensor, the examples whose output norm was not finite: they added nothing.
     """
 
     norms: torch.Tensor
     clip_rate: torch.Tensor
     batch_size: int
+    nonfinite: torch.Tensor
 
 
 def clipped_fun(
@@ -98,6 +100,8 @@ def clipped_fun(
             beyond the arguments, or a per-group bound that does not cover the output's leaves.
         InputTypeError: an output leaf that is not a floating-point tensor, or a state from another factory.
     """
+    if not callable(fun):
+        raise InputTypeError(f"fun must be a function of one example, got {type(fun).__name__} {fun!r:.40}.")
     bound = rules.check_rule(clipping_norm)
     if isinstance(bound, AdaptiveRule):
         raise ConfigurationError(
@@ -106,6 +110,7 @@ def clipped_fun(
         )
     batch_args = _argnums("batch_argnums", batch_argnums)
     normalize_by = validate.positive("normalize_by", normalize_by)
+    rules.check_scale(bound, normalize_by)
     if microbatch_size is not None:
         validate.integer("microbatch_size", microbatch_size, minimum=1)
     initial = FixedClipState()
@@ -152,7 +157,8 @@ def clipped_fun(
             if has_aux:
                 outputs.append(optree.tree_map(lambda *xs: torch.cat(xs, dim=0), *chunks.values))
             if return_diagnostics:
-                outputs.append(OutputDiagnostics(chunks.norms, chunks.clipped.float().mean(), chunks.size))
+                nonfinite = (~torch.isfinite(chunks.norms)).sum()
+                outputs.append(OutputDiagnostics(chunks.norms, chunks.clipped.float().mean(), chunks.size, nonfinite))
         return (outputs[0] if len(outputs) == 1 else tuple(outputs)), state
 
     return clipped_fn, initial

@@ -15,7 +15,8 @@ normalizer ``n`` (the expected batch size in DP-SGD).
 ``u`` is the unit roundoff of the accumulation dtype (float32, float64 for float64 leaves). Squared norms are float64
 for every dtype, so the scale is exact well below the storage precision, and the margin ``4u`` absorbs the rounding
 of the scale and of the product: every stored contribution satisfies ``||fl(scale * g_i)|| <= C`` in its dtype. An
-example whose norm is not finite (or a padding row) gets scale 0 and adds exactly nothing.
+example whose norm is not finite (or a padding row) gets scale 0 and adds exactly nothing; its reported norm is NaN
+or inf, so that the diagnostics count the dropped examples (``ClipDiagnostics.nonfinite``).
 
 Private second moments (``ClipRule.second_moment``, :mod:`opake_core.moments`): the same scales also sum the squares
 ``(1/n) sum_i (scale_i g_i) ⊙ (scale_i g_i)``, sensitivity ``C^2 / n`` (``C_k^2 / n`` per group, ``R^2 / n`` for
@@ -50,6 +51,7 @@ __all__ = [
     "adaptive",
     "auto_s",
     "check_rule",
+    "check_scale",
     "clip_scales",
     "initial_state",
     "next_adaptive_state",
@@ -146,6 +148,31 @@ def check_rule(clipping_norm: Any) -> Rule | AutoSRule | AdaptiveRule:
             validate.positive(f"clipping_norm for group {group!r}", bound, allow_inf=True)
         return clipping_norm
     return validate.positive("clipping_norm", clipping_norm, allow_inf=True)
+
+
+def check_scale(bound: Rule | AutoSRule | AdaptiveRule, normalize_by: float) -> None:
+    """ConfigurationError when the clipped sum divided by ``normalize_by`` cannot be held in float32: a normalizer
+    whose reciprocal overflows it, or a finite sensitivity ``C / n`` beyond its range (the released values would be
+    infinite, silently)."""
+    largest = torch.finfo(torch.float32).max
+    if 1.0 / normalize_by > largest:
+        raise ConfigurationError(
+            f"normalize_by (the expected batch size of a DP step) is {normalize_by!r}: dividing the float32 clipped "
+            "sum by it overflows. Pass the public expected batch size (sampling rate times dataset size)."
+        )
+    if isinstance(bound, PerGroup):
+        bounds = [value for _, value in bound.values]
+    elif isinstance(bound, AdaptiveRule):
+        bounds = [bound.initial_clipping_norm, bound.clipping_norm_max]
+    else:
+        bounds = [bound.bound if isinstance(bound, AutoSRule) else bound]
+    for value in bounds:
+        if math.isfinite(value) and value / normalize_by > largest:
+            raise ConfigurationError(
+                f"the sensitivity clipping_norm / normalize_by = {value!r} / {normalize_by!r} exceeds float32's range: "
+                "the clipped sum and its noise would overflow. Use a clipping bound near the gradients' norms (often "
+                "0.1 to 10) and the expected batch size as normalizer."
+            )
 
 
 def initial_state(rule: Rule | AutoSRule | AdaptiveRule, key: random.Key | None) -> FixedClipState | AdaptiveClipState:
@@ -270,6 +297,11 @@ class ClipRule:
         gamma = bound.gamma if isinstance(bound, AutoSRule) else None
         bound = bound.bound if isinstance(bound, AutoSRule) else bound
         leaves = optree.tree_leaves(params)
+        if not leaves:
+            raise InputTypeError(
+                f"the parameters hold no tensor (got {params!r:.60}); pass the tree of trainable tensors, such as "
+                "dict(model.named_parameters())."
+            )
         paths = leaf_paths(params)
         for path, leaf in zip(paths, leaves, strict=True):
             if not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
@@ -322,4 +354,14 @@ class ClipRule:
             squares = accumulators(params)
             add_squares(per_leaf, squares)
             sums = sums + squares
-        return sums, norms.float(), (group_norms > bounds).any(dim=0)
+        return sums, _reported(norms), (group_norms > bounds).any(dim=0)
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _reported(norms: torch.Tensor) -> torch.Tensor:
+    """The float64 norms ``[m]`` as the float32 the diagnostics report: a finite norm beyond float32's range
+    saturates at its largest value, so that the reported norm is NaN or inf exactly for the examples
+    :func:`clip_scales` drops, and counting those counts the dropped examples."""
+    return torch.where(torch.isfinite(norms), norms.clamp(max=_FLOAT32_MAX), norms).float()

@@ -277,6 +277,11 @@ def matrix_mechanism(
                 "cannot add noise to a tree with infinite sensitivity (clipping disabled); clip with a finite "
                 "clipping_norm, or use noise_multiplier=0 for a non-private run."
             )
+        if scale > 0 and max(stds, default=0.0) > torch.finfo(dtype).max / 64:  # no draw reaches 64 std
+            raise ConfigurationError(
+                f"{name}'s noise standard deviation {max(stds):.3g} (noise multiplier times sensitivity) overflows "
+                f"{dtype}: the noised values would be infinite. Lower the noise multiplier or the clipping bound."
+            )
         row = float(row_norms[t if n_steps is not None else 0])
         with torch.profiler.record_function(f"opake::{name}"), torch.no_grad():
             if scale == 0:

@@ -12,22 +12,26 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from opake_core.errors import ConfigurationError, InputTypeError
 from opake_core.noise import compute_dtype_of
 from opake_core.plan import SAMPLERS
+from opake_torch import limits
+from opake_torch.limits import MAX_COUNT, MAX_SCALE, MAX_SEED
 
 __all__ = [
+    "NUMERIC_LIMITS",
+    "Limit",
     "as_choice",
     "as_dict",
-    "as_optional_positive_int",
     "as_positive_int",
     "as_steps",
     "calibration",
     "check_keys",
+    "check_limit",
     "check_schedule_free_best_model",
     "clipping_kwargs",
     "coerce_scalar",
@@ -96,6 +100,68 @@ ROUTER_AUX_DEFAULTS: dict[str, Any] = {"ratio": 0.02, "mean_tokens": None, "filt
 ROUTER_AUX_KWARGS = ("max_tokens", *ROUTER_AUX_DEFAULTS)
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DDP_BACKENDS = ("nccl", "gloo", "mpi", "ucc")
+
+
+class Limit(NamedTuple):
+    """The values a numeric field takes: an ``int`` (``integer``) or any finite number, in ``[low, high]`` (a side
+    is open with ``open_low`` / ``open_high``, absent when ``None``); ``why`` ends the refusal."""
+
+    integer: bool
+    low: float | None
+    high: float | None
+    why: str = ""
+    open_low: bool = False
+    open_high: bool = False
+
+
+_COUNT = "a count: at most 2**31 - 1, the reach of torch's int32 index arithmetic"
+_INTERVAL = "a count of steps, or a float in (0, 1) for a fraction of the run"
+_SCALE = "far beyond any working value; larger ones overflow a step's float32 arithmetic"
+# Every numeric field of TrainingArguments, checked at construction before any other rule (see opake_torch.limits
+# for the reasons), except those bounded by their own parser: clipping_norm and router_aux_loss_coef (which read
+# strings), the privacy budget (PrivacyBudgetError) and privacy_noise_seed (a secret, kept out of the message). A
+# subclass adds its own fields to its ``_limits``.
+NUMERIC_LIMITS: dict[str, Limit] = {
+    "per_device_train_batch_size": Limit(True, 1, MAX_COUNT, _COUNT),
+    "per_device_eval_batch_size": Limit(True, 1, MAX_COUNT, _COUNT),
+    "microbatch_size": Limit(True, 1, MAX_COUNT, _COUNT),
+    "max_steps": Limit(True, -1, MAX_COUNT, "a count, or -1 to use num_train_epochs"),
+    "num_train_epochs": Limit(False, 0, MAX_SCALE, _SCALE, open_low=True),
+    "warmup_steps": Limit(False, 0, MAX_COUNT, _INTERVAL),
+    "logging_steps": Limit(False, 0, MAX_COUNT, _INTERVAL),
+    "save_steps": Limit(False, 0, MAX_COUNT, _INTERVAL),
+    "eval_steps": Limit(False, 0, MAX_COUNT, _INTERVAL),
+    "eval_delay": Limit(False, 0, MAX_COUNT, "epochs or steps to wait before the first evaluation"),
+    "learning_rate": Limit(False, 0, MAX_SCALE, _SCALE),
+    "weight_decay": Limit(False, 0, MAX_SCALE, _SCALE),
+    "adam_epsilon": Limit(False, 0, MAX_SCALE, _SCALE),
+    "adam_beta1": Limit(False, 0, 1, "a moment decay", open_high=True),
+    "adam_beta2": Limit(False, 0, 1, "a moment decay", open_high=True),
+    "label_smoothing_factor": Limit(False, 0, 1, "a probability mass", open_high=True),
+    "cuda_graphs": Limit(True, 0, MAX_COUNT, "the number of graph signatures to retain, 0 disables; e.g. 8"),
+    "seed": Limit(True, 0, MAX_SEED, "transformers.set_seed seeds numpy, which takes [0, 2**32)"),
+    "data_seed": Limit(True, 0, MAX_SEED, "transformers.set_seed seeds numpy, which takes [0, 2**32)"),
+    "save_total_limit": Limit(True, 1, MAX_COUNT, _COUNT),
+    "dataloader_num_workers": Limit(True, 0, limits.MAX_WORKERS, "worker processes: more than any host has cores"),
+    "max_length": Limit(True, 1, MAX_COUNT, _COUNT),
+    "pad_to_multiple_of": Limit(True, 1, MAX_COUNT, _COUNT),
+    "local_rank": Limit(True, -1, MAX_COUNT, "-1 outside torchrun"),
+    "ddp_timeout": Limit(True, 1, MAX_COUNT, "seconds"),
+}
+
+
+def check_limit(value: Any, name: str, limit: Limit) -> int | float:
+    """``value`` within ``limit`` (:class:`Limit`), else ``ConfigurationError`` naming the field, value and range."""
+    return limits.check_number(
+        value,
+        name,
+        limit.low,
+        limit.high,
+        integer=limit.integer,
+        open_low=limit.open_low,
+        open_high=limit.open_high,
+        why=limit.why,
+    )
 
 
 def plain(value: Any) -> Any:
@@ -190,17 +256,15 @@ def _is_int(value: Any) -> bool:
 
 
 def as_positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
+    """An ``int`` in ``[minimum, 2**31 - 1]`` (:data:`~opake_torch.limits.MAX_COUNT`)."""
     if not _is_int(value) or value < minimum:
         raise ConfigurationError(f"{name} must be an integer >= {minimum}, got {value!r}.")
-    return value
-
-
-def as_optional_positive_int(value: Any, name: str, *, minimum: int = 1) -> int | None:
-    return None if value is None else as_positive_int(value, name, minimum=minimum)
+    return limits.check_number(value, name, minimum, MAX_COUNT, integer=True, why=_COUNT)
 
 
 def as_number(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+    """An ``int`` or ``float`` (not a bool), not NaN; a huge int is returned as is, never converted."""
+    if not limits.is_real(value) or (isinstance(value, float) and math.isnan(value)):
         raise ConfigurationError(f"{name} must be a number, got {value!r}.")
     return value
 
@@ -234,9 +298,18 @@ def _positive_bound(value: Any, name: str) -> float:
         raise InputTypeError(f"{name} must be a number, not a bool; got {value!r}.")
     if isinstance(value, str):
         value = coerce_scalar(value)
-    if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value) or value <= 0:
+    if not limits.is_real(value) or not value > 0:  # NaN fails the comparison
         raise ConfigurationError(
             f"{name} must be a positive number (use math.inf to disable clipping for a non-private run); got {value!r}."
+        )
+    if value != math.inf:
+        limits.check_number(
+            value,
+            name,
+            limits.MIN_CLIPPING_NORM,
+            MAX_SCALE,
+            why="the bound of one example's gradient, e.g. 1.0; beyond this range the noise it scales leaves float32; "
+            "math.inf disables clipping for a non-private run",
         )
     return float(value)
 
@@ -290,7 +363,12 @@ def as_path(value: Any, name: str) -> str:
 
 def env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
-    return default if raw in (None, "") else int(raw)
+    if raw in (None, ""):
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigurationError(f"the environment variable {name} must be an integer, got {raw!r}.") from None
 
 
 def mechanism_kwargs(mechanism: str, value: Any) -> dict[str, Any]:
@@ -362,12 +440,22 @@ def calibration(value: Any) -> dict[str, float]:
     """The calibration search bounds merged over the defaults; ``0 < min < max < inf`` and ``tolerance > 0``."""
     kwargs = {**CALIBRATION_DEFAULTS, **as_dict(value, "noise_calibration_kwargs")}
     check_keys(kwargs, tuple(CALIBRATION_DEFAULTS), "noise_calibration_kwargs", "noise calibration")
-    low, high, tol = (float(as_number(kwargs[k], f"noise_calibration_kwargs[{k!r}]")) for k in CALIBRATION_DEFAULTS)
+    low, high, tol = (as_number(kwargs[k], f"noise_calibration_kwargs[{k!r}]") for k in CALIBRATION_DEFAULTS)
     if not (0 < low < high < math.inf and tol > 0):
         raise ConfigurationError(
             f"noise_calibration_kwargs needs 0 < min < max < inf and tolerance > 0, got {kwargs!r}."
         )
-    return {"min": low, "max": high, "tolerance": tol}
+    why = "the noise multipliers that opake_torch.limits lets a run use"
+    for key in ("min", "max"):
+        limits.check_number(
+            kwargs[key], f"noise_calibration_kwargs[{key!r}]", limits.MIN_NOISE_MULTIPLIER, limits.MAX_NOISE_MULTIPLIER,
+            why=why,
+        )  # fmt: skip
+    limits.check_number(
+        tol, "noise_calibration_kwargs['tolerance']", limits.MIN_TOLERANCE, 1, open_high=True,
+        why="relative; below 1e-9 the search runs into the rounding of epsilon itself",
+    )  # fmt: skip
+    return {"min": float(low), "max": float(high), "tolerance": float(tol)}
 
 
 def router_aux(coefficient: Any, value: Any) -> tuple[float, dict[str, Any]]:
@@ -376,12 +464,11 @@ def router_aux(coefficient: Any, value: Any) -> tuple[float, dict[str, Any]]:
     coefficient = 0.0 if plain(coefficient) is None else plain(coefficient)
     if isinstance(coefficient, str):
         coefficient = coerce_scalar(coefficient)
-    coefficient = as_number(coefficient, "router_aux_loss_coef")
-    if not 0.0 <= coefficient < math.inf:
-        raise ConfigurationError(
-            f"router_aux_loss_coef must be a finite number >= 0, got {coefficient!r}; 0.0 (the default) trains "
-            "without router load balancing, a small value such as 0.01 turns the private router release on."
-        )
+    limits.check_number(
+        coefficient, "router_aux_loss_coef", 0.0, MAX_SCALE,
+        why="0.0 (the default) trains without router load balancing, a small value such as 0.01 turns the private "
+        "router release on",
+    )  # fmt: skip
     kwargs = as_dict(value, "router_aux_kwargs")
     if coefficient == 0.0:
         if kwargs:
@@ -430,6 +517,8 @@ def clipping_kwargs(mode: str, value: Any) -> dict[str, Any]:
     for key in ("clipping_norm_max", "gamma"):
         if key in kwargs and not as_number(kwargs[key], key) > 0:
             raise ConfigurationError(f"clipping_kwargs[{key!r}] must be > 0, got {kwargs[key]!r}.")
+        if key in kwargs:
+            limits.check_number(kwargs[key], f"clipping_kwargs[{key!r}]", 0, MAX_SCALE, open_low=True, why=_SCALE)
     return kwargs
 
 

@@ -48,21 +48,24 @@ import contextlib
 import dataclasses
 import difflib
 import enum
+import functools
 import inspect
 import json
 import logging
 import math
 import os
 import sys
+import typing
 import warnings
 from collections.abc import Iterator
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from opake_core.errors import ConfigurationError, InputTypeError, PrivacyBudgetError
 from opake_core.plan import check_combination, is_horizon
+from opake_torch import limits
 from opake_torch.transformers import _command_line as cli
 from opake_torch.transformers import _from_hf as hf
 from opake_torch.transformers import _parsing as p
@@ -128,7 +131,26 @@ def _alias_value(name: str, value: Any) -> Any:
 def _as_bool(value: Any, name: str, *, allow_none: bool = False) -> bool | None:
     if isinstance(value, bool) or (allow_none and value is None):
         return value
-    raise ConfigurationError(f"{name} must be True or False{' or None' if allow_none else ''}, got {value!r}.")
+    raise ConfigurationError(
+        f"{name} must be True or False{' or None' if allow_none else ''}, got {type(value).__name__} {value!r}. A "
+        "string or a number is not read as a bool (the string 'False' is true in Python): pass True or False."
+    )
+
+
+@functools.cache
+def _typed_fields(cls: type) -> tuple[tuple[str, type, bool], ...]:
+    """``(name, kind, optional)`` of every field of ``cls`` annotated ``bool``, ``int`` or ``float`` (``kind``), alone
+    or with None (``optional``): the fields that :meth:`TrainingArguments._check_types` checks, found from the
+    annotations so that a new field is checked without being listed."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        kinds = set(typing.get_args(hints[f.name])) or {hints[f.name]}
+        optional = type(None) in kinds
+        kinds.discard(type(None))
+        if len(kinds) == 1 and (kind := kinds.pop()) in (bool, int, float):
+            out.append((f.name, kind, optional))
+    return tuple(out)
 
 
 def _tf32_available() -> bool:
@@ -293,6 +315,8 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
     do_eval: bool = False
     do_predict: bool = False
 
+    _limits: ClassVar[dict[str, p.Limit]] = p.NUMERIC_LIMITS  # the range of each numeric field
+
     @classmethod
     def _translate_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
         """``kwargs`` with Opake's names: fields kept, aliases renamed, inert names dropped (a non-default value warns
@@ -330,6 +354,7 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
         return out
 
     def __post_init__(self) -> None:
+        self._check_types()
         self._resolve_output()
         self._resolve_batches()
         self._resolve_optimizer()
@@ -345,6 +370,21 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
 
     # -- resolution, one concern each ------------------------------------------------------------------------------
 
+    def _check_types(self) -> None:
+        """Before any other rule: every field annotated ``bool`` holds a bool (or None where annotated so), and
+        every numeric field a finite number of its type within its :data:`~._parsing.NUMERIC_LIMITS` entry, so that
+        no value reaches a step to overflow there or be read as truthy."""
+        if self.gradient_checkpointing is None:  # Hugging Face's default in older versions, meaning off
+            self.gradient_checkpointing = False
+        for name, kind, optional in _typed_fields(type(self)):
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if kind is bool:
+                _as_bool(value, name, allow_none=optional)
+            elif name in self._limits:
+                p.check_limit(value, name, self._limits[name])
+
     def _resolve_output(self) -> None:
         self.output_dir = p.as_path("trainer_output" if self.output_dir is None else self.output_dir, "output_dir")
         if self.logging_dir is None:
@@ -353,12 +393,8 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
         if self.resume_from_checkpoint is not None:
             self.resume_from_checkpoint = p.as_path(self.resume_from_checkpoint, "resume_from_checkpoint")
 
-    def _resolve_batches(self) -> None:
-        self.per_device_train_batch_size = p.as_positive_int(
-            self.per_device_train_batch_size, "per_device_train_batch_size"
-        )
+    def _resolve_batches(self) -> None:  # types and ranges: _check_types
         if self.microbatch_size is not None:
-            self.microbatch_size = p.as_positive_int(self.microbatch_size, "microbatch_size")
             if self.microbatch_size > self.per_device_train_batch_size:
                 raise ConfigurationError(
                     f"microbatch_size must be in [1, per_device_train_batch_size={self.per_device_train_batch_size}], "
@@ -367,32 +403,19 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
                 )
         if self.per_device_eval_batch_size is None:
             self.per_device_eval_batch_size = self.microbatch_size or self.per_device_train_batch_size
-        self.per_device_eval_batch_size = p.as_positive_int(
-            self.per_device_eval_batch_size, "per_device_eval_batch_size"
-        )
-        self.max_length = p.as_optional_positive_int(self.max_length, "max_length")
-        self.pad_to_multiple_of = p.as_optional_positive_int(self.pad_to_multiple_of, "pad_to_multiple_of")
-        self.dataloader_num_workers = p.as_positive_int(
-            self.dataloader_num_workers, "dataloader_num_workers", minimum=0
-        )
         if self.use_cpu:
             self.dataloader_pin_memory = False
         if self.data_seed is None:
             self.data_seed = self.seed
-        if not math.isfinite(p.as_number(self.num_train_epochs, "num_train_epochs")) or self.num_train_epochs <= 0:
+        if self.max_steps == 0:
+            raise ConfigurationError("max_steps must be a positive int, or -1 to use num_train_epochs; got 0.")
+        names = self.label_names
+        if names is not None and (not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names)):
             raise ConfigurationError(
-                f"num_train_epochs must be a positive finite number, got {self.num_train_epochs!r}."
+                f"label_names must be a list of column names (strings), or None for the model's own label columns; "
+                f"got {names!r}. Example: label_names=['labels']."
             )
-        if (
-            not isinstance(self.max_steps, int)
-            or isinstance(self.max_steps, bool)
-            or (self.max_steps < 1 and self.max_steps != -1)
-        ):
-            raise ConfigurationError(
-                f"max_steps must be a positive int, or -1 to use num_train_epochs; got {self.max_steps!r}."
-            )
-        if not 0 <= p.as_number(self.label_smoothing_factor, "label_smoothing_factor") < 1:
-            raise ConfigurationError(f"label_smoothing_factor must be in [0, 1), got {self.label_smoothing_factor!r}.")
+        self.label_names = None if names is None else list(names)
         self.include_for_metrics = (
             [self.include_for_metrics]
             if isinstance(self.include_for_metrics, str)
@@ -413,12 +436,6 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
             )
         self.optim = p.as_choice(name, "optim", p.OPTIMIZERS)
         self.optim_args = p.as_dict(self.optim_args, "optim_args")
-        for attr in ("learning_rate", "weight_decay", "adam_epsilon"):
-            if p.as_number(getattr(self, attr), attr) < 0:
-                raise ConfigurationError(f"{attr} must be >= 0, got {getattr(self, attr)!r}.")
-        for attr in ("adam_beta1", "adam_beta2"):
-            if not 0 <= p.as_number(getattr(self, attr), attr) < 1:
-                raise ConfigurationError(f"{attr} must be in [0, 1), got {getattr(self, attr)!r}.")
         name = p.plain(self.lr_scheduler)
         name = p.SCHEDULER_ALIASES.get(name, name) if isinstance(name, str) else name
         self.lr_scheduler = p.as_choice(name, "lr_scheduler", p.SCHEDULERS)
@@ -429,11 +446,31 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
             "lr_scheduler_kwargs",
             f"lr_scheduler={self.lr_scheduler!r}",
         )
-        if isinstance(self.warmup_steps, bool):
-            raise ConfigurationError(
-                f"warmup_steps must be a count or a fraction in (0, 1), not a bool; got {self.warmup_steps!r}."
-            )
         self.warmup_steps = p.as_steps(self.warmup_steps, "warmup_steps", allow_zero=True)
+        self._check_weight_decay()
+
+    def _check_weight_decay(self) -> None:
+        """Every optimizer but adam (which has no weight decay) multiplies the weights by ``1 - lr * weight_decay`` in
+        a step (decoupled decay, or the L2 term of SGD): above 1 that flips their sign, from 2 it grows them until
+        they overflow."""
+        end = self.lr_scheduler_kwargs.get("end_value")
+        if end is not None:
+            why = "the learning rate the schedule ends at"
+            limits.check_number(end, "lr_scheduler_kwargs['end_value']", 0, limits.MAX_SCALE, why=why)
+        if self.optim.removesuffix("-bc") == "adam":  # no weight decay (the optimizer page of the docs)
+            return
+        decay = self.weight_decay
+        if "weight_decay" in self.optim_args:  # optim_args overrides the field
+            decay = limits.check_number(
+                self.optim_args["weight_decay"], "optim_args['weight_decay']", 0, limits.MAX_SCALE
+            )
+        peak = max(self.learning_rate, end or 0.0)
+        if peak * decay > 1:
+            raise ConfigurationError(
+                f"learning_rate * weight_decay must be <= 1, got {peak!r} * {decay!r}: each step multiplies the "
+                f"weights by 1 - learning_rate * weight_decay, so a larger product flips their sign and from 2 grows "
+                "them until they overflow. Typical decoupled weight decay is 0.01 to 0.1."
+            )
 
     def _resolve_mechanism(self) -> None:
         self.privacy_noise_mechanism = p.as_choice(
@@ -445,11 +482,6 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
         self.sampling_mode, self.sampling_kwargs = p.sampling(
             self.privacy_noise_mechanism, self.sampling_mode, self.sampling_kwargs
         )
-        if self.ignore_data_skip and self.sampling_mode != "poisson":
-            raise ConfigurationError(
-                f"ignore_data_skip=True requires sampling_mode='poisson' (got {self.sampling_mode!r}): participation "
-                "samplers must resume from their saved cursor or examples would participate more often than accounted."
-            )
 
     @property
     def is_complete_horizon(self) -> bool:
@@ -463,28 +495,35 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
                 "Set either privacy_noise_multiplier (use 0.0 for non-private training) or privacy_target_epsilon "
                 "(to calibrate noise to a budget); neither was provided."
             )
-        if nm is not None:
-            nm = self.privacy_noise_multiplier = float(p.as_number(nm, "privacy_noise_multiplier"))
-            if not 0 <= nm < math.inf:
+        if nm is not None:  # bounds before float(): a huge int does not convert
+            if not 0 <= p.as_number(nm, "privacy_noise_multiplier") < math.inf:
                 raise PrivacyBudgetError(
                     f"privacy_noise_multiplier must be finite and >= 0 (0.0 = non-private), got {nm!r}."
                 )
+            if nm != 0:
+                limits.check_number(
+                    nm, "privacy_noise_multiplier", limits.MIN_NOISE_MULTIPLIER, limits.MAX_NOISE_MULTIPLIER,
+                    why="or 0.0 for a non-private run; see opake_torch.limits", error=PrivacyBudgetError,
+                )  # fmt: skip
+            nm = self.privacy_noise_multiplier = float(nm)
         if eps is not None:
-            eps = self.privacy_target_epsilon = float(p.as_number(eps, "privacy_target_epsilon"))
-            if not 0 < eps < math.inf:
+            if not 0 < p.as_number(eps, "privacy_target_epsilon") < math.inf:
                 raise PrivacyBudgetError(
                     f"privacy_target_epsilon must be finite and > 0, got {eps!r}. For a non-private run set "
                     "privacy_noise_multiplier=0.0 and leave privacy_target_epsilon unset."
                 )
+            limits.check_number(
+                eps, "privacy_target_epsilon", 0, limits.MAX_SCALE, open_low=True,
+                why="an epsilon anywhere near it protects nothing", error=PrivacyBudgetError,
+            )  # fmt: skip
+            eps = self.privacy_target_epsilon = float(eps)
         if delta is not None:
-            delta = self.privacy_target_delta = float(p.as_number(delta, "privacy_target_delta"))
-            if not 0 < delta < 1:
+            if not 0 < p.as_number(delta, "privacy_target_delta") < 1:
                 raise PrivacyBudgetError(
                     f"privacy_target_delta must be in (0, 1), got {delta!r}; leave it None for 1 / N**1.1."
                 )
-        accounting = self.privacy_accounting
-        if accounting is not None and not isinstance(accounting, bool):
-            raise ConfigurationError(f"privacy_accounting must be True, False or None, got {accounting!r}.")
+            delta = self.privacy_target_delta = float(delta)
+        accounting = self.privacy_accounting  # a bool or None: _check_types
         if accounting is False and eps is not None:
             raise ConfigurationError(
                 "privacy_accounting=False cannot be combined with privacy_target_epsilon: the target needs the "
@@ -499,13 +538,9 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
         if accounting is None:  # the default: every run reports its epsilon unless asked not to
             self.privacy_accounting = True
         self.noise_calibration_kwargs = p.calibration(self.noise_calibration_kwargs)
-        if not isinstance(self.privacy_allow_large_delta, bool):
-            raise ConfigurationError(
-                f"privacy_allow_large_delta must be True or False, got {self.privacy_allow_large_delta!r}."
-            )
         seed = self.privacy_noise_seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ConfigurationError(
+            raise ConfigurationError(  # the type only: the value is a secret
                 f"privacy_noise_seed must be an int (or None for a secret key from the operating system), got "
                 f"{type(seed).__name__}."
             )
@@ -563,9 +598,6 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
         return bool(self.router_aux_loss_coef)
 
     def _resolve_checkpointing(self) -> None:
-        if self.gradient_checkpointing is None:  # Hugging Face's default, meaning off
-            self.gradient_checkpointing = False
-        self.gradient_checkpointing = _as_bool(self.gradient_checkpointing, "gradient_checkpointing")
         if self.gradient_checkpointing_kwargs is None:
             return
         kwargs = p.as_dict(self.gradient_checkpointing_kwargs, "gradient_checkpointing_kwargs")
@@ -589,11 +621,6 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
             self.torch_compile = True
         if self.torch_compile and self.torch_compile_backend is None:
             self.torch_compile_backend = "inductor"
-        if isinstance(self.cuda_graphs, bool) or not isinstance(self.cuda_graphs, int) or self.cuda_graphs < 0:
-            raise ConfigurationError(
-                f"cuda_graphs is the number of graph signatures to retain (0 disables), an int >= 0; got "
-                f"{self.cuda_graphs!r}. Use e.g. cuda_graphs=8."
-            )
         if self.cuda_graphs and self.torch_compile:
             raise ConfigurationError("cuda_graphs > 0 and torch_compile are mutually exclusive; pick one.")
         if self.cuda_graphs and self.auto_find_microbatch_size:
@@ -631,11 +658,9 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
             self.eval_steps = self.logging_steps
         if self.eval_steps is not None:
             self.eval_steps = p.as_steps(self.eval_steps, "eval_steps")
-        self.save_total_limit = p.as_optional_positive_int(self.save_total_limit, "save_total_limit")
         self.report_to = p.report_to(self.report_to)
         self.log_level = p.as_choice(self.log_level, "log_level", tuple(LOG_LEVELS))
         self.log_level_replica = p.as_choice(self.log_level_replica, "log_level_replica", tuple(LOG_LEVELS))
-        self.log_on_each_node = _as_bool(self.log_on_each_node, "log_on_each_node")
         if not isinstance(self.project, str) or not self.project:
             raise ConfigurationError(f"project must be a non-empty string, got {self.project!r}.")
         for name in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id"):
@@ -697,11 +722,9 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
     def _resolve_distributed(self) -> None:
         if self.local_rank == -1:
             self.local_rank = p.env_int("LOCAL_RANK", -1)
-        if isinstance(self.local_rank, bool) or not isinstance(self.local_rank, int) or self.local_rank < -1:
-            raise ConfigurationError(f"local_rank must be an int >= -1, got {self.local_rank!r}.")
+            p.check_limit(self.local_rank, "LOCAL_RANK", self._limits["local_rank"])
         if self.ddp_backend is not None:
             self.ddp_backend = p.as_choice(self.ddp_backend, "ddp_backend", p.DDP_BACKENDS)
-        self.ddp_timeout = p.as_positive_int(self.ddp_timeout, "ddp_timeout")
         if self.bf16 and not self.use_cpu and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             raise ConfigurationError("Your setup doesn't support bf16 on this GPU; set bf16=False or use_cpu=True.")
 
@@ -710,7 +733,6 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
         (at construction, as in transformers); ``None`` leaves the setting alone."""
         if self.tf32 is None:
             return
-        self.tf32 = _as_bool(self.tf32, "tf32", allow_none=True)
         if self.tf32 and not _tf32_available():
             raise ConfigurationError(
                 "tf32=True requires an NVIDIA GPU of the Ampere generation or newer with a CUDA build of torch; set "
@@ -720,8 +742,6 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
             _set_tf32(self.tf32)
 
     def _resolve_script_flags(self) -> None:
-        for name in ("do_train", "do_eval", "do_predict"):
-            setattr(self, name, _as_bool(getattr(self, name), name))
         if self.eval_strategy != "no":  # as in Hugging Face: evaluating during training means do_eval
             self.do_eval = True
 

@@ -5,6 +5,11 @@ A checkpoint folder holds the weights (``model.safetensors`` or the PEFT adapter
 the private DP state: ``dp_state.json`` (counters, keys, ledger, configuration) with the step and optimizer tensors.
 A resume checks that the counters agree and that a horizon run's configuration is unchanged before it loads anything
 into the run.
+
+A resume keeps the checkpoint's noise and sampler keys only when it continues the checkpoint's trajectory exactly:
+the same arguments (:func:`.checkpoint.configuration`) *and* the same training data (:mod:`.fingerprint`). Anything
+else is a new segment with new keys, composed in the ledger with what ran before: noise already drawn for one
+trajectory is never added to another, where the difference of the two would reveal the records that differ.
 """
 
 from __future__ import annotations
@@ -20,23 +25,27 @@ import torch
 from torch import nn
 
 from opake_core import accounting
-from opake_core.errors import CheckpointError, OpakeError
+from opake_core.errors import CheckpointError, OpakeError, PrivacyBudgetError
 from opake_core.sampling.state import SamplerState
 from opake_core.step import rekeyed, unkeyed
 from opake_torch.state_files import write_json
 from opake_torch.transformers import checkpoint as ckpt
 from opake_torch.transformers import moe
+from opake_torch.transformers.fingerprint import DatasetFingerprint
 from opake_torch.transformers.keys import RunKeys
-from opake_torch.transformers.privacy import PrivacyPlan
+from opake_torch.transformers.privacy import PrivacyPlan, resolve_delta
 from opake_torch.transformers.run import Run, ledger_result
 
 __all__ = [
     "accountant_record",
+    "check_replay",
     "check_same_run",
     "copy_into",
     "restore",
     "restore_weights",
     "resume_point",
+    "resumed_data",
+    "resumed_delta",
     "resumed_keys",
     "save",
     "save_weights",
@@ -50,7 +59,10 @@ logger = logging.getLogger(__name__)
 
 def resume_point(resume_from_checkpoint: str | bool | None, output_dir: str) -> tuple[Path | None, dict | None]:
     """``(folder, its dp_state.json)`` for ``train(resume_from_checkpoint=...)``: a folder, True for the latest
-    checkpoint under ``output_dir``, or nothing (``(None, None)``); CheckpointError when it cannot be resumed."""
+    checkpoint under ``output_dir``, or nothing (``(None, None)``); CheckpointError when it cannot be resumed.
+    A bad checkpoint key (:data:`.checkpoint.KEY_ENV`) is refused here, before any step rather than at the first
+    save."""
+    ckpt.seal_key()
     if resume_from_checkpoint is True:
         folder = ckpt.latest_checkpoint(output_dir)
         if folder is None:
@@ -63,17 +75,122 @@ def resume_point(resume_from_checkpoint: str | bool | None, output_dir: str) -> 
     return folder, ckpt.read_manifest(folder)
 
 
+def resumed_data(args: Any, saved: dict[str, Any] | None, folder: Path | None, data: DatasetFingerprint) -> bool:
+    """Whether this ``train()`` trains on the data of the checkpoint it resumes (True without one); ``data``: the
+    fingerprint of its training data.
+
+    Changed data (another number of rows, or any row changed) is logged as a warning: the run continues as a new
+    segment with new keys (:func:`resumed_keys`). ``ignore_data_skip=True`` is warned about, since it has no effect:
+    the batch of step ``t`` is drawn from the sampler key and ``t``, so a resume neither skips nor replays data.
+    """
+    if args.ignore_data_skip:
+        logger.warning(
+            "ignore_data_skip=True has no effect: a DP resume skips no data (the batch of each step is drawn from the "
+            "sampler key and the step number), so it continues the checkpoint's batches as it would with False."
+        )
+    if saved is None:
+        return True
+    before = DatasetFingerprint.from_json(saved["dataset"], f"{folder}/{ckpt.DP_STATE}")
+    if before == data:
+        return True
+    change = (
+        f"{before.size} rows then, {data.size} now"
+        if before.size != data.size
+        else f"the same number of rows, {data.size}, with different content"
+    )
+    logger.warning(
+        "the training data differ from those %s was trained on (%s): the run continues as a new segment with new "
+        "noise and sampler keys, and its ledger composes the new steps (at the sampling rate of the new data) with "
+        "those already taken. The weights still carry what the earlier steps learned from the old data.",
+        folder,
+        change,
+    )
+    return False
+
+
+def resumed_delta(args: Any, saved: dict[str, Any] | None, folder: Path | None, dataset_size: int) -> float | None:
+    """The delta of a resumed run: the checkpoint's, unless ``privacy_target_delta`` is set (None: the plan
+    resolves it from the arguments, as for a new run).
+
+    A run states every epsilon at one delta, so the default ``1/N**1.1`` is not recomputed when a resume trains on
+    another number of records ``N``: the checkpoint's delta is kept (with a warning when the default would differ),
+    and refused with PrivacyBudgetError at or above ``1/N`` of the new data unless ``privacy_allow_large_delta``.
+    """
+    if saved is None or args.privacy_target_delta is not None:
+        return None
+    delta, default = saved["delta"], resolve_delta(args, dataset_size)
+    if delta == default:
+        return delta
+    if delta >= 1 / dataset_size and not args.privacy_allow_large_delta:
+        raise PrivacyBudgetError(
+            f"{folder} states its guarantee at delta={delta:.3g}, which is >= 1/N = {1 / dataset_size:.3g} for the "
+            f"{dataset_size} records this run trains on. Set privacy_target_delta below 1/N (1/N**1.1 = "
+            f"{default:.3g}) to state the epsilon of the whole run at that delta, or privacy_allow_large_delta=True "
+            "to accept it."
+        )
+    logger.warning(
+        "the resumed run keeps the delta of %s, %.3g, rather than 1/N**1.1 = %.3g for the %d records it trains on "
+        "now, so that every epsilon of the run is stated at one delta; set privacy_target_delta to state the whole "
+        "run at another delta.",
+        folder,
+        delta,
+        default,
+        dataset_size,
+    )
+    return delta
+
+
 def resumed_keys(
-    args: Any, saved: dict[str, Any], folder: Path, plan: PrivacyPlan, *, unchanged: bool, fresh: Callable[[], RunKeys]
+    args: Any,
+    saved: dict[str, Any],
+    folder: Path,
+    plan: PrivacyPlan,
+    *,
+    unchanged: bool,
+    same_data: bool,
+    fresh: Callable[[], RunKeys],
 ) -> RunKeys:
-    """The keys of a resumed run: the checkpoint's for an unchanged resume (same arguments, same multiplier), else
-    ``fresh()`` (a new segment), after refusing a resume that :func:`check_same_run` refuses."""
+    """The keys of a resumed run: the checkpoint's for an unchanged resume (same arguments, same multiplier, same
+    data: :func:`resumed_data`), else ``fresh()`` (a new segment), after refusing a resume that
+    :func:`check_same_run` refuses, a horizon run on changed data, and an unchanged resume whose checkpoint does not
+    hold what its configuration released (:func:`check_replay`)."""
     check_same_run(args, saved, plan, folder)
     keys = RunKeys.from_json(saved, f"{folder}/{ckpt.DP_STATE}")  # read even when unused: a damaged file is refused
-    if unchanged and plan.noise_multiplier == saved["noise_multiplier"]:
-        return keys
+    if not same_data:
+        if plan.horizon:
+            raise CheckpointError(
+                f"{folder} belongs to a {args.privacy_noise_mechanism!r} / {args.sampling_mode!r} run, accounted once "
+                "for its whole horizon with noise correlated across its steps, and the training data changed: its "
+                "horizon cannot continue on other data. Resume with the same data, or start a new run."
+            )
+        return fresh()
+    if unchanged:
+        check_replay(saved, plan, saved_ledger(saved, folder), folder)
+        if plan.noise_multiplier == saved["noise_multiplier"]:
+            return keys
     logger.info("the configuration changed since %s: the run continues with new noise and sampler keys", folder)
     return fresh()
+
+
+def check_replay(saved: dict[str, Any], plan: PrivacyPlan, ledger: accounting.Ledger, folder: Path) -> None:
+    """CheckpointError unless a checkpoint resumed with its own arguments and data holds what they release.
+
+    Such a checkpoint was written by this very configuration, so its batch, horizon and delta, its multiplier (when
+    fixed) and the last release of its per-step ledger are what this plan recomputes from the arguments and the
+    data; a difference means that ``dp_state.json`` was edited.
+    """
+    recomputed = {"expected_batch_size": plan.expected_batch_size, "total_steps": plan.total_steps, "delta": plan.delta}
+    if plan.calibration_source == "fixed":
+        recomputed["noise_multiplier"] = plan.noise_multiplier
+    differ = {name: (saved[name], value) for name, value in recomputed.items() if saved[name] != value}
+    last = ledger.entries[-1][0] if ledger.entries else None
+    if not plan.horizon and plan.noise_multiplier == saved["noise_multiplier"] and last != plan.release:
+        differ["ledger (last release)"] = (last, plan.release)
+    if differ:
+        raise CheckpointError(
+            f"{folder}/{ckpt.DP_STATE} does not hold what its own arguments and data release; (saved, recomputed): "
+            f"{differ}. The file was edited after the checkpoint was written. Resume from another checkpoint."
+        )
 
 
 def copy_into(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
@@ -295,6 +412,7 @@ def _manifest(args: Any, global_step: int, run: Run) -> dict[str, Any]:
         "ledger": run.ledger.to_json(),
         "sampler_state": run.sampler_state.to_json(),
         "configuration": ckpt.configuration(args),
+        "dataset": run.dataset.to_json(),
         "calibration_source": plan.calibration_source,
         "delta": plan.delta,
         "world_size": args.world_size,

@@ -37,7 +37,11 @@ def fetch(dataset: Any, indices: Sequence[int], keep: set[str] | None) -> list[d
 
 
 def _tensor(value: Any) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    if isinstance(value, torch.Tensor):
+        return value
+    tensor = torch.as_tensor(value)
+    # an empty list has no dtype of its own (torch reads it as float); empty sequences stand for token ids
+    return tensor.long() if tensor.numel() == 0 and tensor.is_floating_point() else tensor
 
 
 def collate(
@@ -55,7 +59,9 @@ def collate(
     constant across steps, which compiled or graph-captured kernels need.
 
     Examples without an ``attention_mask`` get one (1 on their own tokens, 0 on the padding), so that no record's
-    output, loss or gradient depends on how long the other records of its batch are.
+    output, loss or gradient depends on how long the other records of its batch are. An empty sequence becomes a
+    record of padding only (at least one position, so that a batch of empty records runs), whose mask keeps nothing:
+    its per-example loss and gradient are 0 (:func:`~opake_torch.transformers.loss.attended`).
     """
     if not examples:
         raise ConfigurationError("collate needs at least one example; build empty batches by slicing [:0].")
@@ -68,11 +74,12 @@ def collate(
             continue
         if max_length is not None:
             values = [v[:max_length] for v in values]
-        length = max(v.shape[0] for v in values)
+        length = max(1, *(v.shape[0] for v in values))  # a batch of empty records still runs: one padding position
         if pad_to_multiple_of:
             length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+        dtype = next((v.dtype for v in values if v.numel()), values[0].dtype)  # an empty first value: the others
         padded = torch.full(
-            (len(values), length, *values[0].shape[1:]), _PAD_VALUES.get(name, pad_token_id), dtype=values[0].dtype
+            (len(values), length, *values[0].shape[1:]), _PAD_VALUES.get(name, pad_token_id), dtype=dtype
         )
         for row, value in enumerate(values):
             padded[row, : value.shape[0]] = value

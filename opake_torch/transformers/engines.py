@@ -4,6 +4,8 @@
   ``per_example_gradients`` allows it and the model is served by it, checked once against ``grad`` of the
   per-example loss; otherwise ``vmap(grad)``, with the fused Triton norms and scaled sums on CUDA.
 * How each chunk runs: captured as CUDA graphs (``cuda_graphs``), compiled (``torch_compile``), or as it is.
+* Whichever engine serves the run, :func:`independent` then checks that the records stay independent under it (the
+  neighbour test of :mod:`.coupling`), before any step.
 
 :func:`step_factory` builds the run's core step (``dp_sgd``, or ``dp_ftrl`` for a correlated-noise plan) on that
 engine.
@@ -23,6 +25,7 @@ from opake_core.errors import ConfigurationError
 from opake_core.step import dp_ftrl, dp_sgd
 from opake_torch.layerwise import LayerwiseGradients, unsupported_parameters
 from opake_torch.patches.kernels import FusedGradients
+from opake_torch.transformers import coupling
 from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
 
 __all__ = [
@@ -30,7 +33,9 @@ __all__ = [
     "ROW_MULTIPLE",
     "chunk_transform",
     "engine",
+    "independent",
     "layerwise_engine",
+    "neighbour_rtol",
     "step_factory",
     "verified",
 ]
@@ -99,16 +104,67 @@ def verified(
     falls back to ``vmap(grad)`` (returns None) with a warning and ``'layerwise'`` raises."""
     if layerwise is None:
         return None
-    low = (torch.bfloat16, torch.float16)
-    low_precision = args.bf16 or any(p.dtype in low for p in model.parameters())
     try:
-        layerwise.check(params, loss_fn, _first_positions(batch), rtol=5e-2 if low_precision else 1e-2)
+        layerwise.check(params, loss_fn, _first_positions(batch), rtol=5e-2 if _low_precision(args, model) else 1e-2)
     except Exception as exc:  # a mismatch, or a model the batched pass cannot run: auto falls back
         if args.per_example_gradients == "layerwise":
             raise
         logger.warning("per-example gradients fall back to vmap(grad): %s: %s", type(exc).__name__, exc)
         return None
     return layerwise
+
+
+def _low_precision(args: Any, model: nn.Module) -> bool:
+    return args.bf16 or any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters())
+
+
+def neighbour_rtol(args: Any, model: nn.Module) -> float:
+    """The neighbour test's tolerance: the rounding of two passes of one engine on batches of different shapes
+    (other kernels, other summation orders), relative to a row's gradient."""
+    if _low_precision(args, model):
+        return 5e-2
+    if all(p.dtype == torch.float64 for p in model.parameters()):
+        return 1e-6
+    tf32 = args.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
+    return 1e-2 if tf32 else 1e-3
+
+
+def independent(
+    layerwise: LayerwiseGradients | None,
+    *,
+    args: Any,
+    model: nn.Module,
+    params: dict[str, torch.Tensor],
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    batch_of: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
+    sample: tuple[list[dict[str, Any]], dict[str, Any]] | None,
+    microbatch: int,
+) -> LayerwiseGradients | None:
+    """``layerwise`` after the neighbour test (:func:`.coupling.check_neighbours`) on ``sample`` (from
+    :func:`.coupling.neighbour_rows`; None: too few rows, nothing to test), with the engine the step will use, in its
+    chunks of at most ``microbatch`` rows.
+
+    A failure of the layerwise engine falls back to ``vmap(grad)`` with a warning under ``'auto'`` (returns None
+    once ``vmap`` passes too) and raises under ``'layerwise'``; a failure under ``vmap`` raises: ConfigurationError
+    naming the leaf and the module that moved. Cost: two passes of the engine on at most
+    :data:`~.coupling.ROWS` + 1 rows (see :mod:`.coupling`).
+    """
+    if sample is None:
+        return layerwise
+    common = dict(model=model, params=params, loss_fn=loss_fn, has_aux=has_aux, batch_of=batch_of, rows=sample[0],
+                  extra=sample[1], microbatch=microbatch, rtol=neighbour_rtol(args, model))  # fmt: skip
+    if layerwise is not None:
+        try:
+            coupling.check_neighbours(layerwise, batch_loss=layerwise.batch_loss, engine_name="layerwise", **common)
+            return layerwise
+        except Exception as exc:  # coupled in the batched pass, or a batch it cannot run: auto falls back
+            if args.per_example_gradients == "layerwise":
+                raise
+            logger.warning("per-example gradients fall back to vmap(grad): %s: %s", type(exc).__name__, exc)
+    gradients = engine(args, None, None, microbatch=1).gradients
+    coupling.check_neighbours(gradients, batch_loss=None, engine_name="vmap", **common)
+    return None
 
 
 def chunk_transform(args: Any, keep: Callable[[CudaGraphChunk], None]) -> Callable[[Any], Any] | None:

@@ -10,7 +10,7 @@ sampler key knows which records were in each batch, which removes the amplificat
 * the keys live in the trainer and in the private checkpoint state (``dp_state.json``) only, so that a resume
   continues the same streams bit-exactly; they are never logged, never in ``accountant.json``, a model card or an
   upload, and their ``repr`` shows a fingerprint, not the key;
-* a new segment (a second ``train()`` call, or a resume whose configuration changed) gets new keys
+* a new segment (a second ``train()`` call, or a resume whose configuration or training data changed) gets new keys
   (:func:`next_keys`), so noise already used for one trajectory is never added to another.
 """
 

@@ -4,6 +4,10 @@ The privacy unit is one example, so the loss of one example may depend on that e
 is the mean over *its own* target tokens (padding and ignored labels get weight zero), never a normalization by
 the number of tokens in the whole batch (Hugging Face's ``num_items_in_batch``), which would couple examples.
 
+A record without a position its attention mask keeps (all padding, or an empty ``input_ids``) has loss 0 and gradient
+0, exactly (:func:`attended`): such a record attends to nothing of its own, so whatever a model computes for it (BERT:
+a uniform average over the batch's padded length) would depend on the other records of its batch.
+
 Every function here takes one example without a batch dimension, except :func:`batch_losses`, which returns every
 example's own loss from one batched forward (for ``opake_torch.layerwise``).
 """
@@ -23,6 +27,7 @@ from opake_core.errors import ConfigurationError
 __all__ = [
     "IGNORE_INDEX",
     "FusedHead",
+    "attended",
     "batch_losses",
     "causal_lm_loss",
     "fused_causal_lm_losses",
@@ -203,7 +208,7 @@ def batch_losses(
             kernel=kernel,
         )
 
-    return torch.vmap(one)(logits, batch[label_names[0]])
+    return attended(torch.vmap(one)(logits, batch[label_names[0]]), inputs)
 
 
 @dataclass(frozen=True)
@@ -270,4 +275,18 @@ def fused_causal_lm_losses(
     weight = {**frozen, **params}[head.weight_name]
     labels = batch[label_names[0]][:, 1:]
     nll = opake_fused_linear_cross_entropy(hidden[:, :-1], weight, labels, reduction="none")
-    return _masked_mean(nll, labels != IGNORE_INDEX)
+    return attended(_masked_mean(nll, labels != IGNORE_INDEX), inputs)
+
+
+def attended(losses: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``losses [m]`` with 0, exactly, for every row whose ``attention_mask`` ``[m, T]`` (1 or True: a position the
+    row attends to) keeps no position; unchanged without such a mask (a 4-D mask may be additive, where 0 keeps).
+
+    ``torch.where`` rather than a product: the row's loss is 0 even where its forward is not finite, and its gradient
+    is exactly 0 wherever that forward is finite (the backward hands the row a zero gradient), in both engines, since
+    :func:`per_example_loss` is :func:`batch_losses` on a batch of one.
+    """
+    mask = inputs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != losses.shape[0]:
+        return losses
+    return torch.where(mask.ne(0).any(dim=1), losses, torch.zeros_like(losses))

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
-from opake_core.errors import ConfigurationError
+from opake_core.errors import ConfigurationError, OpakeError
 from opake_torch.patches import apply_compat_patches, check_attention_implementation
 from opake_torch.patches.checkpointing import check_memory_knobs, enable_vmap_checkpointing
 from opake_torch.patches.families import apply_family_patches
 from opake_torch.patches.performance import apply_performance_kernels
 
-__all__ = ["check_inputs", "prepare_model"]
+__all__ = ["check_inputs", "check_outputs", "prepare_model", "probe_outputs"]
 
 
 def check_inputs(model: nn.Module, args: Any, optimizers: tuple[Any, Any], arguments_type: type) -> None:
@@ -43,6 +44,71 @@ def check_inputs(model: nn.Module, args: Any, optimizers: tuple[Any, Any], argum
             f"cuda_graphs={args.cuda_graphs} captures CUDA graphs and needs a CUDA device; this run is on "
             f"{args.device}. Set cuda_graphs=0."
         )
+
+
+def check_outputs(output: Any, *, task: str | None, classes: int | None, positions: int, where: str) -> None:
+    """ConfigurationError when a model's output on one example (a batch of one, ``positions`` tokens; ``where`` names
+    the row) is not what the per-example loss reads: a ``.logits`` tensor of floats, ``[1, num_labels]`` for
+    sequence classification, ``[1, positions, classes]`` for token classification and causal language modelling
+    (``classes``: ``num_labels``, or the output vocabulary; None: unchecked), ``[1, ...]`` for a custom
+    ``compute_loss_func`` (``task`` None)."""
+    logits = getattr(output, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        got = f"an output {type(output).__name__} without .logits" if logits is None else f".logits of {logits!r:.60}"
+        raise ConfigurationError(
+            f"the model returned {got} on {where}; DPTrainer's loss reads output.logits. Return a ModelOutput (or any "
+            "object) with a logits tensor, or override compute_per_example_loss and compute_batch_losses."
+        )
+    shape = tuple(logits.shape)
+    if task == "sequence_classification":
+        expected = (1, classes or None)
+    elif task in ("token_classification", "causal_lm"):
+        expected = (1, positions or None, classes or None)  # positions 0: inputs without input_ids
+    else:
+        expected = (1,) + (None,) * max(len(shape) - 1, 0)
+    fits = len(shape) == len(expected) and all(e is None or e == n for e, n in zip(expected, shape, strict=True))
+    if not logits.is_floating_point() or not fits:
+        want = "x".join("?" if e is None else str(e) for e in expected)
+        raise ConfigurationError(
+            f"the model's logits on {where} are {logits.dtype} of shape {list(shape)}, the {task or 'custom'} loss "
+            f"reads floats of shape [{want}] (batch, {'positions, ' if len(expected) == 3 else ''}classes). Check "
+            "the head (num_labels, vocab_size) and the model class for the task, or pass compute_loss_func."
+        )
+
+
+def probe_outputs(
+    model: nn.Module,
+    forward: Any,
+    batch: dict[str, torch.Tensor],
+    *,
+    label_names: tuple[str, ...],
+    task: str | None,
+    classes: int | None,
+    where: str,
+) -> None:
+    """Run ``forward(**inputs)`` (the model with the trainable parameters filled in) once on ``batch``, one collated
+    row, in eval mode and without gradients, and refuse what the loss could not read (:func:`check_outputs`). A
+    forward that fails is refused with the row (``where``) and its length: a sequence longer than the model's
+    position embeddings, for example, would otherwise fail inside torch at the step that samples it."""
+    inputs = {k: v for k, v in batch.items() if k not in label_names}
+    ids = batch.get("input_ids")
+    positions = int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 0
+    was_training = model.training
+    model.eval()  # no dropout: the probe draws nothing from the global RNG, so training's draws are unchanged
+    try:
+        with torch.no_grad():
+            output = forward(**inputs)
+    except (OpakeError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        raise ConfigurationError(
+            f"the model's forward failed on {where} ({positions} positions; the model's max_position_embeddings: "
+            f"{limit}): {type(exc).__name__}: {exc}. Fix that row (truncate with max_length), or the model."
+        ) from exc
+    finally:
+        model.train(was_training)
+    check_outputs(output, task=task, classes=classes, positions=positions, where=where)
 
 
 def prepare_model(model: nn.Module, args: Any, topology: Any) -> tuple[nn.Module, list[str], list[str]]:

@@ -188,9 +188,11 @@ def build_plan(
     spent: accounting.Ledger | None = None,
     done: int = 0,
     resumed_multiplier: float | None = None,
+    delta: float | None = None,
 ) -> PrivacyPlan:
     """The plan of a run of ``args`` over ``dataset_size`` records (see :func:`opake_core.plan.plan` for ``spent``,
-    ``done`` and ``resumed_multiplier``: what a resumed or repeated run already released)."""
+    ``done`` and ``resumed_multiplier``: what a resumed or repeated run already released); ``delta``: the one a
+    resume keeps (None: :func:`resolve_delta`)."""
     if dataset_size < 1:
         raise ConfigurationError("the training dataset is empty.")
     steps = total_steps(args, dataset_size)
@@ -198,7 +200,7 @@ def build_plan(
     resolved = plan(
         sampler=_sampler(args, dataset_size, steps),
         steps=steps,
-        delta=resolve_delta(args, dataset_size),
+        delta=resolve_delta(args, dataset_size) if delta is None else delta,
         strategy=_strategy_spec(args),
         clipping=clipping_rule(args),
         noise_multiplier=args.privacy_noise_multiplier,

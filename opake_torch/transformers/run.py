@@ -4,6 +4,13 @@ A :class:`Run` holds what the step functions thread through (parameters, optimiz
 secrets of the segment (its keys), what was released (the ledger), and the running sums of the step metrics between
 two log rows. The sums stay on the device and are read only when a row is logged, so a step never waits for the host.
 
+Examples whose gradient is not finite (NaN or inf) add nothing to the clipped sum, but their step still releases its
+noise and is charged. A log row counts them (``nonfinite_examples``, over the run) and warns. When every example of
+the log rows in a row was dropped, :data:`NOISE_ONLY_BATCHES` expected batches of them at least (and
+:data:`NOISE_ONLY_MIN` examples), the run releases noise only: :meth:`Run.drain` marks it (``noise_only``) for the
+trainer to stop. The minimum keeps a run with a few bad records from stopping on a small batch of them (with half the
+records bad, 16 dropped in a row happen by chance with probability ``2^-16``).
+
 Logged values other than the privacy parameters (epsilon, delta, noise multiplier, noise std, clipping bound) are
 exact statistics of the private data and are **outside** the privacy guarantee.
 """
@@ -22,12 +29,18 @@ from transformers.trainer_utils import speed_metrics
 
 from opake_core import accounting
 from opake_core.clipping import AdaptiveClipState
+from opake_core.errors import StateError
 from opake_core.step import DPState, StepMetrics
 from opake_core.tree import PerGroup
 from opake_torch.transformers.keys import RunKeys
 from opake_torch.transformers.privacy import PrivacyPlan
 
-__all__ = ["DPTrainerState", "Run", "ledger_result", "privacy_logs"]
+__all__ = ["NOISE_ONLY_BATCHES", "NOISE_ONLY_MIN", "DPTrainerState", "Run", "ledger_result", "privacy_logs"]
+
+NOISE_ONLY_BATCHES = 2
+"""Expected batches of examples, all with a non-finite gradient and in a row, after which a run stops."""
+NOISE_ONLY_MIN = 16
+"""The fewest examples in a row, all with a non-finite gradient, after which a run stops."""
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +70,22 @@ class Run:
     loss_sum: torch.Tensor
     clip_sum: torch.Tensor
     nonfinite: torch.Tensor
+    dropped: torch.Tensor  # the examples with a non-finite gradient since the last row (int64, on the device)
     noise_std: float | PerGroup = 0.0  # of the last step, from its metrics
     example_metrics: Any = None  # sums of the loss's per-example log values (add(aux), drain(mean)), if it has any
     router_setup: Any = None  # the MoE router release's RouterSetup (router_aux_loss_coef > 0), else None
     router_release: Any = None  # the MoE router release's release_fn (router_aux_loss_coef > 0), else None
     router_state: Any = None  # its RouterState: the filtered, noised load estimate the next step uses
+    dataset: Any = None  # the DatasetFingerprint of the training data (private: saved in dp_state.json only)
     count: int = 0
+    examples: int = 0  # the examples of the steps since the last row (this rank's)
     total_loss: float = 0.0
     total_count: int = 0
     total_nonfinite: int = 0
+    total_dropped: int = 0  # over the run and every rank: examples with a non-finite gradient
+    total_examples: int = 0
+    streak: tuple[int, int] = (0, 0)  # (examples, steps) of the last log rows in a row whose examples were all dropped
+    noise_only: str = ""  # which examples were all dropped, when the last row found noise only (module docstring)
 
     @staticmethod
     def start(
@@ -96,6 +116,7 @@ class Run:
             loss_sum=zero.clone(),
             clip_sum=zero.clone(),
             nonfinite=torch.zeros((), dtype=torch.int64, device=device),
+            dropped=torch.zeros((), dtype=torch.int64, device=device),
             example_metrics=example_metrics,
             router_setup=None if router is None else router[0],
             router_release=None if router is None else router[1],
@@ -124,6 +145,8 @@ class Run:
         finite = torch.isfinite(metrics.loss)
         self.loss_sum += torch.where(finite, metrics.loss, 0.0)
         self.nonfinite += ~finite
+        self.dropped += metrics.nonfinite
+        self.examples += metrics.batch_size
         self.clip_sum += metrics.clip_rate
         self.noise_std = metrics.noise_std
         if self.example_metrics is not None:
@@ -140,21 +163,43 @@ class Run:
             return math.sqrt(sum(v * v for v in configured.values()))
         return float(configured)
 
-    def drain(self, *, learning_rate: float, clipping_norm: float | dict[str, float], mean: Any) -> dict[str, float]:
-        """The log row of the steps since the last one, and the sums reset. ``mean`` averages a value over ranks
-        (the identity in one process)."""
+    def drain(
+        self,
+        *,
+        learning_rate: float,
+        clipping_norm: float | dict[str, float],
+        mean: Any,
+        total: Any = lambda value: value,
+    ) -> dict[str, float]:
+        """The log row of the steps since the last one, and the sums reset. ``mean`` averages a logged value over
+        ranks, ``total`` sums a count over ranks (both the identity in one process; ``total`` is a collective that
+        every rank runs, so that all take the same ``noise_only`` decision)."""
         nonfinite = int(self.nonfinite.item())
         finite = self.count - nonfinite
         loss_sum, clip_sum = mean(self.loss_sum), mean(self.clip_sum)
         loss = (loss_sum / finite).item() if finite else math.nan
-        if nonfinite:
+        dropped, examples = (
+            round(v) for v in total(torch.stack([self.dropped, self.dropped.new_tensor(self.examples)])).tolist()
+        )
+        self.total_dropped += dropped
+        self.total_examples += examples
+        if nonfinite or dropped:
             logger.warning(
-                "%d of the last %d steps had examples with a non-finite loss (NaN or inf). Those examples added "
-                "nothing to the clipped sum, but the steps still released noise and are charged to epsilon. Check "
-                "the learning rate, the data, and bf16 overflow.",
-                nonfinite,
+                "%d of the %d examples of the last %d steps had a non-finite gradient (NaN or inf) and were dropped "
+                "(%d of these steps had a non-finite loss): they added nothing to the clipped sum, but the steps "
+                "still released noise and are charged to epsilon. Check the learning rate, the data, the loss, and "
+                "bf16 overflow.",
+                dropped,
+                examples,
                 self.count,
+                nonfinite,
             )
+        if dropped < examples:
+            self.streak = (0, 0)
+        elif examples:
+            self.streak = (self.streak[0] + examples, self.streak[1] + self.count)
+        if self.streak[0] >= max(NOISE_ONLY_MIN, NOISE_ONLY_BATCHES * self.plan.expected_batch_size):
+            self.noise_only = f"all {self.streak[0]} examples of the last {self.streak[1]} steps"
         self.total_nonfinite += nonfinite
         logs = {
             "loss": loss,
@@ -163,6 +208,7 @@ class Run:
             "privacy_clipping_norm": self.clipping_bound(clipping_norm),
             **_noise_std_logs(self.noise_std),
             "nonfinite_loss_steps": self.total_nonfinite,
+            "nonfinite_examples": self.total_dropped,
             **(self.example_metrics.drain(mean) if self.example_metrics is not None else {}),
             **_router_logs(self.router_state),
             **privacy_logs(self.plan, self.ledger),
@@ -170,10 +216,19 @@ class Run:
         if finite:
             self.total_loss += loss * finite
             self.total_count += finite
-        for total in (self.loss_sum, self.clip_sum, self.nonfinite):
-            total.zero_()
-        self.count = 0
+        for running in (self.loss_sum, self.clip_sum, self.nonfinite, self.dropped):
+            running.zero_()
+        self.count = self.examples = 0
         return logs
+
+    def noise_only_error(self) -> StateError:
+        """The error that stops a run that released noise only (:attr:`noise_only`)."""
+        return StateError(
+            f"{self.noise_only} had a non-finite gradient (NaN or inf) and were dropped: those steps released noise "
+            "only, and each was charged to epsilon. Training stops here, before more budget is spent. Check the loss "
+            "for NaN gradients (a sqrt or log at 0, a division by zero), the learning rate, the data and bf16 "
+            "overflow; the steps already taken stay in the ledger."
+        )
 
     def final_metrics(self, start_time: float, *, steps: int, trained: int, dataset_size: int) -> dict[str, float]:
         """``TrainOutput.metrics`` of a run at step ``steps`` that ran ``trained`` steps since ``start_time``
@@ -181,17 +236,24 @@ class Run:
         those steps, as Hugging Face counts the nominal batch), ``train_samples`` (the rows of the training dataset),
         the loss and the privacy parameters. ``DPTrainer.log`` adds ``epoch``."""
         samples = trained * self.plan.expected_batch_size
+        if trained and not self.total_count:
+            logger.warning(
+                "no step of this run had a finite loss: train_loss is NaN (the steps still released noise and are "
+                "charged to epsilon)."
+            )
         return {
             **speed_metrics("train", start_time, num_samples=samples, num_steps=trained),
             "train_steps": float(steps),
             "train_samples": dataset_size,
-            "train_loss": self.total_loss / max(self.total_count, 1),
+            "train_loss": self.total_loss / self.total_count if self.total_count else math.nan,
             "nonfinite_loss_steps": self.total_nonfinite,
+            "nonfinite_examples": self.total_dropped,
             **privacy_logs(self.plan, self.ledger),
         }
 
     def agreement(self, args: Any, global_step: int) -> dict[str, Any]:
-        """What every DDP rank must hold identically: keys, step counters and the privacy configuration."""
+        """What every DDP rank must hold identically: keys, step counters, the privacy configuration and the training
+        data's fingerprint (the keys and the fingerprint are secrets: a mismatch names them without their values)."""
         plan = self.plan
         return {
             "noise_key": self.keys.noise,
@@ -211,6 +273,7 @@ class Run:
             "optim": args.optim,
             "learning_rate": args.learning_rate,
             "parameters": sorted(self.params),
+            "dataset": None if self.dataset is None else self.dataset.sha256,  # secret: never shown (topology)
         }
 
 

@@ -70,7 +70,7 @@ class DataParallel(SingleProcess):
         return distributed.broadcast_key(key)
 
     def check_agree(self, **fields: Any) -> None:
-        distributed.check_synchronized(**fields)
+        distributed.check_synchronized(secret=frozenset({"dataset"}), **fields)
 
     def check_params(self, params: dict[str, torch.Tensor]) -> None:
         distributed.check_params_synchronized(params)

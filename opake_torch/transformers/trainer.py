@@ -38,17 +38,19 @@ from opake_core import accounting, optim
 from opake_core.errors import ConfigurationError
 from opake_torch.functional import functional_model
 from opake_torch.transformers import checkpoint as ckpt
-from opake_torch.transformers import checkpointing, engines
+from opake_torch.transformers import checkpointing, coupling, engines
 from opake_torch.transformers.arguments import LOG_LEVELS, TrainingArguments, as_training_arguments
 from opake_torch.transformers.compile import CudaGraphChunk, EagerAfterFailedCapture
 from opake_torch.transformers.data import collate, fetch, language_modeling_labels, model_input_names, on_device
+from opake_torch.transformers.dataset_check import check_dataset, dataset_schema
 from opake_torch.transformers.engines import step_factory
 from opake_torch.transformers.evaluation import DataLoaders, prediction_loop
+from opake_torch.transformers.fingerprint import dataset_fingerprint
 from opake_torch.transformers.keys import first_keys, next_keys
 from opake_torch.transformers.loss import batch_losses, fused_causal_lm_losses, fused_head, infer_task, loss_from_logits
 from opake_torch.transformers.microbatch import ShrinkingStep
 from opake_torch.transformers.model_card import write_trainer_card
-from opake_torch.transformers.model_setup import check_inputs, prepare_model
+from opake_torch.transformers.model_setup import check_inputs, prepare_model, probe_outputs
 from opake_torch.transformers.moe import (
     RouterSetup,
     batched_router_loss,
@@ -294,29 +296,38 @@ class DPTrainer(DataLoaders):
         """The plan, the step function and the initial run state of a ``train()`` call.
 
         A resume (``saved``, the checkpoint's ``dp_state.json``) continues the checkpoint's ledger and, when the
-        configuration is unchanged, its keys; otherwise the call continues this trainer's own ledger. A changed
-        configuration, or a second call, starts a new segment with new keys (see :mod:`.keys`).
+        configuration and the training data are unchanged, its keys; otherwise the call continues this trainer's own
+        ledger. A changed configuration or data, or a second call, starts a new segment with new keys (see
+        :mod:`.keys`).
         """
         args = self.args
         if self.train_dataset is None:
             raise ConfigurationError("train() needs a train_dataset.")
+        self._check_data(self.train_dataset, "train_dataset", training=True)  # every row, before any step
+        if self.eval_dataset is not None and (args.eval_strategy != "no" or args.eval_on_start):
+            self._check_data(self.eval_dataset, "eval_dataset", training=False)
         if saved is None and self._trained:
             check_next_segment(args)
         self._check_router_resume(saved, folder)
         ledger = checkpointing.saved_ledger(saved, folder) if saved else self._ledger
         unchanged = saved is not None and saved["configuration"] == ckpt.configuration(args)
+        data = dataset_fingerprint(self.train_dataset, self.dataset_columns)  # one pass: what a resume compares
+        same_data = checkpointing.resumed_data(args, saved, folder, data)
         plan = build_plan(
             args,
             len(self.train_dataset),
             spent=ledger,
             done=saved["global_step"] if saved else 0,
-            resumed_multiplier=saved["noise_multiplier"] if unchanged else None,
+            resumed_multiplier=saved["noise_multiplier"] if unchanged and same_data else None,
+            delta=checkpointing.resumed_delta(args, saved, folder, len(self.train_dataset)),
         )
         fresh = lambda: next_keys(args, released=ledger.releases, share=self.topology.shared_key)  # noqa: E731
         if saved is None:  # this trainer's keys, or new ones for its next segment
             keys = fresh() if self._trained else self._keys
         else:
-            keys = checkpointing.resumed_keys(args, saved, folder, plan, unchanged=unchanged, fresh=fresh)
+            keys = checkpointing.resumed_keys(
+                args, saved, folder, plan, unchanged=unchanged, same_data=same_data, fresh=fresh
+            )
         optimizer = self._optimizer = build_optimizer(args, plan.total_steps)
         if self._layerwise is not None and len(self.train_dataset):  # checked once per train() on two examples
             self._layerwise = self._verified_layerwise()
@@ -324,6 +335,7 @@ class DPTrainer(DataLoaders):
         # default chunk: the expected batch per device, the memory of one non-private step; a larger Poisson draw
         # runs as equal chunks
         microbatch = args.microbatch_size or max(1, math.ceil(plan.expected_batch_size / args.world_size))
+        self._layerwise = self._independent_records(microbatch)  # the neighbour test, before any budget is spent
         router = None
         if self._router is not None:
             router = self._router.release(
@@ -362,8 +374,26 @@ class DPTrainer(DataLoaders):
             example_metrics=self._example_metrics() if self._example_metrics is not None else None,
             router=None if router is None else (self._router, *router),
         )
+        run.dataset = data
         self._keys = keys
         return run, step_fn
+
+    def _check_data(self, dataset: Any, name: str, *, training: bool) -> None:
+        """Refuse a row the loss cannot take (:mod:`.dataset_check`: one pass over every row) and a model output it
+        cannot read (one forward of the longest row); ``training``: labels are required."""
+        own = type(self).compute_per_example_loss is DPTrainer.compute_per_example_loss
+        schema = dataset_schema(
+            self.model, task=self.task, label_names=self.label_names, own_loss=own, require_labels=training
+        )
+        row = check_dataset(dataset, schema, keep=self.dataset_columns, name=name).probe_row
+        if own and row is not None:
+            classes = schema.label_bound if self.task is not None else None
+            forward = functools.partial(self.apply_model, self._params)
+            batch = self._batch(dataset, np.array([row]))
+            where = f"{name} row {row}"
+            probe_outputs(
+                self.model, forward, batch, label_names=self.label_names, task=self.task, classes=classes, where=where
+            )
 
     def _verified_layerwise(self) -> Any:
         """The layerwise engine after its check on the first two training examples (None: ``'auto'`` fell back).
@@ -379,6 +409,29 @@ class DPTrainer(DataLoaders):
             return engines.verified(
                 self._layerwise, args=self.args, model=self.model, params=self._params, loss_fn=loss_fn, batch=batch
             )
+
+    def _independent_records(self, microbatch: int) -> Any:
+        """The engine in use after the neighbour test on a few training rows, in the step's chunks of ``microbatch``
+        rows (:func:`.engines.independent`: adding one record leaves the others' per-example gradients unchanged;
+        None: ``'auto'`` fell back to vmap)."""
+        router, metrics = self._router is not None, self._example_metrics is not None
+        geometry = self._router.geometry if router else None
+
+        def batch_of(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+            batch = self._to_device(self._collate(rows))
+            if geometry is None:
+                return batch
+            return with_load(batch, torch.full((geometry.num_experts,), geometry.uniform, dtype=torch.float64))
+
+        own = self.data_collator is None and type(self).compute_per_example_loss is DPTrainer.compute_per_example_loss
+        read = functools.partial(fetch, self.train_dataset, keep=self.dataset_columns)
+        sample = coupling.neighbour_rows(self.train_dataset, read, empty=own)
+        with router_logits_off(self.model) if router else contextlib.nullcontext():
+            return engines.independent(
+                self._layerwise, args=self.args, model=self.model, params=self._params, batch_of=batch_of,
+                loss_fn=self._loss_fn(with_metrics=metrics, router=router), has_aux=metrics or router, sample=sample,
+                microbatch=microbatch,
+            )  # fmt: skip
 
     def _check_router_resume(self, saved: dict[str, Any] | None, folder: Path | None) -> None:
         """Refuse a resume that switches the router release on or off, or changes its settings."""
@@ -481,18 +534,23 @@ class DPTrainer(DataLoaders):
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if args.push_to_hub and self.is_world_process_zero():
             self.push_to_hub()
-        return TrainOutput(self.state.global_step, run.total_loss / max(run.total_count, 1), metrics)
+        return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
     def _log_steps(self, run: Run) -> None:
         """Log the steps since the last row (under DDP with ``average_tokens_across_devices``: means over ranks)."""
         average = self.args.average_tokens_across_devices
+        ranks = self.args.world_size if self.topology.is_distributed else 1
         self.log(
             run.drain(
                 learning_rate=float(run.schedule(max(self.state.global_step - 1, 0))),
                 clipping_norm=self.args.clipping_norm,
                 mean=self.topology.mean if average else lambda value: value,
+                total=lambda value: self.topology.mean(value) * ranks,
             )
         )
+        if run.noise_only:  # the steps that ran were released and charged: a later train() is a new segment
+            self._plan, self._ledger, self._trained, self._live = run.plan, run.ledger, True, None
+            raise run.noise_only_error()
 
     def _log_save_evaluate(self, run: Run) -> None:
         if self.control.should_log:
@@ -579,6 +637,8 @@ class DPTrainer(DataLoaders):
 
     def _prediction_loop(self, dataset: Any, prefix: str, params: dict[str, torch.Tensor]) -> PredictionOutput:
         custom = type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss
+        if dataset is not None:
+            self._check_data(dataset, f"{prefix} dataset", training=False)
         return prediction_loop(
             self.model,
             dataset,
@@ -624,6 +684,12 @@ class DPTrainer(DataLoaders):
         """The privacy plan (sampler, noise multiplier, steps, release) of the ``train()`` in progress, else of the
         last one; None before the first."""
         return self._live.plan if self._live is not None else self._plan
+
+    @property
+    def privacy_ledger(self) -> accounting.Ledger:
+        """What this trainer's ``train()`` calls released, in order (the reported epsilon is this ledger's): of the
+        ``train()`` in progress, else of the last one; empty before the first."""
+        return self._live.ledger if self._live is not None else self._ledger
 
     @property
     def per_example_gradients_engine(self) -> str:

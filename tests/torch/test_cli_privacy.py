@@ -1,14 +1,19 @@
-"""``opake privacy epsilon|calibrate|steps``: oracle values through ``main``, JSON output, errors, plot."""
+"""``opake privacy epsilon|calibrate|steps`` and ``opake demo``: oracle values through ``main``, JSON output, errors,
+plot, and every flag honoured (the answer equals the core accountant of the sampler it names) or refused."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from pathlib import Path
 
 import dp_accounting
 import pytest
 from dp_accounting import rdp
 
+from opake_core import accounting as acc
+from opake_torch import cli
 from opake_torch.cli import build_parser, main
 
 ORACLE = json.loads(
@@ -21,6 +26,18 @@ def _run(capsys, *argv: str) -> dict:
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1
     return json.loads(out[0])
+
+
+def _refused(capsys, *argv: str) -> str:
+    """The error line of a refused command: exit status 2 (from ``main`` or from ``argparse``), no traceback."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's usage error
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, (code, err)
+    assert "error:" in err and "Traceback" not in err, err
+    return err
 
 
 # Every RDP row (cheap) and one PLD row (plus sigma=1, 1000 steps below); the API tests cover every PLD row.
@@ -116,15 +133,13 @@ def test_nonprivate_epsilon_is_inf(capsys):
     ],
 )
 def test_bad_input_exits_with_a_message(capsys, argv, needle):
-    assert main(["privacy", "epsilon", "--noise-multiplier", "1.0", *argv]) == 2
-    assert needle in capsys.readouterr().err
+    assert needle in _refused(capsys, "privacy", "epsilon", "--noise-multiplier", "1.0", *argv)
 
 
 def test_k_out_of_t_uses_monte_carlo(capsys):
     answer = _run(
         capsys, "privacy", "epsilon", "--noise-multiplier", "1.0", "--steps", "8", "--delta", "1e-2",
-        "--sampler", "k_out_of_t", "--k", "2", "--allocation", "block", "--mc-samples", "20000",
-        "--sample-rate", "0.25", "--json",
+        "--sampler", "k_out_of_t", "--k", "2", "--allocation", "block", "--mc-samples", "20000", "--json",
     )  # fmt: skip
     assert answer["accountant"] == "monte_carlo"
     assert answer["k"] == 2 and answer["allocation"] == "block"
@@ -179,3 +194,197 @@ def test_fixed_size_batches_are_accounted_by_rdp_under_replace_one(capsys):
     assert main(["privacy", "epsilon", "--noise-multiplier", "2", "--sampler", "fixed_size", "--sample-rate", "0.01",
                  "--steps", "3", "--delta", "1e-5"]) != 0  # fmt: skip
     assert "needs --batch-size and --dataset-size" in capsys.readouterr().err
+
+
+# -- every flag honoured or refused ------------------------------------------------------------------------------------
+
+EPS = ["privacy", "epsilon", "--noise-multiplier", "1.0", "--delta", "1e-5", "--json"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "sampler"),
+    [(["--truncated-batch-size", "5"], "truncated_poisson"), (["--k", "2"], "k_out_of_t"),
+     (["--allocation", "block"], "k_out_of_t"), (["--mc-samples", "1000"], "k_out_of_t")],
+)  # fmt: skip
+def test_a_flag_of_another_sampler_is_refused_not_ignored(capsys, flags, sampler):
+    """Before, each of these printed the plain Poisson epsilon as if the flag had been applied."""
+    err = _refused(capsys, *EPS, "--sample-rate", "0.01", "--steps", "100", *flags)
+    assert flags[0] in err and sampler in err
+
+
+def test_truncated_batch_size_gives_the_truncated_poisson_accountant(capsys):
+    argv = [*EPS, "--batch-size", "10", "--dataset-size", "1000", "--steps", "8"]
+    answer = _run(capsys, *argv, "--sampler", "truncated_poisson", "--truncated-batch-size", "12")
+    step = acc.truncated_poisson(acc.gaussian(1.0), 0.01, dataset_size=1000, truncated_batch_size=12)
+    direct = acc.epsilon(acc.repeat(step, 8), delta=1e-5).value  # PLD, the only accountant of truncation
+    poisson = _run(capsys, *argv)["epsilon"]
+    assert answer["epsilon"] == direct and answer["truncated_batch_size"] == 12
+    assert answer["sampler"] == "truncated_poisson" and answer["epsilon"] != poisson
+
+
+@pytest.mark.parametrize(("k", "allocation"), [("2", "block"), ("4", "block"), ("3", "total")])
+def test_k_and_allocation_give_the_k_out_of_t_accountant(capsys, k, allocation):
+    argv = ["privacy", "epsilon", "--noise-multiplier", "1.0", "--steps", "12", "--delta", "1e-2", "--json"]
+    answer = _run(capsys, *argv, "--sampler", "k_out_of_t", "--k", k, "--allocation", allocation, "--mc-samples", "500")
+    process = acc.k_out_of_t(acc.gaussian(1.0), k=int(k), t=12, allocation=allocation)
+    direct = acc.epsilon(process, delta=1e-2, monte_carlo=acc.MonteCarlo(num_samples=500))
+    assert (answer["epsilon"], answer["accountant"]) == (direct.value, direct.accountant)
+    assert (answer["k"], answer["allocation"], answer["mc_samples"]) == (int(k), allocation, 500)
+
+
+def test_k_out_of_t_takes_no_sample_rate(capsys):
+    """k-out-of-t has no rate: each example takes part in exactly k of the t steps. Before, --sample-rate was required,
+    ignored and printed."""
+    argv = [*EPS, "--steps", "8", "--sampler", "k_out_of_t", "--k", "2", "--allocation", "block"]
+    for extra in (["--sample-rate", "0.25"], ["--batch-size", "4", "--dataset-size", "16"]):
+        assert "do not apply to --sampler k_out_of_t" in _refused(capsys, *argv, *extra)
+
+
+def test_mc_samples_zero_is_refused(capsys):
+    """Before, 0 silently meant the default 1,000,000."""
+    argv = [*EPS, "--steps", "8", "--sampler", "k_out_of_t", "--k", "2", "--allocation", "block"]
+    assert "--mc-samples" in _refused(capsys, *argv, "--mc-samples", "0")
+
+
+def _pairs() -> list[tuple[str, str]]:
+    gaussian = [("gaussian", s) for s in ("poisson", "truncated_poisson", "k_out_of_t", "fixed_size")]
+    return gaussian + [(m, s) for m, samplers in acc.COMPATIBLE_SAMPLERS.items() for s in samplers]
+
+
+@pytest.mark.parametrize(("mechanism", "sampler"), _pairs())
+def test_mc_samples_is_read_exactly_where_a_monte_carlo_accountant_runs(capsys, mechanism, sampler):
+    """Accepted only where the core accounts the run by Monte Carlo (its answer says so), refused where it does not."""
+    argv = ["privacy", "epsilon", "--noise-multiplier", "1.0", "--steps", "16", "--delta", "1e-3", "--json",
+            "--mechanism", mechanism, "--sampler", sampler]  # fmt: skip
+    if sampler == "k_out_of_t":
+        argv += ["--k", "2", "--allocation", "block"]
+    elif sampler == "fixed_size":
+        argv += ["--batch-size", "4", "--dataset-size", "64"]
+    else:
+        argv += ["--sample-rate", "0.0625", "--dataset-size", "64"]
+    if sampler == "truncated_poisson":
+        argv += ["--truncated-batch-size", "6"]
+    try:
+        code = main([*argv, "--mc-samples", "300"])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    if code == 0:
+        answer = json.loads(out)
+        assert answer["mc_samples"] == 300 and answer["accountant"] in ("monte_carlo", "analytic_gaussian"), answer
+    else:
+        assert code == 2 and "--mc-samples applies to the Monte Carlo accountant" in err
+        assert _run(capsys, *argv)["accountant"] in ("pld", "rdp")  # the core's choice: no Monte Carlo part
+
+
+def test_mc_samples_sets_the_monte_carlo_count(capsys):
+    argv = ["privacy", "epsilon", "--noise-multiplier", "0.8", "--steps", "8", "--delta", "1e-2", "--json",
+            "--sampler", "k_out_of_t", "--k", "2", "--allocation", "total"]  # fmt: skip
+    process = acc.k_out_of_t(acc.gaussian(0.8), k=2, t=8, allocation="total")
+    for samples in (200, 5000):
+        answer = _run(capsys, *argv, "--mc-samples", str(samples))
+        direct = acc.epsilon(process, delta=1e-2, monte_carlo=acc.MonteCarlo(num_samples=samples)).value
+        assert answer["epsilon"] == direct and answer["mc_samples"] == samples
+
+
+def test_a_monte_carlo_run_beyond_the_draw_budget_is_refused_at_once(capsys):
+    """N = 10**7 gives delta = 2e-8 and a default of 4.7e9 samples: before, numpy failed to allocate 35 GiB."""
+    err = _refused(capsys, "privacy", "epsilon", "--noise-multiplier", "1", "--steps", "100", "--sample-rate", "0.01",
+                   "--mechanism", "mf_blt", "--dataset-size", str(10**7))  # fmt: skip
+    assert "Monte Carlo accountant would draw" in err
+
+
+def test_allow_large_delta_needs_an_explicit_delta(capsys):
+    err = _refused(capsys, "privacy", "epsilon", "--noise-multiplier", "1", "--batch-size", "8", "--dataset-size",
+                   "64", "--steps", "10", "--allow-large-delta")  # fmt: skip
+    assert "--allow-large-delta applies to an explicit --delta" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["epsilon", "--noise-multiplier", "1e308", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"],
+        ["epsilon", "--noise-multiplier", "1e-300", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"],
+        # dp-accounting's RDP answered epsilon = 0 here: a non-private run reported as perfectly private
+        ["epsilon", "--noise-multiplier", "1e-160", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5",
+         "--accountant", "rdp"],
+        ["epsilon", "--noise-multiplier", "nan", "--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5"],
+        ["calibrate", "--target-epsilon", "3", "--max", "1e308", "--sample-rate", "0.01", "--steps", "100",
+         "--delta", "1e-5"],
+        ["calibrate", "--target-epsilon", "3", "--tolerance", "1e-300", "--sample-rate", "0.01", "--steps", "100",
+         "--delta", "1e-5"],
+        ["steps", "--noise-multiplier", "1e308", "--target-epsilon", "3", "--sample-rate", "0.01", "--delta", "1e-5"],
+        ["steps", "--noise-multiplier", "1", "--target-epsilon", "inf", "--sample-rate", "0.01", "--delta", "1e-5"],
+    ],
+)  # fmt: skip
+def test_extreme_numbers_are_usage_errors(capsys, argv):
+    flag = next(a for a, v in itertools.pairwise(argv) if v in ("1e308", "1e-300", "1e-160", "nan", "inf"))
+    assert f"argument {flag}" in _refused(capsys, "privacy", *argv)
+
+
+def test_a_noise_multiplier_at_the_limits_answers(capsys):
+    argv = ["--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5", "--accountant", "rdp"]
+    for sigma in ("1e-6", "1e6"):
+        answer = _run(capsys, "privacy", "epsilon", "--noise-multiplier", sigma, *argv, "--json")
+        direct = rdp.RdpAccountant()
+        direct.compose(dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(float(sigma))), 100)
+        assert answer["epsilon"] == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_an_unwritable_plot_is_refused_before_any_accounting(capsys, tmp_path):
+    argv = [
+        "privacy",
+        "epsilon",
+        "--noise-multiplier",
+        "1",
+        "--sample-rate",
+        "0.01",
+        "--steps",
+        "100",
+        "--delta",
+        "1e-5",
+    ]
+    assert "argument --plot" in _refused(capsys, *argv, "--plot", str(tmp_path / "missing" / "eps.png"))
+    assert "is a folder" in _refused(capsys, *argv, "--plot", str(tmp_path))
+
+
+def test_a_write_that_fails_late_exits_1_without_a_traceback(capsys, monkeypatch, tmp_path):
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(cli, "_plot", denied)
+    argv = ["privacy", "epsilon", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "100", "--delta",
+            "1e-5", "--accountant", "rdp", "--plot", str(tmp_path / "eps.png")]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("opake: error:") and "Permission denied" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("epochs", ["nan", "inf", "-inf", "0", "-1", "1e9"])
+def test_demo_refuses_bad_epochs_before_creating_anything(capsys, tmp_path, epochs):
+    out = tmp_path / "demo"
+    assert "argument --epochs" in _refused(capsys, "demo", "--epochs", epochs, "--output-dir", str(out))
+    assert not out.exists()
+
+
+def test_demo_refuses_an_unwritable_output_dir(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert "argument --output-dir" in _refused(capsys, "demo", "--output-dir", str(blocker / "demo"))
+    assert "argument --target-epsilon" in _refused(capsys, "demo", "--target-epsilon", "nan")
+
+
+def test_demo_passes_its_flags_to_the_run(capsys, monkeypatch, tmp_path):
+    from opake_torch import demo
+
+    seen = {}
+
+    def fake_run(config, output_dir):
+        seen.update(config=config, output_dir=output_dir)
+        private = {"final_epsilon": 1.0, "delta": 1e-3, "exposures": [1.0]}
+        return {"private": private, "non_private": {**private, "final_epsilon": math.inf}}
+
+    monkeypatch.setattr(demo, "run", fake_run)
+    assert main(["demo", "--epochs", "2.5", "--target-epsilon", "5", "--output-dir", str(tmp_path / "d")]) == 0
+    assert (seen["config"].epochs, seen["config"].target_epsilon) == (2.5, 5.0)
+    assert seen["output_dir"] == tmp_path / "d"

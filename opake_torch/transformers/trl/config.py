@@ -32,13 +32,13 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-import math
 import os
 import warnings
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from opake_core.errors import ConfigurationError
+from opake_torch.limits import MAX_COUNT, MAX_SCALE
 from opake_torch.transformers import _command_line as cli
 from opake_torch.transformers import _from_hf as hf
 from opake_torch.transformers import _parsing as p
@@ -127,8 +127,8 @@ class TRLName:
     def allows(self, value: Any) -> bool:
         return _same(value, self.default) or any(_same(value, other) for other in self.accepted)
 
-    def refusal(self, name: str, value: Any) -> str:
-        return f"{name}={p.plain(value)!r} {{verb}}: {self.why}. Instead, {self.instead}."
+    def refusal(self, name: str, value: Any, verb: str) -> str:
+        return f"{name}={p.plain(value)!r} {verb}: {self.why}. Instead, {self.instead}."
 
 
 def _field() -> TRLName:
@@ -263,13 +263,14 @@ def _translate(cls: type, kwargs: dict[str, Any], names: dict[str, TRLName]) -> 
     """``kwargs`` with the TRL names resolved: aliases renamed, inert names dropped (warning when set), refused
     names checked and dropped, TRL's ``"auto"`` / ``None`` spellings of shared fields made concrete."""
     out = dict(kwargs)
+    fields = {f.name for f in dataclasses.fields(cls)}
     for name, value in kwargs.items():
         rule = names.get(name)
         if rule is None:
             _check_known(cls, name, names)
             continue
-        if rule.kind == "field":
-            continue
+        if rule.kind == "field" or (rule.kind == "refused" and rule.allows(value) and name in fields):
+            continue  # a field keeps its value, for its own checks (packing="" is no bool)
         del out[name]
         if rule.kind == "alias":
             if rule.target in kwargs and not _same(kwargs[rule.target], value) and value is not None:
@@ -287,7 +288,7 @@ def _translate(cls: type, kwargs: dict[str, Any], names: dict[str, TRLName]) -> 
                     stacklevel=4,
                 )
         elif not rule.allows(value):
-            raise ConfigurationError(rule.refusal(name, value).format(verb="is refused"))
+            raise ConfigurationError(rule.refusal(name, value, "is refused"))
     if p.plain(out.get("pad_to_multiple_of")) == "auto":
         out["pad_to_multiple_of"] = None  # TRL: pad to a multiple of 128 on Neuron only
     if "bf16" in out and out["bf16"] is None:
@@ -354,6 +355,10 @@ class SFTConfig(TrainingArguments):
     padding_free: bool = field(default=False, metadata=_carrier(SFT_NAMES, "packing", "padding_free"))
 
     _trl_names = SFT_NAMES
+    _limits: ClassVar[dict[str, p.Limit]] = {
+        **TrainingArguments._limits,
+        "loss_chunk_size": p.Limit(True, 1, MAX_COUNT, "positions per chunk"),
+    }
 
     @classmethod
     def _translate_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -365,17 +370,10 @@ class SFTConfig(TrainingArguments):
         _refuse_packing("packing", self.packing)
         _refuse_packing("padding_free", self.padding_free)
         self.loss_type = p.as_choice(self.loss_type, "loss_type", SFT_LOSS_TYPES)
-        self.loss_chunk_size = p.as_positive_int(self.loss_chunk_size, "loss_chunk_size")
         if not isinstance(self.dataset_text_field, str) or not self.dataset_text_field:
             raise ConfigurationError(
                 f"dataset_text_field must be a column name, got {self.dataset_text_field!r}; e.g. 'text'."
             )
-        if self.completion_only_loss not in (None, True, False):
-            raise ConfigurationError(
-                f"completion_only_loss must be True, False or None (auto), got {self.completion_only_loss!r}."
-            )
-        if self.assistant_only_loss not in (True, False):
-            raise ConfigurationError(f"assistant_only_loss must be a bool, got {self.assistant_only_loss!r}.")
         if self.label_smoothing_factor and self.loss_type != "nll":
             raise ConfigurationError(
                 f"label_smoothing_factor={self.label_smoothing_factor!r} is supported with loss_type='nll' only "
@@ -460,6 +458,13 @@ class DPOConfig(TrainingArguments):
     padding_free: bool = field(default=False, metadata=_carrier(DPO_NAMES, "padding_free"))
 
     _trl_names = DPO_NAMES
+    _limits: ClassVar[dict[str, p.Limit]] = {
+        **TrainingArguments._limits,
+        "beta": p.Limit(False, 0, MAX_SCALE, "the DPO temperature; TRL's default is 0.1", open_low=True),
+        "discopop_tau": p.Limit(False, 0, MAX_SCALE, "TRL's default is 0.05", open_low=True),
+        "label_smoothing": p.Limit(False, 0, 1, "a probability; see loss_type for the range each loss reads"),
+        "precompute_ref_batch_size": p.Limit(True, 1, MAX_COUNT, "a batch size"),
+    }
 
     @classmethod
     def _translate_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -469,26 +474,14 @@ class DPOConfig(TrainingArguments):
     def __post_init__(self) -> None:
         super().__post_init__()
         _refuse_packing("padding_free", self.padding_free)
-        self.loss_type = _dpo_loss_type(self.loss_type)
-        beta = p.as_number(self.beta, "beta")
-        if not 0 < beta < float("inf"):
-            raise ConfigurationError(f"beta must be a positive finite number, got {self.beta!r}; TRL's default is 0.1.")
-        self.beta = float(beta)
+        self.loss_type = _dpo_loss_type(self.loss_type)  # types and ranges of the fields: _check_types
+        self.beta = float(self.beta)
         self._resolve_label_smoothing()
-        tau = p.as_number(self.discopop_tau, "discopop_tau")
-        if not 0 < tau < math.inf:
-            raise ConfigurationError(f"discopop_tau must be a positive finite number, got {self.discopop_tau!r}.")
-        self.discopop_tau = float(tau)
-        self.precompute_ref_batch_size = p.as_optional_positive_int(
-            self.precompute_ref_batch_size, "precompute_ref_batch_size"
-        )
-        for name in ("precompute_ref_log_probs", "disable_dropout"):
-            if getattr(self, name) not in (True, False):
-                raise ConfigurationError(f"{name} must be a bool, got {getattr(self, name)!r}.")
+        self.discopop_tau = float(self.discopop_tau)
         self.chat_template = _resolve_chat_template(self.chat_template)
 
     def _resolve_label_smoothing(self) -> None:
-        smoothing = float(p.as_number(self.label_smoothing, "label_smoothing"))
+        smoothing = float(self.label_smoothing)
         loss = self.loss_type
         if loss == "robust" and not 0 <= smoothing < 0.5:
             raise ConfigurationError(
@@ -548,7 +541,7 @@ def _from_trl(
 
     for name, rule in names.items():
         if rule.kind == "refused" and name in own and not rule.allows(own[name][0]):
-            raise ConfigurationError(rule.refusal(name, own[name][0]).format(verb="cannot be converted"))
+            raise ConfigurationError(rule.refusal(name, own[name][0], "cannot be converted"))
 
     out: dict[str, Any] = {}
     for name, rule in names.items():

@@ -74,3 +74,17 @@ def test_epsilons_in_the_millions_are_answered_by_rdp_and_long_runs_are_refused_
     with pytest.raises(ConfigurationError, match="accountant='rdp'"):
         acc.epsilon(acc.repeat(_step(1.0), 2 * 10**6), delta=1e-5)
     assert acc.epsilon(acc.repeat(_step(1.0), 2 * 10**6), delta=1e-5, accountant="rdp").accountant == "rdp"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # dp-accounting's own overflow on the tiny multiplier
+def test_a_vanishing_noise_multiplier_is_refused_not_read_as_epsilon_zero():
+    # dp-accounting's RDP accountant itself answers epsilon 0 for this Gaussian (its variance underflows)
+    rdp = dp_accounting.rdp.RdpAccountant()
+    rdp.compose(dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1e-160)), 100)
+    assert rdp.get_epsilon(1e-5) == 0.0
+    for tiny in (1e-160, 1e-7):
+        with pytest.raises(ConfigurationError, match="non-private"):
+            acc.gaussian(tiny)
+    with pytest.raises(ConfigurationError, match="1e\\+06"):
+        acc.gaussian(1e7)
+    assert acc.epsilon(acc.repeat(acc.poisson(acc.gaussian(1e-6), 0.01), 100), delta=1e-5).value > 1e10

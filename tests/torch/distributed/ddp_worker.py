@@ -77,11 +77,12 @@ def run_core(kind: str, empty_rank: int | None) -> dict:
 
 def run_mismatch() -> dict:
     rank = dist.get_rank()
+    key = random.key(rank)
     try:
-        distributed.check_synchronized(noise_key=random.key(rank), step=3)
+        distributed.check_synchronized(noise_key=key, step=3)
     except ConfigurationError as error:
-        return {"error": str(error)}
-    return {"error": None}
+        return {"error": str(error), "key_hex": key.hex}
+    return {"error": None, "key_hex": key.hex}
 
 
 def _trainer_args(out: Path, kind: str, save_steps: int):

@@ -63,6 +63,7 @@ def test_check_synchronized_refuses_different_keys(tmp_path):
     ranks = launch("mismatch", tmp_path, timeout=90)
     for rank in ranks:
         assert rank["error"] is not None and "noise_key" in rank["error"] and "step" not in rank["error"].split("[")[1]
+        assert "<secret>" in rank["error"] and rank["key_hex"] not in rank["error"]  # the key is never shown
 
 
 def test_reduce_must_keep_the_sensitivity():

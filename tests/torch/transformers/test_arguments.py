@@ -7,12 +7,14 @@ import json
 import math
 import subprocess
 import sys
+import typing
 
 import pytest
 import torch
 
-from opake_core.errors import ConfigurationError, InputTypeError, PrivacyBudgetError
+from opake_core.errors import ConfigurationError, InputTypeError, OpakeError, PrivacyBudgetError
 from opake_torch.transformers import TrainingArguments
+from opake_torch.transformers.trl import DPOConfig, SFTConfig
 
 DP = {"privacy_target_epsilon": 8.0}
 FIXED = {"privacy_noise_multiplier": 1.0}
@@ -152,7 +154,7 @@ REFUSED = [
     ({**FIXED, **DP, "privacy_noise_mechanism": "mf_band"}, PrivacyBudgetError, "whole-horizon"),
     ({**FIXED, **DP, "sampling_mode": "k_out_of_t", "sampling_kwargs": {"k": 1, "allocation": "block"}},
      PrivacyBudgetError, "whole-horizon"),
-    ({"privacy_accounting": "yes"}, ConfigurationError, "True, False or None"),
+    ({"privacy_accounting": "yes"}, ConfigurationError, "True or False or None"),
     ({**DP, "privacy_accounting": False}, ConfigurationError, "needs the accountant"),
     ({**FIXED, "privacy_noise_mechanism": "mf_blt", "privacy_accounting": False}, ConfigurationError,
      "horizon snapshot"),
@@ -190,7 +192,6 @@ REFUSED = [
     ({"sampling_mode": "k_out_of_t", "sampling_kwargs": {"truncated_batch_size": 4}}, ConfigurationError,
      "only supported with sampling_mode='poisson'"),
     ({"sampling_mode": "sequential", **FIXED}, ConfigurationError, "no privacy amplification"),
-    ({"privacy_noise_mechanism": "mf_blt", "ignore_data_skip": True}, ConfigurationError, "saved cursor"),
     ({"noise_calibration_kwargs": {"min": 2.0, "max": 1.0}}, ConfigurationError, "min < max"),
     ({"noise_calibration_kwargs": {"tolerance": 0}}, ConfigurationError, "tolerance > 0"),
     ({"noise_calibration_kwargs": {"step": 1}}, ConfigurationError, "unsupported keys"),
@@ -199,7 +200,7 @@ REFUSED = [
     ({"microbatch_size": 16}, ConfigurationError, r"in \[1, per_device_train_batch_size=8\]"),
     ({"microbatch_size": 0}, ConfigurationError, "microbatch_size"),
     ({"per_device_train_batch_size": 0}, ConfigurationError, "per_device_train_batch_size"),
-    ({"warmup_steps": True}, ConfigurationError, "not a bool"),
+    ({"warmup_steps": True}, ConfigurationError, "a bool, not a number"),
     ({"warmup_steps": -1}, ConfigurationError, "warmup_steps"),
     ({"warmup_steps": 1.5}, ConfigurationError, "integer if bigger than 1"),
     ({"logging_steps": 2.5}, ConfigurationError, "logging_steps must be an integer if bigger than 1"),
@@ -212,8 +213,8 @@ REFUSED = [
     ({"optim": "schedule_free_sgd"}, ConfigurationError, "optim must be one of"),
     ({"lr_scheduler": "polynomial"}, ConfigurationError, "lr_scheduler must be one of"),
     ({"lr_scheduler_kwargs": {"num_cycles": 2}}, ConfigurationError, "unsupported keys"),
-    ({"cuda_graphs": True}, ConfigurationError, "int >= 0"),
-    ({"cuda_graphs": -1}, ConfigurationError, "int >= 0"),
+    ({"cuda_graphs": True}, ConfigurationError, r"cuda_graphs must be in \[0"),
+    ({"cuda_graphs": -1}, ConfigurationError, r"cuda_graphs must be in \[0"),
     ({"cuda_graphs": 4, "torch_compile": True}, ConfigurationError, "mutually exclusive"),
     ({"cuda_graphs": 4, "auto_find_microbatch_size": True}, ConfigurationError, "probed size"),
     ({"torch_compile": True, "auto_find_microbatch_size": True}, ConfigurationError, "128711"),
@@ -233,6 +234,27 @@ REFUSED = [
     ({"ddp_backend": "xla"}, ConfigurationError, "ddp_backend must be one of"),
     ({"report_to": 3}, InputTypeError, "report_to"),
     ({"max_length": 0}, ConfigurationError, "max_length"),
+    # the values that passed and failed later, at step 1 or in torch (issue 32)
+    ({"save_only_model": "False"}, ConfigurationError, "save_only_model must be True or False, got str 'False'"),
+    ({"bf16": "yes"}, ConfigurationError, "bf16 must be True or False, got str 'yes'"),
+    ({"push_to_hub": "yes"}, ConfigurationError, "push_to_hub must be True or False"),
+    ({"torch_compile": "yes"}, ConfigurationError, "torch_compile must be True or False"),
+    ({"clipping_norm": 1e300}, ConfigurationError, r"clipping_norm must be in \[1e-12, 1e\+06\]"),
+    ({"privacy_noise_multiplier": 1e300}, PrivacyBudgetError, r"privacy_noise_multiplier must be in \[1e-06, 1e\+06\]"),
+    ({"privacy_noise_multiplier": 1e-160}, PrivacyBudgetError, "or 0.0 for a non-private run"),
+    ({"weight_decay": 1e300}, ConfigurationError, r"weight_decay must be in \[0, 1e\+06\]"),
+    ({"pad_to_multiple_of": 10**29}, ConfigurationError, r"pad_to_multiple_of must be in \[1, 2\*\*31 - 1\]"),
+    ({"label_names": 7}, ConfigurationError, "label_names must be a list of column names"),
+    ({"label_names": "labels"}, ConfigurationError, "label_names must be a list of column names"),
+    ({"seed": -1}, ConfigurationError, r"seed must be in \[0, 2\*\*32 - 1\]"),
+    ({"learning_rate": 20.0, "weight_decay": 0.1}, ConfigurationError, "learning_rate \\* weight_decay must be <= 1"),
+    ({"learning_rate": 0.01, "weight_decay": 0.1, "lr_scheduler_kwargs": {"end_value": 20.0}}, ConfigurationError,
+     r"got 20.0 \* 0.1"),
+    ({"optim_args": {"weight_decay": 1e3}, "learning_rate": 0.01}, ConfigurationError,
+     "learning_rate \\* weight_decay"),
+    ({"noise_calibration_kwargs": {"max": 1e300}}, ConfigurationError, r"noise_calibration_kwargs\['max'\]"),
+    ({"noise_calibration_kwargs": {"tolerance": 1e-300}}, ConfigurationError, "rounding of epsilon"),
+    ({"sampling_kwargs": {"truncated_batch_size": 2**40}}, ConfigurationError, "2\\*\\*31 - 1"),
 ]  # fmt: skip
 
 
@@ -315,3 +337,79 @@ def test_secrets_are_masked_and_hidden_from_repr():
     args = make(hub_token="hf_secret", privacy_noise_seed=987654321)
     assert args.to_dict()["hub_token"] == args.to_dict()["privacy_noise_seed"] == "<SECRET>"
     assert "hf_secret" not in repr(args) and "987654321" not in repr(args) and "987654321" not in str(args)
+
+
+# -- types and ranges, checked at construction for every field -----------------------------------------------------
+
+
+def _annotated(cls: type, kinds: set[type]) -> dict[str, bool]:
+    """``{name: None allowed}`` of the fields annotated with one of ``kinds`` (alone or with None)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        args = set(typing.get_args(hints[f.name])) or {hints[f.name]}
+        optional = type(None) in args
+        args.discard(type(None))
+        if len(args) == 1 and args <= kinds:
+            out[f.name] = optional
+    return out
+
+
+@pytest.mark.parametrize("cls", [TrainingArguments, SFTConfig, DPOConfig], ids=lambda c: c.__name__)
+def test_every_bool_field_takes_a_bool_only(cls):
+    flags = _annotated(cls, {bool})
+    assert len(flags) >= 33  # a new bool field is covered without being listed
+    for name in flags:
+        for bad in ("False", "yes", "", 0, 1, 1.0, [True]):
+            with pytest.raises(ConfigurationError) as refused:
+                cls(**FIXED, **{name: bad})
+            assert f"{name}=" in str(refused.value) or f"{name} must be True or False" in str(refused.value)
+            assert repr(bad) in str(refused.value)
+        assert getattr(cls(**FIXED, **{name: False}), name) is False
+
+
+# Accepted on purpose: documented sentinels, and the noise seed, which is hashed (any int).
+SENTINELS = {("max_steps", -1), ("local_rank", -1), ("privacy_noise_seed", 2**70), ("privacy_noise_seed", -1)}
+
+
+@pytest.mark.parametrize("cls", [TrainingArguments, SFTConfig, DPOConfig], ids=lambda c: c.__name__)
+def test_numeric_fields_refuse_values_that_would_overflow(cls):
+    """Every numeric field (found from the annotations) with 1e300, 2**70, NaN, inf and -1: a clear error naming the
+    field, unless the value is a documented sentinel."""
+    numeric = [*_annotated(cls, {int, float}), "clipping_norm"]
+    assert len(numeric) >= 30
+    for name in numeric:
+        for value in (1e300, 2**70, math.nan, math.inf, -1):
+            try:
+                args = cls(**{**FIXED, name: value})
+            except OpakeError as exc:
+                assert name in str(exc), (name, value, str(exc))
+                continue
+            assert (name, value) in SENTINELS, (name, value, getattr(args, name))
+
+
+def test_a_secret_seed_stays_out_of_the_message():
+    with pytest.raises(ConfigurationError) as refused:
+        make(privacy_noise_seed="987654321")
+    assert "987654321" not in str(refused.value) and "got str" in str(refused.value)
+
+
+def test_the_largest_accepted_scales_run_a_step_without_overflow(tmp_path):
+    """clipping_norm, privacy_noise_multiplier and learning_rate at their limit (1e6 each), plain SGD: one step's
+    noise (about 1e12 / 8 per coordinate) times the learning rate stays finite in float32."""
+    from tiny_hf import tiny_model, token_data
+
+    from opake_torch.transformers import DPTrainer
+
+    args = TrainingArguments(
+        str(tmp_path), clipping_norm=1e6, privacy_noise_multiplier=1e6, learning_rate=1e6, optim="sgd", max_steps=1,
+        per_device_train_batch_size=8, use_cpu=True, save_strategy="no", report_to="none", disable_tqdm=True,
+        privacy_noise_seed=0, lr_scheduler="constant",
+    )  # fmt: skip
+    model = tiny_model("llama")
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    trainer = DPTrainer(model, args, train_dataset=token_data(32))
+    trainer.train()
+    moved = [(v.detach() - before[k]).abs().max() for k, v in trainer.model.named_parameters()]
+    assert all(torch.isfinite(v).all() for v in trainer.model.parameters())
+    assert max(moved) > 1e9  # the noise did reach the weights, at its scale

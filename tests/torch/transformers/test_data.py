@@ -11,8 +11,8 @@ PADS = {"input_ids": 7, "attention_mask": 0, "labels": -100, "token_type_ids": 0
 
 
 def _reference(examples, *, pad_token_id, max_length, pad_to_multiple_of):
-    """Each column padded position by position: sequences cut to ``max_length``, right-padded to the longest (rounded
-    up to the multiple); a generated mask where the examples have none."""
+    """Each column padded position by position: sequences cut to ``max_length``, right-padded to the longest (at least
+    one position, rounded up to the multiple); a generated mask where the examples have none."""
     out = {}
     for key in examples[0]:
         name = "labels" if key == "label" else key
@@ -21,7 +21,7 @@ def _reference(examples, *, pad_token_id, max_length, pad_to_multiple_of):
             out[name] = torch.tensor([int(v) for v in values])
             continue
         values = [v if max_length is None else v[:max_length] for v in values]
-        length = max(len(v) for v in values)
+        length = max(1, max(len(v) for v in values))  # empty records: one padding position
         if pad_to_multiple_of:
             length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
         pad = pad_token_id if name == "input_ids" else PADS.get(name, pad_token_id)

@@ -241,16 +241,17 @@ def test_a_target_that_one_step_exceeds_is_refused_before_training(tmp_path):
 
 
 def test_non_finite_losses_are_warned_and_counted(tmp_path, caplog):
-    def loss(logits, labels):  # NaN for examples whose first label token is even
+    def loss(logits, labels):  # NaN (loss and gradient) for examples whose first label token is even
         base = torch.nn.functional.cross_entropy(logits[:-1], labels[1:])
-        return torch.where(labels[0] % 2 == 0, base * math.nan, base)
+        # a factor, not torch.where(odd, base, base * nan), whose backward is NaN for every example (0 * nan)
+        return base * torch.where(labels[0] % 2 == 0, math.nan, 1.0)
 
     args = _args(tmp_path, save_strategy="no", logging_steps=1)
     data = [{**row, "labels": row["input_ids"]} for row in DATA]
     trainer = DPTrainer(tiny_model("llama"), args, train_dataset=data, compute_loss_func=loss)
     with caplog.at_level(logging.WARNING):
         output = trainer.train()
-    assert output.metrics["nonfinite_loss_steps"] > 0
+    assert output.metrics["nonfinite_loss_steps"] > 0 and output.metrics["nonfinite_examples"] > 0
     assert "non-finite loss" in caplog.text
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
@@ -381,8 +382,13 @@ def test_a_damaged_state_file_raises_checkpoint_error(checkpoint, tmp_path, name
     ],
 )
 def test_an_edited_checkpoint_raises_checkpoint_error(checkpoint, tmp_path, name, changes, needle):
+    """An edit of dp_state.json breaks its own checksum; resealed (as by someone who recomputes the plain checksum),
+    it meets the check behind it. The format is read first."""
     folder = _copy(checkpoint, tmp_path)
     _edit_json(folder / name, **changes)
+    if name == ckpt.DP_STATE and "format" not in changes:
+        assert f"{ckpt.DP_STATE} does not match its own checksum" in _resume(folder, tmp_path)
+        (folder / name).write_text(json.dumps(ckpt.seal(json.loads((folder / name).read_text()))))
     assert needle in _resume(folder, tmp_path)
 
 
