@@ -381,6 +381,7 @@ class _Gradients:
     ghost: dict[str, tuple[_Call, torch.Tensor]] = field(default_factory=dict)  # name -> (call, squared norms)
     groups: list[_Group] = field(default_factory=list)
     group_of: dict[str, _Group] = field(default_factory=dict)
+    product_error: float = 0.0  # of the float32 ghost sums, at the run's matmul precision (:func:`product_error`)
 
     def group(self, names: Sequence[str]) -> None:
         """The (dtype, size) groups of the instantiated gradients of ``names``."""
@@ -424,7 +425,7 @@ class _Gradients:
             torch._foreach_add_([sums[k].view(-1) for k in leaves], list(scaled.sum(dim=1).unbind(0)))
         rows_of: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
         inputs = _ScaledInputs(self.m)
-        with _ieee_float32_matmuls():
+        with _float32_matmuls(self.device, highest=not self.product_error):  # the precision the norms assumed
             for name, (call, _) in self.ghost.items():
                 if call.grad is None:  # the loss does not depend on this layer's output: a zero gradient
                     continue
@@ -438,22 +439,60 @@ class _Gradients:
                 _add_ghost(call, *rows_of[key], total, inputs)
 
 
+def _matmul_backend(device: torch.device) -> Any:
+    """The settings object of ``device``'s float32 matmuls (``torch.backends.<backend>.matmul``)."""
+    return torch.backends.cuda.matmul if device.type == "cuda" else torch.backends.mkldnn.matmul
+
+
+def matmul_precision(device: torch.device) -> str:
+    """The precision of ``device``'s float32 matmuls: ``"ieee"``, ``"tf32"`` or ``"bf16"``. Read through the
+    per-backend setting, which answers whichever of PyTorch's two APIs set it (``torch.backends.fp32_precision``, as
+    ``transformers`` does, or ``allow_tf32`` / ``set_float32_matmul_precision``); ``"none"`` is IEEE."""
+    precision = _matmul_backend(device).fp32_precision
+    return "ieee" if precision == "none" else precision
+
+
 @contextlib.contextmanager
-def _ieee_float32_matmuls() -> Iterator[None]:
-    """float32 matmuls at full precision while the ghost layers' scaled sums are formed, whatever TF32 setting the
-    run uses: their norms come from float64 Gram matrices, and the sum must be computed at the precision the clipping
-    margin assumes (TF32 rounds each factor to about 1e-3, enough for a contribution to exceed its bound). bf16
-    matmuls reduce in float32 too (no reduced-precision split-K reduction)."""
-    previous = torch.get_float32_matmul_precision()
-    cuda_matmul = torch.backends.cuda.matmul
-    reduced = cuda_matmul.allow_bf16_reduced_precision_reduction
-    torch.set_float32_matmul_precision("highest")
+def _float32_matmuls(device: torch.device, *, highest: bool) -> Iterator[None]:
+    """The matmuls of the ghost layers' scaled sums on ``device``: float32 ones in IEEE arithmetic with ``highest``
+    (else at the precision the run set, which :func:`product_error` accounts for in the norms), and bf16 ones reduced
+    in float32 (no reduced-precision split-K reduction). Set and restored through the per-backend setting, which
+    leaves either API's later reads working."""
+    backend, cuda_matmul = _matmul_backend(device), torch.backends.cuda.matmul
+    previous, reduced = backend.fp32_precision, cuda_matmul.allow_bf16_reduced_precision_reduction
+    if highest:
+        backend.fp32_precision = "ieee"
     cuda_matmul.allow_bf16_reduced_precision_reduction = False
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(previous)
+        backend.fp32_precision = previous
         cuda_matmul.allow_bf16_reduced_precision_reduction = reduced
+
+
+_FACTOR_BITS = {"tf32": 10, "bf16": 7}  # explicit significand bits of a reduced-precision float32 matmul's factors
+
+
+def product_error(precision: str) -> float:
+    """``eps``: a bound on the relative error of one product ``(c_i a_t)_k (g_t)_o`` inside a float32 matmul at
+    ``precision`` (:func:`matmul_precision`), beyond the IEEE product: 0 for ``"ieee"``; under ``"tf32"`` each factor
+    is rounded to 10 explicit significand bits, under ``"bf16"`` to 7 (an unknown setting counts as bf16), by
+    truncation at worst (relative error ``2^-b``), and the scaled input ``c_i a_t`` was rounded to float32 before,
+    so ``eps = (1 + 2^-b)^2 (1 + 2^-24) - 1``; the rounded factors' product is exact in the float32 accumulator.
+
+    Then each example's contribution to the sum is ``c_i G~_i`` with ``G~_i = sum_t g~_t a~_t^T`` and, entry by
+    entry, ``|G~_i - G_i| <= eps sum_t |g_t| |a_t|^T``, so ``||G~_i - G_i||_F <= eps S_i`` with
+    ``S_i = sum_t ||g_t|| ||a_t||`` (:func:`_ghost_norms` clips by ``||G_i|| + eps S_i``, which bounds
+    ``||c_i G~_i||`` by the clipping bound, as the IEEE sum's contributions are)."""
+    if precision == "ieee":
+        return 0.0
+    bits = _FACTOR_BITS.get(precision, _FACTOR_BITS["bf16"])
+    return (1 + 2.0**-bits) ** 2 * (1 + 2.0**-24) - 1
+
+
+def _add_product(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``total += x @ y``: the one matmul of a ghost linear or Conv1D layer's scaled sum."""
+    total.addmm_(x, y)
 
 
 class _ScaledInputs:
@@ -488,14 +527,15 @@ def _add_ghost(
         a = inputs(call, scale, drop, total.dtype).reshape(-1, call.inputs.shape[-1])
         g = torch.where(drop, 0.0, g).reshape(-1, g.shape[-1])
         if call.kind == "linear":
-            total.addmm_(g.T, a)
+            _add_product(total, g.T, a)
         else:  # conv1d: weight [in, out]
-            total.addmm_(a.T, g)
+            _add_product(total, a.T, g)
         return
     g = torch.where(drop, 0.0, g * scale)
-    if call.kind == "experts":
+    if call.kind == "experts":  # their norms carry no margin for reduced-precision products
         a = torch.where(drop, 0.0, _in(_rows(call.inputs, m), total.dtype))
-        _add_expert_products(call, g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1]), total)
+        with _float32_matmuls(total.device, highest=True):
+            _add_expert_products(call, g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1]), total)
         return
     # embedding
     ids, live = _live_ids(call, m)
@@ -503,9 +543,14 @@ def _add_ghost(
     total.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1]))
 
 
-def _ghost_norms(call: _Call, m: int, input_gram: Callable[[_Call], torch.Tensor]) -> torch.Tensor:
+def _ghost_norms(
+    call: _Call, m: int, input_gram: Callable[[_Call], torch.Tensor], *, error: float = 0.0
+) -> torch.Tensor:
     """float64 ``[m]`` squared norms of the call's per-example weight gradients, from Gram matrices (the input's
-    from ``input_gram``, which shares one among the calls that read the same tensor)."""
+    from ``input_gram``, which shares one among the calls that read the same tensor). ``error``: the relative error
+    of the products of the layer's float32 scaled sum (:func:`product_error`): a linear or Conv1D layer with float32
+    factors then reports ``(||G_i|| + error S_i)^2``, ``S_i = sum_t ||g_t|| ||a_t||``, the bound of the norm of the
+    gradient its sum forms."""
     g = _rows(call.grad, m)
     if call.kind == "embedding":
         ids, live = _live_ids(call, m)
@@ -513,7 +558,12 @@ def _ghost_norms(call: _Call, m: int, input_gram: Callable[[_Call], torch.Tensor
         return _frobenius(same.to(torch.float64), _gram(g))
     if call.kind == "experts":
         return _expert_norms(call, m)
-    return _frobenius(input_gram(call), _gram(g))
+    squares = _frobenius(input_gram(call), _gram(g))
+    if not error or _bf16_factors(call) or g.dtype != torch.float32:  # bf16 factors: exact products (three parts)
+        return squares
+    row_norms = lambda x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64)  # noqa: E731
+    spread = (row_norms(g) * row_norms(_rows(call.inputs, m))).sum(dim=1)
+    return (squares.sqrt() + error * spread).square()
 
 
 def _same_tensor(x: torch.Tensor) -> tuple[Any, ...]:
@@ -875,7 +925,14 @@ class LayerwiseGradients:
         sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim()}
         if len(sizes) != 1:
             raise ConfigurationError(f"batched tensors need one leading batch dimension, got sizes {sorted(sizes)}.")
-        out = _Gradients(names, shapes, dtypes, sizes.pop(), first.device)
+        out = _Gradients(
+            names,
+            shapes,
+            dtypes,
+            sizes.pop(),
+            first.device,
+            product_error=product_error(matmul_precision(first.device)),
+        )
         # Nothing outside the taps needs a gradient (the parameters are detached; the batch and the other parameters
         # need none): a layer output that requires one is then downstream of a tap, so the backward to the anchor
         # reaches it and a tensor hook on it suffices (cheaper than another tap).
@@ -891,7 +948,8 @@ class LayerwiseGradients:
             call.grad = grad.detach()
             for attr, name in call.names.items():
                 if name in out.ghost:
-                    out.ghost[name] = (call, _ghost_norms(call, out.m, grams))
+                    error = out.product_error if out.dtypes[name] == torch.float32 else 0.0
+                    out.ghost[name] = (call, _ghost_norms(call, out.m, grams, error=error))
                 else:
                     _add_dense(call, attr, out.block(name), first=name not in written)
                     written.add(name)

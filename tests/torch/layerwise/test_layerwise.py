@@ -402,28 +402,30 @@ def test_checkpointed_layers_under_bf16_autocast_give_the_plain_pass():
         torch.testing.assert_close(sums[1][name], sums[0][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_ghost_sums_run_at_full_float32_precision_whatever_the_tf32_setting(monkeypatch):
-    """The ghost layers' scaled sums (their norms come from float64 Gram matrices) run with float32 matmuls at full
-    precision even when the run allows TF32, and the run's setting is restored afterwards."""
+def test_ghost_sums_run_at_the_runs_float32_precision_and_leave_it_as_it_was(monkeypatch):
+    """With TF32 allowed, the ghost layers' scaled sums run at that precision (their norms carry its error bound:
+    test_tf32_bound.py) and the bf16 reduced-precision reduction is off; both settings are restored afterwards."""
     from opake_torch import layerwise
 
     seen = []
     add_ghost = layerwise._add_ghost
-    monkeypatch.setattr(
-        layerwise, "_add_ghost", lambda *a: seen.append(torch.get_float32_matmul_precision()) or add_ghost(*a)
-    )
+    cuda_matmul = torch.backends.cuda.matmul
+    record = lambda: (torch.get_float32_matmul_precision(), cuda_matmul.allow_bf16_reduced_precision_reduction)  # noqa: E731
+    monkeypatch.setattr(layerwise, "_add_ghost", lambda *a: seen.append(record()) or add_ghost(*a))
     model, params, loss, batch_loss, batch = _mixer_case()
     grad_fn, state = clipped_grad(
         loss, clipping_norm=0.5, batch_argnums=(1, 2), engine=Engine(gradients=LayerwiseGradients(model, batch_loss))
     )
-    previous = torch.get_float32_matmul_precision()
+    previous = record()
     torch.set_float32_matmul_precision("high")  # TF32 allowed
+    cuda_matmul.allow_bf16_reduced_precision_reduction = True
     try:
         grad_fn(params, *batch, state=state)
-        assert torch.get_float32_matmul_precision() == "high"
+        assert record() == ("high", True)
     finally:
-        torch.set_float32_matmul_precision(previous)
-    assert seen and set(seen) == {"highest"}
+        torch.set_float32_matmul_precision(previous[0])
+        cuda_matmul.allow_bf16_reduced_precision_reduction = previous[1]
+    assert seen and set(seen) == {("high", False)}
 
 
 def test_layers_reading_one_tensor_share_its_gram_matrix(monkeypatch):
