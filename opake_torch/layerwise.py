@@ -715,8 +715,10 @@ def _moe_kind(module: nn.Module) -> str | None:
         return None
     if type(module).__name__.endswith("TopKRouter") and isinstance(getattr(module, "weight", None), nn.Parameter):
         return "router"
-    flags = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm", "_is_expert_parallel")
-    if all(hasattr(module, f) for f in flags) and not module.has_post_expert_norm and not module._is_expert_parallel:
+    flags = ("has_gate", "has_bias", "is_transposed")
+    # releases before transformers 5.2x have neither a post-expert norm nor expert parallelism (nor their flags)
+    later = getattr(module, "has_post_expert_norm", False) or getattr(module, "_is_expert_parallel", False)
+    if all(hasattr(module, f) for f in flags) and not later:
         first = "gate_up_proj" if module.has_gate else "up_proj"
         stacked = [getattr(module, name, None) for name in (first, "down_proj")]
         if all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in stacked):

@@ -221,6 +221,18 @@ def test_layerwise_engine_refuses_expert_parallel_experts() -> None:
     assert not any("layers.1.mlp.experts" in r for r in reasons)
 
 
+def test_layerwise_engine_serves_experts_of_releases_without_the_newer_flags() -> None:
+    """transformers releases before the post-expert norm and expert parallelism (5.17, say) set neither flag on their
+    experts: such experts are served, not sent to vmap."""
+    model = tiny_moe("qwen3_moe", torch.float32)
+    for layer in model.model.layers:
+        for flag in ("has_post_expert_norm", "_is_expert_parallel"):
+            if hasattr(layer.mlp.experts, flag):
+                delattr(layer.mlp.experts, flag)
+    _, params, _ = functional_model(model)
+    assert unsupported_parameters(model, params) == []
+
+
 def test_trainer_trains_a_tiny_moe_model_privately(tmp_path) -> None:
     model = tiny_moe("qwen3_moe", torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
