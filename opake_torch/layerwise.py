@@ -43,7 +43,11 @@ expands them over the batch (:class:`_BroadcastTap`). Hugging Face's mixture-of-
 tokens flattened to ``[m T, d]``: top-k routers (a linear layer on those rows; a tensor hook on the logits they
 return sees the gradient through the routing weights) and stacked ``[E, ...]`` experts, which run
 :func:`_tapped_experts_forward` during the pass (one row per token and chosen expert; ghost norms per expert from the
-rows of each example routed to it, the clipped sum one matmul per expert).
+rows of each example routed to it, the clipped sum one matmul per expert). A layer other than an embedding whose
+input is two-dimensional with a multiple of ``m`` rows takes them as tokens flattened example-major (``[m T, d]``: MoE
+shared experts, the gated norm's heads). The gated delta-net of Qwen3-Next and Qwen3.5-MoE: its zero-centred and gated
+RMSNorms are norm layers; its ``A_log``, ``dt_bias`` and depthwise causal ``nn.Conv1d``, used in the layer's own
+code, are followed during its call and tapped where they meet the batch (:mod:`opake_torch.layerwise_uses`).
 
 A parameter used by several layers or calls (tied embeddings) is instantiated per call and summed before its norm
 is taken. The batched pass assumes that examples do not interact: modules that mix
@@ -68,6 +72,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opake_core.errors import ConfigurationError, InputTypeError
+from opake_torch.layerwise_uses import DEPTHWISE, ELEMENTWISE, ParameterUses, Watched, add_conv_gradient, uses_kind
 
 __all__ = ["LayerwiseGradients", "active_anchor", "unsupported_parameters"]
 
@@ -104,6 +109,27 @@ def _gpt_oss_rms_norm(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     return (self.weight * hidden_states).to(input_dtype)
 
 
+def _zero_centered_rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
+    output = self._norm(x.float())
+    output = output * (1.0 + self.weight.float())
+    return output.type_as(x)
+
+
+def _zero_centered_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+# never called: the code of the gated delta-net's ``*RMSNormGated.forward``, compared by :func:`_same_code`
+def _gated_rms_norm(self: Any, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    hidden_states = self.weight * hidden_states.to(input_dtype)
+    hidden_states = hidden_states * ACT2FN[self.activation](gate.to(torch.float32))  # noqa: F821
+    return hidden_states.to(input_dtype)
+
+
 def _same_code(a: Callable[..., Any], b: Callable[..., Any]) -> bool:
     """Whether two functions compile to the same code (same source up to their names and modules)."""
     ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
@@ -116,8 +142,11 @@ def _kind(module: nn.Module) -> str | None:
     """The layer kind this engine knows, for a module whose ``forward`` is the stock one; otherwise None.
 
     RMSNorm: ``nn.RMSNorm``, and Hugging Face's Llama-style ``*RMSNorm`` (Llama, Mistral, Qwen2, Qwen3, ...), whose
-    ``forward`` must compile to exactly :func:`_llama_rms_norm` (Gemma's ``1 + weight`` variant does not), or to
-    :func:`_gpt_oss_rms_norm` (gpt-oss: the weight multiplies the float32 normalized input, then the cast).
+    ``forward`` must compile to exactly :func:`_llama_rms_norm`, or to :func:`_gpt_oss_rms_norm` (gpt-oss: the weight
+    multiplies the float32 normalized input, then the cast), or, with ``_norm``, to :func:`_zero_centered_rms_norm`
+    (``1 + weight``: Gemma, Qwen3-Next, Qwen3.5-MoE); the gated delta-net's ``*RMSNormGated``
+    (:func:`_gated_rms_norm`: ``weight * norm(x) * silu(gate)``). The gated delta-net's own ``A_log`` and ``dt_bias``
+    and its depthwise ``nn.Conv1d``: see :mod:`opake_torch.layerwise_uses`.
     Attention sinks: a Hugging Face attention layer's own ``sinks`` parameter (gpt-oss), see :class:`_BroadcastTap`.
     """
     conv1d = _conv1d_type()
@@ -133,6 +162,14 @@ def _kind(module: nn.Module) -> str | None:
         return "llama_rms_norm"
     if hasattr(module, "variance_epsilon") and _same_code(type(module).forward, _gpt_oss_rms_norm):
         return "gpt_oss_rms_norm"
+    forward, norm = type(module).forward, getattr(type(module), "_norm", None)
+    zero_centered = _same_code(forward, _zero_centered_rms_norm) and _same_code(norm, _zero_centered_norm)
+    if hasattr(module, "eps") and zero_centered:
+        return "zero_centered_rms_norm"
+    if getattr(module, "activation", None) == "silu" and _same_code(forward, _gated_rms_norm):
+        return "gated_rms_norm"
+    if (kind := uses_kind(module)) is not None:
+        return kind
     sinks = module._parameters.get("sinks")
     if type(module).__module__.startswith("transformers.") and isinstance(sinks, nn.Parameter):
         return "attention_sinks"
@@ -265,6 +302,7 @@ class _Call:
     input_key: tuple[Any, ...] | None = None  # the identity of ``inputs`` (:func:`_same_tensor`)
     routing: _Routing | None = None  # kind "experts": which rows went to which expert
     transposed: bool = False  # kind "experts": weights stored ``[E, in, out]`` instead of ``[E, out, in]``
+    gate: torch.Tensor | None = None  # kind "gated_rms_norm": the gate input
 
 
 def _in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -610,6 +648,20 @@ def _add_dense(call: _Call, attr: str, out: torch.Tensor, *, first: bool) -> Non
         else:
             out.add_(g.sum(dim=(2, 3)))
         return
+    if call.kind == ELEMENTWISE:  # the gradient of the parameter expanded to [m, 1, ..., 1, *shape]
+        _add_sum(g.reshape(m, -1, *out.shape[1:]), out, first=first)
+        return
+    if call.kind == DEPTHWISE:
+        add_conv_gradient(attr, call.inputs, call.grad, out, first=first)
+        return
+    if call.kind == "zero_centered_rms_norm":  # ``normalized * (1 + weight.float())``: a float32 weight gradient
+        g = _in(call.grad, torch.float32)  # summed in its own memory order, as autograd sums the model's
+        g = g if g.shape[0] == m else g.reshape(m, -1, g.shape[-1])
+        product = g * _normalized(call).reshape(g.shape)
+        dims = tuple(range(1, product.dim() - 1))
+        summed = product.sum(dim=dims) if dims else product
+        out.copy_(summed) if first else out.add_(summed)
+        return
     if call.kind in _NORMS:
         dims = len(call.module.normalized_shape) if call.kind in ("layer_norm", "rms_norm") else 1
         g = g.reshape(m, -1, *g.shape[-dims:])
@@ -640,7 +692,7 @@ def _add_sum(g: torch.Tensor, out: torch.Tensor, *, first: bool) -> None:
         out.add_(g.sum(dim=1))
 
 
-_NORMS = ("layer_norm", "rms_norm", "llama_rms_norm", "gpt_oss_rms_norm")
+_NORMS = ("layer_norm", "rms_norm", "llama_rms_norm", "gpt_oss_rms_norm", "zero_centered_rms_norm", "gated_rms_norm")
 
 
 def _normalized(call: _Call) -> torch.Tensor:
@@ -650,8 +702,13 @@ def _normalized(call: _Call) -> torch.Tensor:
         return F.layer_norm(x, module.normalized_shape, eps=module.eps)
     if call.kind == "rms_norm":
         return F.rms_norm(x, module.normalized_shape, eps=module.eps)
+    if call.kind == "zero_centered_rms_norm":
+        hidden = x.float()
+        return hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + module.eps)
     hidden = x.to(torch.float32)
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+    if call.kind == "gated_rms_norm":  # weight * normalized * silu(gate)
+        return hidden.to(x.dtype) * F.silu(call.gate.to(torch.float32))
     return hidden if call.kind == "gpt_oss_rms_norm" else hidden.to(x.dtype)
 
 
@@ -698,6 +755,8 @@ def _prefers_ghost(call: _Call, shape: torch.Size, m: int) -> bool:
     ``[m, *shape]`` (Li et al. 2022)."""
     if call.kind == "embedding":
         return True
+    if call.kind == DEPTHWISE:  # C K numbers per example, against T x T Gram matrices per channel
+        return False
     if call.kind == "experts":  # [E, out, in]: one example's T rows against E instantiated experts
         return call.positions * sum(shape[1:]) * GHOST_ADVANTAGE < math.prod(shape)
     return call.positions * sum(shape) * GHOST_ADVANTAGE < math.prod(shape)
@@ -854,8 +913,9 @@ class LayerwiseGradients:
         reasons = unsupported_parameters(self.model, params)
         if reasons:
             raise ConfigurationError(
-                "layerwise per-example gradients serve Linear, Embedding, LayerNorm, RMSNorm and Conv1D layers and "
-                "Hugging Face MoE routers and experts, in models whose examples do not interact; not: "
+                "layerwise per-example gradients serve Linear, Embedding, LayerNorm, RMSNorm and Conv1D layers, "
+                "Hugging Face MoE routers and experts and gated delta-nets, in models whose examples do not interact; "
+                "not: "
                 f"{'; '.join(reasons[:5])}. Use vmap(grad) (the default engine)."
             )
         places, _ = _owners(self.model, set(params))
@@ -965,18 +1025,22 @@ class LayerwiseGradients:
             if kind == "router":  # flattened tokens [m * T, d] in, (logits, scores, experts) out
                 return router_hook(module, attrs, inputs[0].detach(), output[0])
             x = inputs[0].detach()
-            positions = x.numel() // max(1, x.shape[0] * (1 if kind == "embedding" else x.shape[-1]))
+            # tokens flattened to rows [m * T, d], example-major (MoE blocks' shared experts, the gated norm's heads)
+            rows = kind != "embedding" and x.dim() == 2 and x.shape[0] % out.m == 0
+            lead = out.m if rows else x.shape[0]
+            positions = x.numel() // max(1, lead * (1 if kind == "embedding" else x.shape[-1]))
             if not torch.is_grad_enabled():  # a checkpointed layer's forward: its recompute is tapped
                 calls.append(_Call(kind, module, attrs, None, positions))
                 return None
             if kind == "embedding" and x.shape[0] == 1 and out.m > 1:  # positions shared by the batch: one per example
                 x, output = x.expand(out.m, *x.shape[1:]), output.expand(out.m, *output.shape[1:])
-            if x.shape[0] != out.m:
+            if (not rows and x.shape[0] != out.m) or (kind == "gated_rms_norm" and len(inputs) != 2):
                 raise ConfigurationError(
                     f"a {type(module).__name__} layer runs on a tensor of leading size {x.shape[0]}, not the batch of "
                     f"{out.m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
                 )
-            return tap(_Call(kind, module, attrs, x, positions), output)
+            gate = inputs[1].detach() if kind == "gated_rms_norm" else None
+            return tap(_Call(kind, module, attrs, x, positions, gate=gate), output)
 
         def register(call: _Call) -> None:
             calls.append(call)
@@ -1036,7 +1100,7 @@ class LayerwiseGradients:
             tapped = tap(call, y)
             return y if tapped is None else tapped
 
-        modes: list[_BroadcastTap] = []  # the sinks taps of the attention calls in progress
+        modes: list[_BroadcastTap | ParameterUses] = []  # the taps of the attention and scope calls in progress
 
         def enter_sinks(module: nn.Module, args: tuple[Any, ...]) -> None:
             attrs = by_module[module][1]
@@ -1061,8 +1125,47 @@ class LayerwiseGradients:
                     "attn_implementation='eager', freeze the sinks, or use vmap(grad) for this model."
                 )
 
+        def on_use(kind: str, module: nn.Module, names: dict[str, str], value: torch.Tensor, x: Any) -> torch.Tensor:
+            """One use of parameters followed by :class:`ParameterUses`: ``value`` tapped (``x``: a conv's input)."""
+            grad = torch.is_grad_enabled()  # else a checkpointed layer's forward: its recompute is tapped
+            call = _Call(kind, module, names, x if grad else None, 1 if x is None else x.shape[-1])
+            calls.append(call)
+            return _Tap.apply(value, anchor, lambda g: record(call, g)) if grad else value
+
+        def enter_uses(scope: nn.Module, args: tuple[Any, ...]) -> None:
+            watched = [(w, getattr(w.module, w.attr)) for w in scopes[scope]]  # as reparametrized for this call
+            modes.append(ParameterUses(watched, out.m, on_use))
+            modes[-1].__enter__()
+
+        def leave_uses(scope: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            mode = modes.pop()
+            mode.__exit__(None, None, None)
+            mode.finish(scope)
+
+        def guard_conv(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if not any(isinstance(mode, ParameterUses) and mode.watches(module) for mode in modes):
+                raise ConfigurationError(
+                    f"a depthwise {type(module).__name__} runs outside the call of the module that holds it (its "
+                    "weight is followed during that call): its per-example gradients cannot be formed. Use "
+                    "vmap(grad) for this model."
+                )
+
+        scopes: dict[nn.Module, list[Watched]] = {}
+        if any(kind in (ELEMENTWISE, DEPTHWISE) for kind, _ in by_module.values()):
+            parents = {child: parent for parent in self.model.modules() for child in parent.children()}
+            for module, (kind, attrs) in by_module.items():
+                if kind in (ELEMENTWISE, DEPTHWISE):
+                    scope = module if kind == ELEMENTWISE else parents.get(module, module)
+                    scopes.setdefault(scope, []).extend(Watched(module, a, name, kind) for a, name in attrs.items())
         handles = []
+        for scope in scopes:
+            handles.append(scope.register_forward_pre_hook(enter_uses))
+            handles.append(scope.register_forward_hook(leave_uses))
         for module, (kind, _) in by_module.items():
+            if kind == DEPTHWISE:
+                handles.append(module.register_forward_pre_hook(guard_conv))
+            if kind in (ELEMENTWISE, DEPTHWISE):
+                continue
             if kind == "attention_sinks":
                 handles.append(module.register_forward_pre_hook(enter_sinks))
                 handles.append(module.register_forward_hook(leave_sinks))
@@ -1082,7 +1185,7 @@ class LayerwiseGradients:
             return self._backward(result, out, calls, anchor, instantiate=instantiate)
         finally:
             _ACTIVE.anchor = None
-            while modes:  # a forward that raised left its sinks tap active
+            while modes:  # a forward that raised left its taps active
                 modes.pop().__exit__(None, None, None)
             for handle in handles:
                 handle.remove()

@@ -16,19 +16,29 @@ itself, which is what autocast does outside the transforms; everywhere else it i
 
 FlashAttention-2 unpads sequences with ``torch.nonzero`` (data-dependent shapes) and cannot run under vmap:
 :func:`check_attention_implementation` refuses it with the fix.
+
+Hugging Face runs some layers through optional kernel packages when they are importable and the inputs sit on a
+device they support (``use_kernel_func_from_hub_with_fallback``: fla's gated delta rule and causal-conv1d's depthwise
+conv in Qwen3-Next and Qwen3.5-MoE, on CUDA), else through a torch reference function. Their custom autograd
+functions have no vmap rule, and causal-conv1d's takes the conv weight out of the layerwise engine's sight.
+:func:`reference_kernels` makes the torch reference path run while it is active: Hugging Face takes it whenever
+``is_torchdynamo_exporting()`` answers True (its guard for ``torch.export``), and the context makes the answer True
+in ``transformers.integrations.hub_kernels`` alone, for the duration of one layer's call in the private step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from opake_core.errors import ConfigurationError
 
-__all__ = ["apply_compat_patches", "check_attention_implementation", "inside_functorch"]
+__all__ = ["apply_compat_patches", "check_attention_implementation", "inside_functorch", "reference_kernels"]
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 
@@ -71,6 +81,31 @@ def _autocast_sdpa(original: Any) -> Any:
 
     sdpa._opake_patched = True  # type: ignore[attr-defined]
     return sdpa
+
+
+@contextlib.contextmanager
+def reference_kernels() -> Iterator[None]:
+    """Hugging Face's torch reference functions in place of the optional kernel packages while active (module
+    docstring); nothing changes where transformers has no such switch. Restores the previous state on exit, so
+    nested uses unwind in order."""
+    try:
+        hub = importlib.import_module("transformers.integrations.hub_kernels")
+    except ImportError:  # pragma: no cover - transformers without hub kernels
+        yield
+        return
+    previous = getattr(hub, "is_torchdynamo_exporting", None)
+    if previous is None:
+        yield
+        return
+    hub.is_torchdynamo_exporting = _reference_path
+    try:
+        yield
+    finally:
+        hub.is_torchdynamo_exporting = previous
+
+
+def _reference_path() -> bool:
+    return True
 
 
 def check_attention_implementation(model: torch.nn.Module) -> str:

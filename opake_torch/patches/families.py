@@ -12,6 +12,12 @@ do not affect each other:
 * ``bloom_gelu``: Bloom's MLP runs its GeLU through a legacy ``autograd.Function`` without ``setup_context``, which
   functorch refuses. The patch calls the same tanh-approximation formula (``bloom_gelu_forward``) directly; autograd
   differentiates it, which matches the hand-written backward up to rounding.
+* ``gated_deltanet``: a gated delta-net layer (Qwen3-Next, Qwen3.5-MoE) writes its conv state into the KV cache in
+  place (``copy_`` into a buffer that is not batched), which vmap refuses, and on CUDA runs fla's and causal-conv1d's
+  kernels when they are installed, whose autograd functions have no vmap rule. Inside a ``torch.func`` transform
+  (the private step: a training forward, which keeps no cache) the patched layer runs without the cache and on
+  Hugging Face's torch reference path (:func:`~opake_torch.patches.compat.reference_kernels`); everywhere else
+  (generation) it is the layer's own forward.
 
 The mask patch that every family needs lives in :mod:`opake_torch.patches.compat`.
 """
@@ -26,6 +32,7 @@ import torch
 from torch import nn
 
 from opake_core.errors import VmapCompatibilityError
+from opake_torch.patches.compat import inside_functorch, reference_kernels
 
 __all__ = ["FAMILIES", "Family", "apply_family_patches", "family_of", "probe_vmap", "support_matrix"]
 
@@ -49,6 +56,18 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2", "Qwen2", note="sliding window"),
     Family("qwen3", "Qwen3", note="sliding window"),
     Family("qwen3_moe", "Qwen3-MoE", note="HF v5 stacked experts"),
+    Family(
+        "qwen3_next",
+        "Qwen3-Next (MoE, gated delta-net)",
+        patches=("gated_deltanet",),
+        note="layerwise engine; HF v5 stacked experts, shared expert; delta-net on the torch path in the private step",
+    ),
+    Family(
+        "qwen3_5_moe_text",
+        "Qwen3.5-MoE (text, gated delta-net)",
+        patches=("gated_deltanet",),
+        note="layerwise engine; HF v5 stacked experts, shared expert; delta-net on the torch path in the private step",
+    ),
     Family(
         "gpt_oss",
         "gpt-oss (MoE)",
@@ -103,7 +122,29 @@ def _bloom_gelu(model: nn.Module) -> bool:
     return patched or any(getattr(m, "_opake_bloom_gelu", False) for m in model.modules())
 
 
-_PATCHES = {"bloom_gelu": _bloom_gelu}
+def _gated_deltanet(model: nn.Module) -> bool:
+    patched = False
+    for module in model.modules():
+        kind = type(module)
+        deltanet = kind.__module__.startswith("transformers.") and kind.__name__.endswith("GatedDeltaNet")
+        if deltanet and not getattr(module, "_opake_gated_deltanet", False):
+            module.forward = types.MethodType(_deltanet_forward, module)
+            module._opake_gated_deltanet = True
+            patched = True
+    return patched or any(getattr(m, "_opake_gated_deltanet", False) for m in model.modules())
+
+
+def _deltanet_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A gated delta-net's forward; inside a ``torch.func`` transform without its cache, on the torch reference
+    path (module docstring)."""
+    forward = type(self).forward
+    if not inside_functorch():
+        return forward(self, *args, **kwargs)
+    with reference_kernels():
+        return forward(self, *args, **{**kwargs, "cache": None})
+
+
+_PATCHES = {"bloom_gelu": _bloom_gelu, "gated_deltanet": _gated_deltanet}
 
 
 def apply_family_patches(model: nn.Module) -> list[str]:

@@ -96,6 +96,33 @@ def tiny_moe(model_type: str, dtype: torch.dtype = torch.float32) -> torch.nn.Mo
     return model.to(dtype).train()
 
 
+def tiny_gated_deltanet(model_type: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny hybrid causal LM with gated delta-net layers (``"qwen3_next"`` or ``"qwen3_5_moe_text"``): a linear
+    attention (gated delta-net: depthwise causal conv of kernel 4 over 32 channels, 4 value heads) and a full
+    attention layer, each with a mixture of four experts (top-2) and a shared expert, in ``dtype``, training mode,
+    SDPA attention, the config's ``use_cache=True`` left as shipped."""
+    config = AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, hidden_size=16, intermediate_size=16, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64, num_experts=4,
+        num_experts_per_tok=2, linear_conv_kernel_dim=4, linear_key_head_dim=4, linear_value_head_dim=4,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+    )  # fmt: skip
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(config, name, 0)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():  # off their constant initial values (norm weights, dt_bias): every channel differs
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    if dtype == torch.float64:  # torch._grouped_mm (the default on CPU) has no float64 kernel
+        model.config._experts_implementation = "batched_mm"
+    return model.to(dtype).train()
+
+
 def token_data(n: int, seed: int = 0, *, classes: int | None = None) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     rows = []

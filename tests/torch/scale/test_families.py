@@ -40,6 +40,9 @@ def tiny(model_type: str) -> torch.nn.Module:
     }
     if model_type not in ("falcon", "bloom"):
         kwargs["head_dim"] = 8
+    if model_type in ("qwen3_next", "qwen3_5_moe_text"):  # hybrids: one gated delta-net and one attention layer
+        kwargs.update(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=4, linear_value_head_dim=4)  # fmt: skip
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     if hasattr(config, "use_sliding_window"):
         config.use_sliding_window = True
