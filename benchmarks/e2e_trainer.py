@@ -25,6 +25,10 @@ Modes (per workload):
 * ``dp_instantiate``: diagnostic of ``dp`` with ``opake_torch.layerwise.GHOST_ADVANTAGE = 1.5``: the layerwise
   engine instantiates the weights whose Gram factors hold more than two thirds of their per-example gradients
   (faster, more memory) instead of taking their ghost norms.
+* ``dp_compile``: ``DPTrainer`` with ``torch_compile=True`` (one knob set): each chunk (forward, per-example norms,
+  clipped sum) compiled by inductor, one graph for every chunk of two rows or more (the rows and positions are
+  symbolic) and one for a chunk of one row. The row records the graphs compiled, the graph breaks and whether the
+  compilation fell back to eager; ``first_steps_s`` includes the compile time.
 * ``dp_kernels``: ``DPTrainer`` with ``use_performance_kernels=True``; its ratios are against ``hf_kernels``.
 * ``hf_kernels``: ``transformers.Trainer`` on a model patched by ``apply_performance_kernels`` with the switches
   DPTrainer uses under ``per_example_gradients="auto"`` (the LoRA kernel off), so that both kernel rows run the same
@@ -70,6 +74,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -93,6 +98,7 @@ MODES = (
     "dp_rows4",
     "dp_expandable",
     "dp_instantiate",
+    "dp_compile",
     "dp_kernels",
     "hf_kernels",
     "opacus",
@@ -272,7 +278,11 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
         "dp_graphs": {"cuda_graphs": 1},
         "dp_graphs4": {"cuda_graphs": 4},
         "dp_fixed": {"sampling_mode": "fixed_size"},
+        "dp_compile": {"torch_compile": True},
     }.get(mode, {})
+    from torch._dynamo.utils import counters
+
+    counters.clear()  # --in-process: this row's compilations only
     data = dataset(workload, dataset_size(workload, mode))
     with tempfile.TemporaryDirectory() as folder:
         args = TrainingArguments(
@@ -286,8 +296,18 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
             **extra,
         )
         trainer = DPTrainer(model_for(workload, opts.device), args, train_dataset=data, callbacks=[clock.callback()])
-        trainer.train()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+    for warning in caught:  # shown as they would have been
+        warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    compiled = {
+        "compiled_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "compile_fallback": [str(w.message)[:300] for w in caught if "running it eagerly" in str(w.message)],
+    }
     return {
+        **(compiled if mode == "dp_compile" else {}),
         "engine": trainer.per_example_gradients_engine,
         "optim": args.optim,
         "sampling_mode": args.sampling_mode,
@@ -347,6 +367,7 @@ RUNNERS: dict[str, Callable[[Workload, argparse.Namespace, StepClock], dict[str,
     "dp_rows4": lambda w, o, c: run_dp(w, o, c, mode="dp_rows4"),
     "dp_expandable": lambda w, o, c: run_dp(w, o, c, mode="dp_expandable"),
     "dp_instantiate": lambda w, o, c: run_dp(w, o, c, mode="dp_instantiate"),
+    "dp_compile": lambda w, o, c: run_dp(w, o, c, mode="dp_compile"),
     "dp_kernels": lambda w, o, c: run_dp(w, o, c, mode="dp_kernels"),
     "opacus": run_opacus,
 }

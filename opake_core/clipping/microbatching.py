@@ -105,7 +105,7 @@ def run_chunks(
     sizes = chunk_sizes(n, microbatch_size, row_multiple=row_multiple)
     sums, norms, clipped, values, start = None, [], [], [], 0
     for real, size in sizes:
-        rows = _rows(start, real, size, device)
+        rows = _rows(start, real, size, device, gather=pad)
         sliced = [_take(a, rows) if i in batch_argnums else a for i, a in enumerate(args)]
         live = torch.arange(size, device=device) < real if (pad or real < size) else None
         part, chunk_norms, chunk_clipped, chunk_values = chunk(*head, live, *sliced)
@@ -122,9 +122,11 @@ def run_chunks(
     return Chunked(n, sums, torch.cat(norms), torch.cat(clipped), values)
 
 
-def _rows(start: int, real: int, size: int, device: torch.device) -> slice | torch.Tensor:
-    """The batch rows of one chunk: a slice, or (padded) the indices with the last real row repeated."""
-    if size == real:
+def _rows(start: int, real: int, size: int, device: torch.device, *, gather: bool) -> slice | torch.Tensor:
+    """The batch rows of one chunk: a slice, or (padded, or ``gather``) the indices with the last real row repeated.
+    ``gather`` (a chunk transform): every chunk gets copies, never views of the batch, so that a chunk with and
+    without dead rows meets the same compiled function (Dynamo guards a view's base)."""
+    if size == real and not gather:
         return slice(start, start + real)
     return start + torch.arange(size, device=device).clamp(max=real - 1)
 

@@ -3,8 +3,10 @@
 A *chunk function* takes tensors (and hashable non-tensor arguments) and returns tensors: in the trainer it is the
 per-chunk ``vmap(grad) -> clip -> sum`` kernel. Neither wrapper changes the maths; they change how it is launched.
 
-* :func:`compile_chunk`: ``torch.compile(dynamic=True)``. A compilation failure (an unsupported operation, a
-  backend error) warns once and the function runs eagerly from then on, instead of failing the run.
+* :func:`compile_chunk`: ``torch.compile``, shapes specialized at the first call and a dimension that changes later
+  (the padded sequence length) compiled once more as a symbol. A compilation failure (an unsupported operation, a
+  backend error, more recompilations than Dynamo allows) warns once and the function runs eagerly from then on,
+  instead of failing the run.
 * :class:`CudaGraphChunk`: one CUDA graph per input *signature* (shapes, strides, dtypes, devices,
   ``requires_grad`` of every tensor, and the non-tensor arguments), at most ``max_graphs`` of them; later calls with
   a captured signature copy their inputs into the graph's static buffers and replay it. Signatures seen after the
@@ -17,6 +19,7 @@ returns clones, so callers may keep them.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -29,23 +32,44 @@ from opake_core.errors import ConfigurationError
 __all__ = ["CudaGraphChunk", "EagerAfterFailedCapture", "compile_chunk", "signature"]
 
 
-def compile_chunk(fn: Callable[..., Any], *, backend: str = "inductor", mode: str | None = None) -> Callable[..., Any]:
-    """``torch.compile(fn, dynamic=True, backend=backend, mode=mode)`` with an eager fallback.
+def compile_chunk(
+    fn: Callable[..., Any],
+    *,
+    backend: str = "inductor",
+    mode: str | None = None,
+    around: Callable[[tuple[Any, ...]], contextlib.AbstractContextManager[Any]] | None = None,
+) -> Callable[..., Any]:
+    """``torch.compile(fn, backend=backend, mode=mode)`` with an eager fallback; every call ``fn(*args)``, compiled or
+    eager, runs inside ``around(args)`` when given (what the traced code cannot do itself, such as registering
+    hooks).
+
+    Shapes: Dynamo's automatic dynamic shapes. The first call compiles for its shapes; a dimension that changes at a
+    later call (the sequence length of padded batches; the rows of a chunk are padded to one count) is compiled once
+    more as a symbol, and later values reuse that graph unless the traced code specializes on it. Dynamo's settings
+    during each call: ``trace_autograd_ops`` (a ``torch.autograd.grad`` in ``fn`` is traced into the graph, as
+    :class:`~opake_torch.layerwise_compiled.CompiledLayerwise` needs) and ``fail_on_recompile_limit_hit`` (past
+    ``torch._dynamo.config.recompile_limit`` recompilations Dynamo would run ``fn`` eagerly without a word; here that
+    is a failure).
 
     The first call that fails to compile (any exception raised while compiling or running the compiled function)
     emits one ``RuntimeWarning`` naming the error, reruns that call eagerly, and every later call is eager. An
-    error that the eager function also raises is the function's own and propagates.
+    error that the eager function also raises is the function's own and propagates. The returned function has
+    ``is_eager()`` (whether it fell back) and ``compiled_calls()`` (the calls the compiled function served).
     """
-    compiled = torch.compile(fn, dynamic=True, backend=backend, mode=mode)
-    state = {"eager": False}
+    compiled = torch.compile(fn, backend=backend, mode=mode)
+    state = {"eager": False, "compiled_calls": 0}
+    context = around if around is not None else lambda args: contextlib.nullcontext()
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if state["eager"]:
-            return fn(*args, **kwargs)
+            with context(args):
+                return fn(*args, **kwargs)
         try:
-            return compiled(*args, **kwargs)
+            with context(args), torch._dynamo.config.patch(trace_autograd_ops=True, fail_on_recompile_limit_hit=True):
+                result = compiled(*args, **kwargs)
         except Exception as exc:
-            result = fn(*args, **kwargs)  # raises the function's own errors
+            with context(args):
+                result = fn(*args, **kwargs)  # raises the function's own errors
             state["eager"] = True
             warnings.warn(
                 f"torch.compile(backend={backend!r}, mode={mode!r}) failed for {getattr(fn, '__name__', fn)!r}; "
@@ -55,8 +79,11 @@ def compile_chunk(fn: Callable[..., Any], *, backend: str = "inductor", mode: st
                 stacklevel=2,
             )
             return result
+        state["compiled_calls"] += 1
+        return result
 
     run.is_eager = lambda: state["eager"]  # type: ignore[attr-defined]
+    run.compiled_calls = lambda: state["compiled_calls"]  # type: ignore[attr-defined]
     return run
 
 

@@ -3,7 +3,8 @@
 * Per-example gradients: the layerwise engine (one batched forward and backward, :mod:`opake_torch.layerwise`) where
   ``per_example_gradients`` allows it and the model is served by it, checked once against ``grad`` of the
   per-example loss; otherwise ``vmap(grad)``, with the fused Triton norms and scaled sums on CUDA.
-* How each chunk runs: captured as CUDA graphs (``cuda_graphs``), compiled (``torch_compile``), or as it is.
+* How each chunk runs: captured as CUDA graphs (``cuda_graphs``), compiled (``torch_compile``: the layerwise engine
+  as its traced pass, :mod:`opake_torch.layerwise_compiled`, in one graph), or as it is.
 * Whichever engine serves the run, :func:`independent` then checks that the records stay independent under it (the
   neighbour test of :mod:`.coupling`), before any step.
 
@@ -14,6 +15,7 @@ engine.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +26,7 @@ from opake_core.clipping import Engine, MaterializedGradients, VmapGradients
 from opake_core.errors import ConfigurationError
 from opake_core.step import dp_ftrl, dp_sgd
 from opake_torch.layerwise import LayerwiseGradients, unsupported_parameters
+from opake_torch.layerwise_compiled import KINDS, CompiledLayerwise, unserved
 from opake_torch.patches.kernels import FusedGradients
 from opake_torch.transformers import coupling
 from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
@@ -190,13 +193,16 @@ def chunk_transform(args: Any, keep: Callable[[CudaGraphChunk], None]) -> Callab
 def engine(
     args: Any, layerwise: LayerwiseGradients | None, transform: Callable[[Any], Any] | None, *, microbatch: int
 ) -> Engine:
-    """The step's engine for chunks of at most ``microbatch`` rows: layerwise gradients when available, else
-    ``vmap(grad)`` with the fused Triton norms and scaled sums on CUDA (the identical torch path where they cannot
-    run), but not inside a captured or compiled chunk.
+    """The step's engine for chunks of at most ``microbatch`` rows: layerwise gradients when available (compiled:
+    their traced pass, :class:`~opake_torch.layerwise_compiled.CompiledLayerwise`, or the hook engine eagerly with a
+    warning for a model with layer kinds that pass does not serve), else ``vmap(grad)`` with the fused Triton norms
+    and scaled sums on CUDA (the identical torch path where they cannot run), but not inside a captured or compiled
+    chunk.
 
     Rows: with ``transform`` and ``cuda_graphs = k``, each chunk is rounded up to a multiple of
     ``ceil(microbatch / k)`` (dead rows), so that Poisson draws of any size meet at most ``k`` shapes, one captured
-    graph each; compiled chunks are padded to ``microbatch``; without ``transform``, :data:`ROW_MULTIPLE`.
+    graph each; compiled ``vmap(grad)`` chunks are padded to ``microbatch`` (vmap fixes the shapes it traces); the
+    compiled layerwise pass and chunks without ``transform`` run :data:`ROW_MULTIPLE`.
     """
     if transform is None:
         row_multiple = ROW_MULTIPLE
@@ -205,10 +211,33 @@ def engine(
     else:
         row_multiple = microbatch
     if layerwise is not None:
+        if transform is not None and args.torch_compile:
+            compiled = _compiled_layerwise(layerwise)
+            if compiled is None:  # layer kinds the traced pass does not serve: the hook engine, eagerly
+                return Engine(gradients=layerwise, transform=None, row_multiple=ROW_MULTIPLE)
+            backend, mode = args.torch_compile_backend, args.torch_compile_mode
+            transform = lambda chunk: compile_chunk(chunk, backend=backend, mode=mode, around=compiled.around)  # noqa: E731
+            # the traced pass keeps the rows and positions of a chunk symbolic: the real rows only, no dead ones
+            return Engine(gradients=compiled, transform=transform, row_multiple=ROW_MULTIPLE)
         return Engine(gradients=layerwise, transform=transform, row_multiple=row_multiple)
     fused = args.device.type == "cuda" and transform is None
     gradients = VmapGradients(FusedGradients if fused else MaterializedGradients)
     return Engine(gradients=gradients, transform=transform, row_multiple=row_multiple)
+
+
+def _compiled_layerwise(layerwise: LayerwiseGradients) -> CompiledLayerwise | None:
+    """The traced pass of ``layerwise`` for a compiled chunk, or None (with a warning) for a model with layer kinds
+    it does not serve."""
+    kinds = unserved(layerwise)
+    if not kinds:
+        return CompiledLayerwise(layerwise)
+    warnings.warn(
+        f"torch_compile compiles the layerwise engine's step for the layer kinds {KINDS}; this model has {kinds}, so "
+        "its step runs eagerly. Set torch_compile=False to silence this.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return None
 
 
 def step_factory(

@@ -54,16 +54,16 @@ def causal_lm_loss(
     """Mean next-token cross-entropy over one sequence's target tokens.
 
     Args:
-        logits: ``[T, V]`` logits for one sequence.
-        labels: ``[T]`` token ids; position ``t`` is predicted from positions ``< t``; ``ignore_index`` marks
-            positions without a target (padding, prompt tokens).
+        logits: ``[T, V]`` logits for one sequence (``[m, T, V]`` for ``m`` sequences: then ``[m]`` losses).
+        labels: ``[T]`` token ids (``[m, T]``); position ``t`` is predicted from positions ``< t``;
+            ``ignore_index`` marks positions without a target (padding, prompt tokens).
         kernel: use :func:`~opake_torch.patches.kernels.opake_cross_entropy_loss` (without label smoothing).
 
     Returns:
         A float32 scalar; 0 when the sequence has no target token.
     """
     return _masked_mean_ce(
-        logits[:-1], labels[1:], label_smoothing=label_smoothing, ignore_index=ignore_index, kernel=kernel
+        logits[..., :-1, :], labels[..., 1:], label_smoothing=label_smoothing, ignore_index=ignore_index, kernel=kernel
     )
 
 
@@ -88,8 +88,9 @@ def _masked_mean_ce(
         return opake_cross_entropy_loss(logits, labels, ignore_index=ignore_index, reduction="mean")
     mask = labels != ignore_index
     safe = torch.where(mask, labels, torch.zeros_like(labels))
-    nll = F.cross_entropy(logits.float(), safe, reduction="none", label_smoothing=label_smoothing)
-    return _masked_mean(nll, mask)
+    flat = logits.float().reshape(-1, logits.shape[-1])  # [..., T, V] as rows: each position's loss on its own
+    nll = F.cross_entropy(flat, safe.reshape(-1).long(), reduction="none", label_smoothing=label_smoothing)
+    return _masked_mean(nll.view(safe.shape), mask)
 
 
 def _masked_mean(nll: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -100,10 +101,16 @@ def _masked_mean(nll: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def sequence_classification_loss(
     logits: torch.Tensor, label: torch.Tensor, *, label_smoothing: float = 0.0
 ) -> torch.Tensor:
-    """Cross-entropy of one example (``logits [C]``, integer ``label []``); squared error for one float output."""
+    """Cross-entropy of one example (``logits [C]``, an integer ``label []`` or class probabilities ``[C]``), or of
+    each of ``m`` (``[m, C]``, labels ``[m]`` or ``[m, C]``); squared error for one float output."""
     if logits.shape[-1] == 1 and label.is_floating_point():
         return (logits.float().squeeze(-1) - label.float()).square()
-    return F.cross_entropy(logits.float()[None], label[None], label_smoothing=label_smoothing)
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    if label.is_floating_point():  # class probabilities
+        nll = F.cross_entropy(flat, label.reshape(flat.shape), reduction="none", label_smoothing=label_smoothing)
+        return nll.view(label.shape[:-1])
+    nll = F.cross_entropy(flat, label.reshape(-1).long(), reduction="none", label_smoothing=label_smoothing)
+    return nll.view(label.shape)
 
 
 def infer_task(model: nn.Module) -> str:
@@ -208,7 +215,12 @@ def batch_losses(
             kernel=kernel,
         )
 
-    return attended(torch.vmap(one)(logits, batch[label_names[0]]), inputs)
+    labels = batch[label_names[0]]
+    if compute_loss_func is not None or kernel:  # per example: a user's loss, the Triton kernel's per-row mean
+        return attended(torch.vmap(one)(logits, labels), inputs)
+    # the built-in losses on the whole batch, row by row the same operations: under torch.compile, vmap's batching
+    # rules would fix the batch's shapes (one compilation per sequence length)
+    return attended(loss_from_logits(logits, labels, task=task, label_smoothing=label_smoothing), inputs)
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,20 @@
 """Memory knobs on CUDA: checkpointing, bf16, torch.compile and CUDA graphs on a small Llama with LoRA, each
-equal to the plain vmap path (1e-6 in fp32, 2e-2 in bf16). Run: ``pytest -m cuda tests/torch/scale``."""
+equal to the plain vmap path (1e-6 in fp32, 2e-2 in bf16; 1e-5 compiled), and the compiled layerwise pass equal to
+the layerwise hook engine. Run: ``pytest -m cuda tests/torch/scale``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from opake_core.clipping import clipped_grad
+from opake_core.clipping import Engine, clipped_grad
 from opake_torch.functional import functional_model
+from opake_torch.layerwise import LayerwiseGradients
+from opake_torch.layerwise_compiled import CompiledLayerwise
 from opake_torch.patches import apply_compat_patches
 from opake_torch.patches.checkpointing import enable_vmap_checkpointing
 from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
-from opake_torch.transformers.loss import per_example_loss
+from opake_torch.transformers.loss import batch_losses, per_example_loss
 
 pytestmark = pytest.mark.cuda
 transformers = pytest.importorskip("transformers")
@@ -106,24 +109,42 @@ def test_bf16_with_checkpointing_matches_fp32() -> None:
 
 
 def test_torch_compile_matches_plain() -> None:
+    """vmap(grad) compiled whole (the CPU build compiles it; a fallback to eager fails the test)."""
     m = model()
     run, params = chunk_fn(m)
     plain = run(params, data())
     compiled = compile_chunk(run, backend="inductor", mode=None)
-    with _no_fallback(compiled):
-        assert_close(compiled(params, data()), plain, 1e-5)
+    assert_close(compiled(params, data()), plain, 1e-5)
+    assert not compiled.is_eager() and compiled.compiled_calls() == 1
 
 
-class _no_fallback:
-    def __init__(self, run) -> None:
-        self.run = run
+def test_compiled_layerwise_chunk_matches_the_hook_engine() -> None:
+    """The layerwise engine's traced pass compiled by inductor (what torch_compile runs) against the hook engine,
+    eagerly: the same clipped sum (1e-5), and no fallback to eager."""
+    m = model()
+    apply, params, frozen = functional_model(m)
 
-    def __enter__(self) -> None:
-        return None
+    def loss(p: dict, example: dict) -> torch.Tensor:
+        return per_example_loss(apply, p, frozen, example, task="causal_lm")
 
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is None and self.run.is_eager():
-            pytest.xfail("torch.compile fell back to eager for vmap(grad) (warned); equality holds eagerly")
+    def batch_loss(p: dict, batch: dict) -> torch.Tensor:
+        return batch_losses(apply, p, frozen, batch, task="causal_lm")
+
+    hooks = LayerwiseGradients(m, batch_loss)
+    traced = CompiledLayerwise(hooks)
+    wrappers = []
+
+    def transform(chunk):
+        wrappers.append(compile_chunk(chunk, backend="inductor", around=traced.around))
+        return wrappers[-1]
+
+    results = []
+    for engine in (Engine(gradients=hooks), Engine(gradients=traced, transform=transform)):
+        grad_fn, state = clipped_grad(loss, clipping_norm=0.5, microbatch_size=4, engine=engine)
+        results.append(grad_fn(params, data(), state=state)[0].value)
+    assert_close(results[1], results[0], 1e-5)
+    (run,) = wrappers
+    assert not run.is_eager() and run.compiled_calls() == 2
 
 
 def test_cuda_graphs_match_plain_and_replay() -> None:

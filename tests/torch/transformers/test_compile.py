@@ -1,0 +1,255 @@
+"""A private step that compiles: the traced layerwise pass against a float64 loop over examples, the compile wrapper,
+and DPTrainer(torch_compile=True) with inductor on BERT, GPT-2 and a Llama LoRA model against the eager run."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_hf import tiny_lora, tiny_model, tiny_moe, token_data
+from torch._dynamo.utils import counters
+
+from opake_core.clipping import Engine, clipped_grad
+from opake_core.errors import ConfigurationError
+from opake_torch import layerwise
+from opake_torch.functional import functional_model
+from opake_torch.layerwise import LayerwiseGradients
+from opake_torch.layerwise_compiled import CompiledLayerwise
+from opake_torch.patches import apply_compat_patches
+from opake_torch.transformers import DPTrainer, TrainingArguments, engines
+from opake_torch.transformers.compile import compile_chunk
+from opake_torch.transformers.data import collate, language_modeling_labels
+from opake_torch.transformers.loss import batch_losses, per_example_loss
+
+FAMILIES = {
+    "bert": lambda: tiny_model("bert"),
+    "gpt2": lambda: tiny_model("gpt2"),
+    "llama_lora": lambda: tiny_lora("llama"),
+}
+
+
+def _case(family: str) -> tuple:
+    """A float64 model in eval mode, its parameters, per-example and batched losses, and a batch of six."""
+    apply_compat_patches()
+    model = FAMILIES[family]().double().eval()
+    apply, params, frozen = functional_model(model)
+    task = "sequence_classification" if family == "bert" else "causal_lm"
+    batch = collate(token_data(6, classes=3 if family == "bert" else None), pad_token_id=0)
+    if task == "causal_lm":
+        batch = language_modeling_labels(batch)
+
+    def loss(p, example):
+        return per_example_loss(apply, p, frozen, example, task=task)
+
+    def batch_loss(p, b):
+        return batch_losses(apply, p, frozen, b, task=task)
+
+    return model, params, loss, batch_loss, batch
+
+
+def _loop_reference(loss, params, batch, bound):
+    """sum_i g_i min(1, C/||g_i||) and the norms, one example at a time in float64."""
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    norms = []
+    for i in range(next(iter(batch.values())).shape[0]):
+        g = torch.func.grad(loss)(params, {k: v[i] for k, v in batch.items()})
+        norm = math.sqrt(sum(float(v.square().sum()) for v in g.values()))
+        norms.append(norm)
+        for k in total:
+            total[k] += g[k] * min(1.0, bound / norm)
+    return total, torch.tensor(norms, dtype=torch.float64)
+
+
+def _entered(compiled: CompiledLayerwise):
+    """The chunk transform that runs the traced pass as it is (no compilation), inside its context."""
+
+    def transform(chunk):
+        def run(*args):
+            with compiled.around(args):
+                return chunk(*args)
+
+        return run
+
+    return transform
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("advantage", [0.01, 100.0], ids=["ghost", "instantiated"])
+def test_traced_pass_equals_a_float64_loop(family, advantage, monkeypatch):
+    """The traced pass (run eagerly: the arithmetic the compiled graph computes) releases the float64 loop's clipped
+    sum and norms, with every large weight taking ghost norms or every one instantiated, in chunks of at most 4 rows
+    (a batch of 6: two chunks of 3)."""
+    monkeypatch.setattr(layerwise, "GHOST_ADVANTAGE", advantage)
+    model, params, loss, batch_loss, batch = _case(family)
+    compiled = CompiledLayerwise(LayerwiseGradients(model, batch_loss))
+    bound = 0.05
+    grad_fn, state = clipped_grad(
+        loss,
+        clipping_norm=bound,
+        microbatch_size=4,
+        return_diagnostics=True,
+        engine=Engine(gradients=compiled, transform=_entered(compiled), row_multiple=1),
+    )
+    (clipped, diagnostics), _ = grad_fn(params, batch, state=state)
+    expected, norms = _loop_reference(loss, params, batch, bound)
+    torch.testing.assert_close(diagnostics.norms.double(), norms.float().double(), rtol=1e-6, atol=0)
+    flat = torch.cat([clipped.value[k].reshape(-1) for k in sorted(params)])
+    ref = torch.cat([expected[k].reshape(-1) for k in sorted(params)])
+    assert ((flat - ref).norm() / ref.norm()).item() < 1e-9
+
+
+class InPlace(torch.nn.Module):
+    """A linear layer whose output the model scales in place before the next layer reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x)
+        hidden.mul_(3.0)
+        return self.second(torch.tanh(hidden))
+
+
+def test_an_output_changed_in_place_keeps_the_layers_gradient():
+    """The gradient taken is that of the layer's output as it returned it, not of the value the model changed it to
+    (without the copy, the first layer's per-example gradients are off by the factor 3)."""
+    torch.manual_seed(0)
+    model = InPlace().double()
+    apply, params, frozen = functional_model(model)
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def loss(p, example):
+        return torch.nn.functional.cross_entropy(apply(p, frozen, example["x"][None]), example["y"][None])
+
+    def batch_loss(p, b):
+        return torch.nn.functional.cross_entropy(apply(p, frozen, b["x"]), b["y"], reduction="none")
+
+    compiled = CompiledLayerwise(LayerwiseGradients(model, batch_loss))
+    engine = Engine(gradients=compiled, transform=_entered(compiled))
+    grad_fn, state = clipped_grad(loss, clipping_norm=0.5, return_diagnostics=True, engine=engine)
+    (clipped, diagnostics), _ = grad_fn(params, {"x": x, "y": y}, state=state)
+    expected, norms = _loop_reference(loss, params, {"x": x, "y": y}, 0.5)
+    torch.testing.assert_close(diagnostics.norms.double(), norms.float().double(), rtol=1e-6, atol=0)
+    for name, value in expected.items():
+        torch.testing.assert_close(clipped.value[name].double(), value, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_traced_pass_runs_inside_its_context_only():
+    model, params, loss, batch_loss, batch = _case("llama_lora")
+    compiled = CompiledLayerwise(LayerwiseGradients(model, batch_loss))
+    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, engine=Engine(gradients=compiled))
+    with pytest.raises(ConfigurationError, match=r"runs inside its around\(\) context"):
+        grad_fn(params, batch, state=state)
+    assert not any(module._forward_hooks for module in model.modules())  # the context's hooks are gone after a call
+    grad_fn, state = clipped_grad(
+        loss, clipping_norm=1.0, engine=Engine(gradients=compiled, transform=_entered(compiled))
+    )
+    grad_fn(params, batch, state=state)
+    assert not any(module._forward_hooks for module in model.modules())
+
+
+def test_a_model_with_layers_the_traced_pass_does_not_serve_runs_eagerly():
+    """Experts (a mixture-of-experts model) are not traced: torch_compile warns and the step keeps the hook engine,
+    uncompiled, with the real rows only."""
+    model = tiny_moe("qwen3_moe")
+    engine_of = LayerwiseGradients(model, lambda p, b: None)
+    args = SimpleNamespace(torch_compile=True, torch_compile_backend="inductor", torch_compile_mode=None,
+                           cuda_graphs=0, device=torch.device("cpu"))  # fmt: skip
+    with pytest.warns(RuntimeWarning, match=r"this model has \['experts'.*runs eagerly"):
+        engine = engines.engine(args, engine_of, engines.chunk_transform(args, keep=print), microbatch=4)
+    assert engine.gradients is engine_of and engine.transform is None and engine.row_multiple == 1
+
+
+def test_compile_wrapper_enters_its_context_and_counts_compiled_calls():
+    entered = []
+
+    def around(args):
+        entered.append(tuple(a.shape for a in args))
+        return warnings.catch_warnings()
+
+    run = compile_chunk(lambda x: torch.tanh(x) * 2, backend="eager", around=around)
+    for n in (3, 3, 4):
+        torch.testing.assert_close(run(torch.ones(n)), torch.full((n,), 2 * math.tanh(1.0)))
+    assert entered == [((3,),), ((3,),), ((4,),)] and run.compiled_calls() == 3 and not run.is_eager()
+
+
+def test_compile_wrapper_fails_loudly_past_the_recompile_limit():
+    """Past Dynamo's recompile limit the frame would run eagerly without a word: the wrapper warns and says so."""
+    torch._dynamo.reset()
+
+    def chunk(x: torch.Tensor, k: int) -> torch.Tensor:
+        return x * k
+
+    run = compile_chunk(chunk, backend="eager")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        run(torch.ones(2), 2)
+        with pytest.warns(RuntimeWarning, match="running it eagerly"):  # another int value: a recompilation
+            torch.testing.assert_close(run(torch.ones(2), 3), torch.full((2,), 3.0))
+    assert run.is_eager() and run.compiled_calls() == 1
+
+
+# -- DPTrainer(torch_compile=True) with inductor -------------------------------------------------------------------
+
+DATA = token_data(40)
+CLASSES = token_data(40, classes=3)
+
+
+def _args(tmp_path, **kw):
+    base = {
+        "per_device_train_batch_size": 8,
+        "microbatch_size": 8,
+        "max_steps": 3,
+        "privacy_noise_multiplier": 1.0,
+        "clipping_norm": 0.1,  # some examples clipped, some not
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "learning_rate": 0.05,
+        "lr_scheduler": "constant",
+        "logging_steps": 3,
+        "save_strategy": "no",
+        "report_to": "none",
+        "privacy_noise_seed": 0,  # both runs draw the same batches and noise
+    }
+    return TrainingArguments(str(tmp_path / "out"), **{**base, **kw})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_compiled_step_equals_the_eager_step(tmp_path, family, monkeypatch):
+    """Three Poisson steps (batches of different sizes and padded lengths) with the layerwise engine, eager and
+    compiled by inductor: the weights agree to float32 rounding (rtol 1e-5, atol 1e-6: the compiled graph sums in
+    other orders, about 1e-7 here, while a wrong norm or sum moves them by the learning rate times the noise-free
+    update, above 1e-3). The compilation must not fall back: no warning, every chunk served by the compiled function,
+    one graph (rows and positions symbolic), no graph break."""
+    wrappers = []
+
+    def spy(chunk, **kwargs):
+        wrappers.append(compile_chunk(chunk, **kwargs))
+        return wrappers[-1]
+
+    monkeypatch.setattr(engines, "compile_chunk", spy)
+    data = CLASSES if family == "bert" else DATA
+    trained, shapes = {}, []
+    for compiled in (False, True):
+        trainer = DPTrainer(FAMILIES[family](), _args(tmp_path / str(compiled), torch_compile=compiled),
+                            train_dataset=data)  # fmt: skip
+        assert trainer.per_example_gradients_engine == "layerwise"
+        trainer._batch = lambda dataset, rows, batch=trainer._batch: shapes.append(len(rows)) or batch(dataset, rows)
+        torch._dynamo.reset()
+        counters.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+        assert not [str(w.message) for w in caught if "eagerly" in str(w.message)]
+        trained[compiled] = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
+    (run,) = wrappers
+    assert not run.is_eager() and run.compiled_calls() >= 3  # one chunk per step at least
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert len(set(shapes[-3:])) > 1  # the compiled steps met batches of different sizes
+    for name, value in trained[False].items():
+        torch.testing.assert_close(trained[True][name], value, rtol=1e-5, atol=1e-6, msg=name)
+        assert not torch.equal(value, FAMILIES[family]().get_parameter(name).detach()), name  # training moved it
