@@ -5,9 +5,9 @@ with every seed's numbers, the markdown table, then a table of flag rates on sim
 canaries. CPU only, single-threaded torch (about twenty-five minutes on two cores; ``--quick``, 2 seeds and 20
 simulations, about four minutes). The rows ``dpsgd4smallq`` and ``leak15smallq`` (q = 0.002, 20,000 steps, about 8
 minutes each) run only when named in ``--only``. Rows with 10,000 to 50,000 canaries cost seconds per seed: the core
-step forms the canaries' gradients with ``opake_torch.audit.DiracGradients``, in proportion to the batch.
+step forms the canaries' gradients with ``opake_torch.auditing.DiracGradients``, in proportion to the batch.
 
-Every row trains the same small model, for real, with the core step (``opake_torch.audit.audit_dirac_run``) or
+Every row trains the same small model, for real, with the core step (``opake_torch.auditing.audit_dirac_run``) or
 ``DPTrainer`` (``audit_trainer_dirac``): an MLP 16-32-10 on 1,000 generated examples, plus one row per canary slot.
 Canaries are Dirac gradient canaries of raw norm 100 C (clipped to C by a correct run) unless the row says input-space.
 The claim is DP-SGD with Poisson sampling (q = 0.2 of the rows, 200 steps, C = 1) with the noise multiplier
@@ -46,19 +46,19 @@ import torch
 import torch.nn.functional as F
 
 from opake_core import accounting, mf, random
-from opake_core.clipping import clipped_grad
-from opake_core.fdp_audit import (
+from opake_core.auditing import (
     audit_claim,
     fdp_audit,
     likelihood_ratio_scores,
     process_tradeoff,
     simulate_dirac_observations,
 )
+from opake_core.clipping import clipped_grad
 from opake_core.noise import gaussian_noise
 from opake_core.optim import apply_updates
 from opake_core.step import dp_sgd
 from opake_core.tree import Clipped, Noised
-from opake_torch.audit import audit_core_run, audit_dirac_run, dirac_canaries, make_canaries, planned_guess_sets
+from opake_torch.auditing import audit_core_run, audit_dirac_run, dirac_canaries, make_canaries, planned_guess_sets
 
 D, H, K = 16, 32, 10
 N_REAL = 1000
@@ -314,7 +314,7 @@ def token_rows(n: int) -> list[dict[str, Any]]:
 def trainer_row(claimed, seeds) -> Row:
     import tempfile
 
-    from opake_torch.audit import audit_trainer_dirac
+    from opake_torch.auditing import audit_trainer_dirac
     from opake_torch.transformers import TrainingArguments
 
     real, m, steps = 500, 1000, 100

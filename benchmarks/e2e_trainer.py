@@ -21,8 +21,8 @@ Modes (per workload):
   size without replacement, one shape and one chunk per step. A different guarantee (replace-one adjacency, a
   looser accountant: docs/accounting.md), so it is compared for speed only.
 * ``dp_rows4``, ``dp_expandable``: diagnostics of ``dp`` with each chunk's rows rounded up to a multiple of 4 (dead
-  rows; ``opake_torch.transformers.engines.ROW_MULTIPLE``), or with the CUDA allocator's expandable segments.
-* ``dp_instantiate``: diagnostic of ``dp`` with ``opake_torch.layerwise.GHOST_ADVANTAGE = 1.5``: the layerwise
+  rows; ``per_example_row_multiple=4``), or with the CUDA allocator's expandable segments.
+* ``dp_instantiate``: diagnostic of ``dp`` with ``layerwise_ghost_advantage=1.5``: the layerwise
   engine instantiates the weights whose Gram factors hold more than two thirds of their per-example gradients
   (faster, more memory) instead of taking their ghost norms.
 * ``dp_compile``: ``DPTrainer`` with ``torch_compile=True`` (one knob set): each chunk (forward, per-example norms,
@@ -85,7 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from environment import environment
 from modes import LR, opacus_available, trainable
 from settings import Settings
-from timing import failure, fmt, free, peak_gib, reserved_gib, rope_restored, sync, table, tf32
+from timing import failure, fmt, free, peak_gib, reserved_gib, sync, table, tf32
 from workloads import HOST, SCALE, SUITES, Workload, build_model, make_batch
 
 MODES = (
@@ -240,11 +240,12 @@ def dataset_size(workload: Workload, mode: str) -> int:
 def run_hf(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, kernels: bool) -> dict[str, Any]:
     from transformers import Trainer, TrainingArguments
 
+    from opake_torch.patches import apply_runtime_patches
+    from opake_torch.patches.performance import apply_performance_kernels, runtime_patches
+
     model = model_for(workload, opts.device)
     applied = None
     if kernels:
-        from opake_torch.patches.performance import apply_performance_kernels
-
         applied = apply_performance_kernels(
             model, use_performance_kernels=True, performance_kernels_config=HF_KERNELS_CONFIG
         )
@@ -261,16 +262,14 @@ def run_hf(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, ke
         if args.n_gpu > 1:  # HF's Trainer would wrap the model in DataParallel over every visible GPU
             raise RuntimeError(f"{args.n_gpu} GPUs are visible; set CUDA_VISIBLE_DEVICES to one GPU")
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[clock.callback()])
-        trainer.train()
+        with apply_runtime_patches(runtime_patches(applied or [])):  # the RoPE kernel, as DPTrainer applies it
+            trainer.train()
     return {"engine": "autograd", "optim": getattr(args.optim, "value", args.optim), "kernels_applied": applied}
 
 
 def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mode: str) -> dict[str, Any]:
-    from opake_torch import layerwise
-    from opake_torch.transformers import DPTrainer, TrainingArguments, engines
+    from opake_torch.transformers import DPTrainer, TrainingArguments
 
-    engines.ROW_MULTIPLE = 4 if mode == "dp_rows4" else 1  # reset: --in-process runs the rows in one process
-    layerwise.GHOST_ADVANTAGE = 1.5 if mode == "dp_instantiate" else 1.0
     if mode == "dp_expandable" and opts.device.type == "cuda":
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     extra = {
@@ -279,6 +278,8 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
         "dp_graphs4": {"cuda_graphs": 4},
         "dp_fixed": {"sampling_mode": "fixed_size"},
         "dp_compile": {"torch_compile": True},
+        "dp_rows4": {"per_example_row_multiple": 4},
+        "dp_instantiate": {"layerwise_ghost_advantage": 1.5},
     }.get(mode, {})
     from torch._dynamo.utils import counters
 
@@ -398,7 +399,7 @@ def measure_row(workload: Workload, mode: str, opts: argparse.Namespace) -> dict
     begin = time.perf_counter()
     clock = StepClock(opts.device, opts.warmup, opts.warmup + opts.steps, opts.profile_steps)
     try:
-        with tf32(opts.tf32), rope_restored():  # the kernels' RoPE patch is process-wide: undo it after the row
+        with tf32(opts.tf32):
             record.update(RUNNERS[mode](workload, opts, clock))
         summary = clock.summary()
     except ImportError as exc:

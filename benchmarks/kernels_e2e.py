@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from modes import LR, WEIGHT_DECAY, nonprivate_step
-from timing import fmt, free, is_oom, peak_gib, rope_restored, table_row, timed_steps
+from timing import fmt, free, is_oom, peak_gib, table_row, timed_steps
 from workloads import LLAMA_1B, LORA_TARGETS, Workload, make_batch
 
 CONFIGS = {  # name: (use_performance_kernels, fused clip, layerwise); None: the non-private reference
@@ -127,23 +127,24 @@ def _dp_step(
     microbatch: int,
     layerwise: bool = False,
 ) -> tuple[Callable[[], None], list[str]]:
-    """One ``dp_sgd`` step as DPTrainer builds it: compat patches, performance kernels, functional model, the
-    per-example causal-LM loss; returns the step and the kernel patches in effect."""
+    """One ``dp_sgd`` step as DPTrainer builds it: family patches, performance kernels, functional model, the
+    per-example causal-LM loss, the process-level patches applied while it runs; returns the step and the kernel
+    patches in effect."""
     from opake_core import random
     from opake_core.clipping import Engine, MaterializedGradients, VmapGradients
     from opake_core.optim import adamw
     from opake_core.step import dp_sgd
     from opake_torch.functional import functional_model
     from opake_torch.layerwise import LayerwiseGradients
-    from opake_torch.patches import apply_compat_patches
+    from opake_torch.patches import VMAP_PATCHES, apply_runtime_patches
     from opake_torch.patches.families import apply_family_patches
     from opake_torch.patches.kernels import FusedGradients
-    from opake_torch.patches.performance import apply_performance_kernels
+    from opake_torch.patches.performance import apply_performance_kernels, runtime_patches
     from opake_torch.transformers.loss import batch_losses, fused_causal_lm_losses, fused_head, per_example_loss
 
-    apply_compat_patches()
     apply_family_patches(model)
     applied = apply_performance_kernels(model, use_performance_kernels=kernels)
+    patches = (*VMAP_PATCHES, *runtime_patches(applied))  # process-level (the RoPE kernel): applied per step
     apply, params, frozen = functional_model(model)
 
     head = fused_head(model, set(params)) if "fused_linear_cross_entropy" in applied else None
@@ -176,7 +177,8 @@ def _dp_step(
     state = [params, optimizer.init(params), dp_state]
 
     def step() -> None:
-        state[0], state[1], state[2], _ = step_fn(*state, (batch,))
+        with apply_runtime_patches(patches):
+            state[0], state[1], state[2], _ = step_fn(*state, (batch,))
 
     return step, applied
 
@@ -248,8 +250,7 @@ def _run(status_row: dict[str, Any], began: float, args: argparse.Namespace, fn:
     free(args.device)
     begin = time.perf_counter()
     try:
-        with rope_restored():
-            row = {**status_row, **fn(), "status": "ok"}
+        row = {**status_row, **fn(), "status": "ok"}
     except Exception as exc:  # a failing row is a result, not the end of the benchmark
         row = {**status_row, "status": _error(exc)}
     free(args.device)

@@ -48,12 +48,12 @@ def measure(knob: str, *, layers: int, seq: int, batch: int, microbatch: int, st
     from opake_core.clipping import Engine, VmapGradients, clipped_grad
     from opake_torch.functional import functional_model
     from opake_torch.layerwise import LayerwiseGradients
-    from opake_torch.patches import apply_compat_patches
-    from opake_torch.patches.checkpointing import enable_vmap_checkpointing
+    from opake_torch.patches import apply_runtime_patches
+    from opake_torch.patches.activation_checkpointing import enable_vmap_checkpointing
     from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
     from opake_torch.transformers.loss import batch_losses, per_example_loss
 
-    apply_compat_patches()
+    apply_runtime_patches()
     bf16 = "bf16" in knob
     model = build(layers, bf16=False)
     if "checkpointing" in knob:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from settings import Settings
-from timing import peak_gib, reserved_gib, rope_restored, sync
+from timing import peak_gib, reserved_gib, sync
 from workloads import Workload, build_model, model_inputs, per_example_losses
 
 OPACUS_MODES = ("opacus_hooks", "opacus_ghost")
@@ -108,10 +108,10 @@ def opacus_ghost(workload: Workload, batch: dict[str, torch.Tensor], settings: S
 def core_parts(workload: Workload, settings: Settings) -> tuple[torch.nn.Module, Any, dict, dict, Callable]:
     """The model, its functional form ``(apply, params, frozen)`` and the per-example loss of the opake modes."""
     from opake_torch.functional import functional_model
-    from opake_torch.patches import apply_compat_patches
+    from opake_torch.patches import apply_runtime_patches
     from opake_torch.transformers.loss import per_example_loss
 
-    apply_compat_patches()
+    apply_runtime_patches()
     model = build_model(workload, settings.device)
     apply, params, frozen = functional_model(model)
 
@@ -218,9 +218,8 @@ def opake_trainer(
             use_performance_kernels=kernels,
             cuda_graphs=1 if graphs else 0,
         )
-        with rope_restored():  # the kernels' RoPE patch is process-wide: later modes and workloads run without it
-            trainer = DPTrainer(build_model(workload, device), args, train_dataset=rows, callbacks=[StepTimer()])
-            trainer.train()
+        trainer = DPTrainer(build_model(workload, device), args, train_dataset=rows, callbacks=[StepTimer()])
+        trainer.train()
     engine = trainer.per_example_gradients_engine
     return {
         "times": times,

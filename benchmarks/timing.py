@@ -90,16 +90,3 @@ def table_row(cells: list[str]) -> str:
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     """A markdown table's lines: the header, its rule and one line per row of cells."""
     return [table_row(header), "|" + "---|" * len(header), *(table_row(cells) for cells in rows)]
-
-
-@contextlib.contextmanager
-def rope_restored() -> Iterator[None]:
-    """``apply_performance_kernels`` patches Llama's module-level ``apply_rotary_pos_emb`` for the whole process:
-    undo it when a measurement with the kernels ends, so that later measurements run the stock function."""
-    from transformers.models.llama import modeling_llama
-
-    original = modeling_llama.apply_rotary_pos_emb
-    try:
-        yield
-    finally:
-        modeling_llama.apply_rotary_pos_emb = original

@@ -30,14 +30,24 @@ from opake_core.errors import CalibrationError, ConfigurationError, PrivacyBudge
 
 __all__ = ["SAMPLERS", "Plan", "check_combination", "is_horizon", "plan"]
 
-SAMPLERS: dict[str, tuple[str, ...]] = {"gaussian": ("poisson", "k_out_of_t", "fixed_size", "sequential")}
-SAMPLERS.update(accounting.COMPATIBLE_SAMPLERS)
+SAMPLERS: dict[str, tuple[str, ...]] = {
+    "gaussian": ("poisson", "k_out_of_t", "fixed_size", "sequential"),
+    **accounting.COMPATIBLE_SAMPLERS,
+}
 """Mechanism name -> the samplers it has an accountant with (the first is the usual one)."""
 HORIZON_SAMPLERS = ("k_out_of_t",)
 
 
 def is_horizon(mechanism: str, sampler: str) -> bool:
-    """Whether ``mechanism`` with ``sampler`` is accounted once for its whole horizon (DP-FTRL, k-out-of-t)."""
+    """Whether ``mechanism`` with ``sampler`` is accounted once for its whole horizon (DP-FTRL, k-out-of-t).
+
+    Example:
+
+        >>> from opake_core import plan
+        >>> plan.is_horizon("gaussian", "poisson"), plan.is_horizon("gaussian", "k_out_of_t"), plan.is_horizon(
+        ...     "mf_band", "cyclic_poisson")
+        (False, True, True)
+    """
     return mechanism != "gaussian" or sampler in HORIZON_SAMPLERS
 
 
@@ -48,6 +58,18 @@ def check_combination(
 
     ``mechanism`` is ``"gaussian"`` or an ``mf_*`` name, ``sampler`` a sampler name (``"poisson"``, ...),
     ``noise_multiplier`` the fixed multiplier (None: calibrated to ``target``).
+
+    Example:
+
+        >>> from opake_core import ConfigurationError, plan
+        >>> plan.check_combination(mechanism="mf_band", sampler="cyclic_poisson", adaptive_clipping=False,
+        ...                        noise_multiplier=1.0, target=None)
+        >>> try:
+        ...     plan.check_combination(mechanism="gaussian", sampler="sequential", adaptive_clipping=False,
+        ...                            noise_multiplier=1.0, target=None)
+        ... except ConfigurationError as error:
+        ...     print(str(error)[:70])
+        a sequential order gives no privacy amplification and is allowed only
     """
     if mechanism not in SAMPLERS:
         raise ConfigurationError(f"unknown mechanism {mechanism!r}; known: {sorted(SAMPLERS)}.")
@@ -218,9 +240,9 @@ def plan(
         resumed_multiplier: the multiplier an unchanged resumed run calibrated before: kept while the whole history
             stays within the target, so that the resume replays exactly.
         router_ratio: ``rho > 0`` when every step also releases the MoE router load statistic
-            (:func:`opake_core.moe.router_release`, multiplier ``z / sqrt(rho)``): each step's Gaussian is then
-            accounted at ``z / sqrt(1 + rho)`` (:func:`opake_core.accounting.moe_aux`), in the calibration, the stop
-            step and the release recorded in the ledger. DP-SGD with fixed clipping only.
+            (:func:`opake_core.router_release.router_release`, multiplier ``z / sqrt(rho)``): each step's Gaussian is
+            then accounted at ``z / sqrt(1 + rho)`` (:func:`opake_core.accounting.moe_aux`), in the calibration, the
+            stop step and the release recorded in the ledger. DP-SGD with fixed clipping only.
         second_moment_strategy: DP-FTRL with private second moments
             (:func:`opake_core.noise.paired_mf_gaussian_noise`): the second stream's strategy, optimized here like
             ``strategy``; one that the sampler's accountant does not cover is refused
@@ -229,6 +251,17 @@ def plan(
     Raises:
         ConfigurationError: a combination without a correct accountant, with the fix.
         PrivacyBudgetError: no multiplier or target, a spent budget, a target that one more step exceeds.
+
+    Example: DP-SGD with Poisson sampling and a fixed multiplier; the run's epsilon is that of its release repeated
+    over the steps. (With ``target_epsilon`` instead of ``noise_multiplier`` the multiplier is calibrated.)
+
+        >>> from opake_core import accounting, plan, sampling
+        >>> sampler = sampling.poisson(dataset_size=1_000, sample_rate=0.05)
+        >>> run = plan.plan(sampler=sampler, steps=20, delta=1e-5, clipping=1.0, noise_multiplier=2.0)
+        >>> run.release, run.expected_batch_size, run.horizon
+        (Poisson(inner=Gaussian(noise_multiplier=2.0), sample_rate=0.05), 50.0, False)
+        >>> accounting.epsilon(accounting.repeat(run.release, run.total_steps), delta=run.delta, accountant="rdp")
+        Result(value=0.599..., accountant='rdp')
     """
     steps = validate.integer("steps", steps, minimum=1)
     if noise_multiplier is None and target_epsilon is None:

@@ -45,7 +45,21 @@ __all__ = ["DPState", "StepMetrics", "dp_ftrl", "dp_sgd", "dp_step", "rekeyed", 
 @optree.dataclasses.dataclass(frozen=True, namespace=NAMESPACE)
 class DPState:
     """State of a composed step: steps taken so far, the clipping state and the noise mechanism's state (its key and,
-    for DP-FTRL, its buffers)."""
+    for DP-FTRL, its buffers).
+
+    Example: a step returns the next state and leaves the one it was given as it was, so a saved state replays.
+
+        >>> import torch
+        >>> from opake_core import dp_sgd, optim, random
+        >>> sgd = optim.sgd(lr=0.1)
+        >>> step_fn, first = dp_sgd(lambda w, x: x @ w, clipping_norm=1.0, noise_multiplier=1.0, key=random.key(0),
+        ...                         optimizer=sgd, expected_batch_size=4.0)
+        >>> w, batch = torch.zeros(3), (torch.ones(4, 3),)
+        >>> w1, _, second, _ = step_fn(w, sgd.init(w), first, batch)
+        >>> w1_again, _, _, _ = step_fn(w, sgd.init(w), first, batch)
+        >>> first.step, second.step, torch.equal(w1, w1_again)
+        (0, 1, True)
+    """
 
     step: int = optree.dataclasses.field(pytree_node=False)
     clip: Any
@@ -65,6 +79,18 @@ class StepMetrics:
     released its noise and is accounted in full. The step never warns about them itself (that would wait for the
     device at every step); read the count here. When it equals ``batch_size`` at every step, the run releases noise
     only.
+
+    Example:
+
+        >>> import torch
+        >>> from opake_core import dp_sgd, optim, random
+        >>> sgd = optim.sgd(lr=0.1)
+        >>> step_fn, dp_state = dp_sgd(lambda w, x: x @ w, clipping_norm=1.0, noise_multiplier=1.0, key=random.key(0),
+        ...                            optimizer=sgd, expected_batch_size=4.0)
+        >>> x = torch.tensor([[0.5, 0.0], [3.0, 4.0], [0.0, 0.1]])  # gradient norms 0.5, 5 and 0.1
+        >>> _, _, _, metrics = step_fn(torch.zeros(2), sgd.init(torch.zeros(2)), dp_state, (x,))
+        >>> metrics.step, metrics.noise_std, metrics.batch_size, round(metrics.clip_rate.item(), 4)
+        (0, 0.25, 3, 0.3333)
     """
 
     step: int
@@ -127,6 +153,22 @@ def dp_step(
         ``step_fn(params, opt_state, dp_state, batch) -> (params, opt_state, dp_state, metrics)`` where ``batch`` is
         a tuple of per-example tensors ``[B, ...]`` (``loss_fn(params, *batch[i])`` is one example's loss). A step
         depends only on its inputs: the same state replays the same step.
+
+    Example: with the noise off (multiplier 0, a non-private run), one SGD step moves the parameters by exactly
+    ``-lr`` times the clipped sum divided by the expected batch size.
+
+        >>> import torch
+        >>> from opake_core import clipped_grad, dp_step, gaussian_noise, optim, random
+        >>> loss_fn = lambda w, x, y: (x @ w - y) ** 2
+        >>> x, y = torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), torch.ones(6)
+        >>> sgd = optim.sgd(lr=0.5)
+        >>> noise = gaussian_noise(noise_multiplier=0.0, key=random.key(0))
+        >>> step_fn, dp_state = dp_step(loss_fn, clipping=1.0, noise=noise, optimizer=sgd, expected_batch_size=8.0)
+        >>> w = torch.zeros(4)
+        >>> w1, _, dp_state, metrics = step_fn(w, sgd.init(w), dp_state, (x, y))
+        >>> grad_fn, state = clipped_grad(loss_fn, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=8.0)
+        >>> torch.allclose(w1, w - 0.5 * grad_fn(w, x, y, state=state)[0].value)
+        True
     """
     if not (isinstance(noise, tuple) and len(noise) == 2 and callable(noise[0])):
         raise InputTypeError(
@@ -237,6 +279,23 @@ def dp_sgd(
         compute_dtype: dtype the noise is drawn and added in.
         **step_options: the other arguments of :func:`dp_step` (``optimizer``, ``expected_batch_size``, and
             optionally ``microbatch_size``, ``engine``, ``reduce``, ``reduce_count``).
+
+    Example: what a step adds to the clipped update is Gaussian noise of standard deviation
+    ``lr * noise_multiplier * clipping_norm / expected_batch_size``.
+
+        >>> import torch
+        >>> from opake_core import clipped_grad, dp_sgd, optim, random
+        >>> loss_fn = lambda w, x: x @ w
+        >>> x = torch.randn(16, 20_000, generator=torch.Generator().manual_seed(0))
+        >>> sgd = optim.sgd(lr=1.0)
+        >>> step_fn, dp_state = dp_sgd(loss_fn, clipping_norm=1.0, noise_multiplier=2.0, key=random.key(0),
+        ...                            optimizer=sgd, expected_batch_size=16.0)
+        >>> w = torch.zeros(20_000)
+        >>> w1, opt_state, dp_state, metrics = step_fn(w, sgd.init(w), dp_state, (x,))
+        >>> grad_fn, state = clipped_grad(loss_fn, clipping_norm=1.0, normalize_by=16.0)
+        >>> noise = (w - w1) - grad_fn(w, x, state=state)[0].value
+        >>> metrics.noise_std, round(noise.std().item(), 2)
+        (0.125, 0.12)
     """
     noise = gaussian_noise(noise_multiplier=noise_multiplier, key=key, compute_dtype=compute_dtype)
     count_key = random.fold_in(key, ADAPTIVE_STREAM) if isinstance(clipping_norm, AdaptiveRule) else None
@@ -281,6 +340,25 @@ def dp_ftrl(
             otherwise.
         **step_options: the other arguments of :func:`dp_step` (``optimizer``, ``expected_batch_size``, and
             optionally ``microbatch_size``, ``engine``, ``reduce``, ``second_moment``).
+
+    Example: BandMF with 2 bands over a horizon of 4 steps (to be sampled and accounted with cyclic Poisson sampling
+    over 2 groups, see :func:`~opake_core.accounting.mf_process`); a fifth step is refused.
+
+        >>> import torch
+        >>> from opake_core import StateError, dp_ftrl, mf, optim, random
+        >>> strategy = mf.optimize(mf.band_mf(bands=2), 4)
+        >>> sgd, w = optim.sgd(lr=0.1), torch.zeros(3)
+        >>> step_fn, dp_state = dp_ftrl(lambda w, x: x @ w, params=w, strategy=strategy, n_steps=4, clipping_norm=1.0,
+        ...                             noise_multiplier=1.0, key=random.key(0), optimizer=sgd,
+        ...                             expected_batch_size=50.0)
+        >>> opt_state = sgd.init(w)
+        >>> for _ in range(4):
+        ...     w, opt_state, dp_state, metrics = step_fn(w, opt_state, dp_state, (torch.ones(50, 3),))
+        >>> try:
+        ...     step_fn(w, opt_state, dp_state, (torch.ones(50, 3),))
+        ... except StateError:
+        ...     print("past the horizon")
+        past the horizon
     """
     if isinstance(clipping_norm, bool) or not isinstance(clipping_norm, numbers.Real | PerGroup | AutoSRule):
         raise ConfigurationError(

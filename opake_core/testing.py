@@ -17,6 +17,7 @@ a readable message (and returns the report when it passes).
   a reused key. Pairwise correlation test, Bonferroni-corrected to a total false-alarm rate ``alpha``.
 * :func:`check_replay`: the same inputs (key and state included) give bit-identical outputs, and the call does not
   modify its tensor inputs.
+* :func:`matches_torch_optimizer`: an optimizer's updates against a ``torch.optim`` class's on the same gradients.
 * :func:`check_sampling_rate`: a sampler's empirical inclusion rate against the rate its accountant assumes (exact
   two-sided binomial test at ``alpha``; exact for independent samplers, conservative for samplers whose inclusions
   are negatively correlated or fixed per epoch).
@@ -64,6 +65,7 @@ __all__ = [
     "check_sensitivity",
     "example_at",
     "extreme_examples",
+    "matches_torch_optimizer",
     "min_noise_samples",
     "neighbours",
     "noise_draws",
@@ -88,12 +90,28 @@ def batch_size(batch: Any) -> int:
 
 
 def example_at(batch: Any, index: int) -> Any:
-    """Example ``index`` of ``batch`` (its tensors without the batch dimension)."""
+    """Example ``index`` of ``batch`` (its tensors without the batch dimension).
+
+    Example:
+
+        >>> import torch
+        >>> from opake_core import testing
+        >>> testing.example_at((torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([0, 1])), 1)
+        (tensor([3., 4.]), tensor(1))
+    """
     return optree.tree_map(lambda x: x[index] if isinstance(x, torch.Tensor) else x, batch)
 
 
 def remove_one(batch: Any, index: int) -> Any:
-    """``batch`` without example ``index``."""
+    """``batch`` without example ``index``.
+
+    Example:
+
+        >>> import torch
+        >>> from opake_core import testing
+        >>> testing.remove_one((torch.tensor([10.0, 20.0, 30.0]),), 1)
+        (tensor([10., 30.]),)
+    """
     size = batch_size(batch)
     if not 0 <= index < size:
         raise ConfigurationError(f"index must be in [0, {size}), got {index}.")
@@ -102,14 +120,30 @@ def remove_one(batch: Any, index: int) -> Any:
 
 
 def add_one(batch: Any, example: Any) -> Any:
-    """``batch`` with ``example`` (same tree, no batch dimension) appended."""
+    """``batch`` with ``example`` (same tree, no batch dimension) appended.
+
+    Example:
+
+        >>> import torch
+        >>> from opake_core import testing
+        >>> testing.add_one((torch.tensor([10.0, 20.0]),), (torch.tensor(99.0),))
+        (tensor([10., 20., 99.]),)
+    """
     return optree.tree_map(
         lambda x, e: torch.cat([x, e.to(x.dtype)[None]]) if isinstance(x, torch.Tensor) else x, batch, example
     )
 
 
 def replace_one(batch: Any, index: int, example: Any) -> Any:
-    """``batch`` with example ``index`` replaced by ``example``."""
+    """``batch`` with example ``index`` replaced by ``example``.
+
+    Example:
+
+        >>> import torch
+        >>> from opake_core import testing
+        >>> testing.replace_one((torch.tensor([10.0, 20.0]),), 0, (torch.tensor(-1.0),))
+        (tensor([-1., 20.]),)
+    """
     size = batch_size(batch)
     if not 0 <= index < size:
         raise ConfigurationError(f"index must be in [0, {size}), got {index}.")
@@ -127,6 +161,14 @@ def extreme_examples(example: Any, *, scales: Sequence[float] = EXTREME_SCALES) 
 
     The defaults give huge (1e6, 1e3, -1e3), negated, tiny (1e-6) and zero variants; integer tensors (labels, token
     ids) are kept. Results that would overflow the tensor's dtype are skipped.
+
+    Example: the label (an integer tensor) stays as it is.
+
+        >>> import torch
+        >>> from opake_core import testing
+        >>> variants = testing.extreme_examples((torch.tensor([1.0, -2.0], dtype=torch.float64), torch.tensor(3)))
+        >>> [v[0][0].item() for v in variants], {v[1].item() for v in variants}
+        ([1000000.0, 1000.0, -1.0, -1000.0, 1e-06, 0.0], {3})
     """
     out = []
     for scale in scales:
@@ -167,6 +209,15 @@ def neighbours(
     Random neighbours remove a random example, add an example drawn from ``pool`` (or an extreme variant of a batch
     example when the pool is empty), or replace one. Adversarial neighbours remove every example in turn and add or
     replace with every extreme variant (:func:`extreme_examples`) of the first and last examples and of ``pool``.
+
+    Example: 4 random neighbours of a 3-example batch, then the adversarial ones (3 removals, and an addition and a
+    replacement for each of the 12 extreme variants of the first and last examples).
+
+        >>> import torch
+        >>> from opake_core import random, testing
+        >>> found = testing.neighbours((torch.ones(3, 2),), key=random.key(0), count=4)
+        >>> len(found), sorted({n.kind for n in found})
+        (31, ['add', 'remove', 'replace'])
     """
     for kind in kinds:
         if kind not in ("add", "remove", "replace"):
@@ -297,6 +348,20 @@ def check_sensitivity(
         extra: further neighbouring batches of your own (treated as add/remove neighbours).
         kinds: which neighbour relations to test.
         rtol: relative slack for float rounding; default ``max(1e-6, 4 * (B + 2) * eps)`` (module docstring).
+
+    Example: the clipped sum passes; a sum that forgot to clip but declares the same sensitivity does not.
+
+        >>> import torch
+        >>> from opake_core import Clipped, clipped_grad, random, testing
+        >>> grad_fn, state = clipped_grad(lambda w, x: x @ w, clipping_norm=1.0, normalize_by=4.0)
+        >>> release = lambda batch: grad_fn(torch.zeros(3, dtype=torch.float64), *batch, state=state)[0]
+        >>> batch = (torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)),)
+        >>> report = testing.check_sensitivity(release, batch, key=random.key(0), count=4)
+        >>> report.passed, report.sensitivity, round(report.max_ratio, 6)
+        (True, 0.25, 1.0)
+        >>> unclipped = lambda batch: Clipped(batch[0].sum(dim=0) / 4, 0.25)
+        >>> testing.check_sensitivity(unclipped, batch, key=random.key(0), count=4).passed
+        False
     """
     reference = release_fn(batch)
     ref_value, declared = _release(reference)
@@ -331,7 +396,19 @@ def check_sensitivity(
 
 
 def assert_sensitivity(release_fn: Callable[[Any], Any], batch: Any, **kwargs: Any) -> SensitivityReport:
-    """:func:`check_sensitivity`, raising ``AssertionError`` when it fails."""
+    """:func:`check_sensitivity`, raising ``AssertionError`` when it fails.
+
+    Example: in a pytest suite, one line per mechanism.
+
+        >>> import torch
+        >>> from opake_core import Clipped, random, testing
+        >>> unclipped = lambda batch: Clipped(batch[0].sum(dim=0), 1.0)
+        >>> try:
+        ...     testing.assert_sensitivity(unclipped, (torch.ones(2, 3),), key=random.key(0), count=2)
+        ... except AssertionError as error:
+        ...     print(str(error)[:40])
+        sensitivity violated: the release moved
+    """
     report = check_sensitivity(release_fn, batch, **kwargs)
     if not report.passed:
         raise AssertionError(
@@ -350,6 +427,12 @@ def min_noise_samples(*, scale_error: float = 0.03, alpha: float = 1e-3, power: 
 
     Normal approximation on ``log(s^2)`` (standard deviation ``sqrt(2 / n)``): ``n = 2 * ((z_{1-alpha/2} +
     z_{power}) / (2 * log(1 - scale_error)))^2``, rounded up. The defaults give 21,943.
+
+    Example:
+
+        >>> from opake_core import testing
+        >>> testing.min_noise_samples(), testing.min_noise_samples(scale_error=0.1)
+        (21943, 1834)
     """
     if not 0 < scale_error < 1 or not 0 < alpha < 1 or not 0 < power < 1:
         raise ConfigurationError(
@@ -386,6 +469,17 @@ def check_noise(samples: Any, *, std: float, alpha: float = 1e-3, min_samples: i
 
     RMS-ratio test: ``sum(x^2) / std^2 ~ chi2(n)``, two-sided at ``alpha``. KS test against ``N(0, std^2)`` at
     ``alpha``. ``n`` must be at least ``min_samples`` (default :func:`min_noise_samples` at this ``alpha``).
+
+    Example: the Gaussian mechanism's noise at multiplier 2 on sensitivity 0.5 has std 1; a claimed std 5% off is
+    caught.
+
+        >>> from opake_core import gaussian_noise, random, testing
+        >>> noise_fn, state = gaussian_noise(noise_multiplier=2.0, key=random.key(0))
+        >>> draws, outputs, state = testing.noise_draws(noise_fn, state, size=25_000, sensitivity=0.5)
+        >>> outputs[0].noise_std, testing.check_noise(draws, std=1.0).passed
+        (1.0, True)
+        >>> testing.check_noise(draws, std=1.05).passed
+        False
     """
     x = _flat64(samples)
     if not std > 0 or not math.isfinite(std):
@@ -408,7 +502,17 @@ def check_noise(samples: Any, *, std: float, alpha: float = 1e-3, min_samples: i
 
 
 def assert_noise(samples: Any, **kwargs: Any) -> NoiseReport:
-    """:func:`check_noise`, raising ``AssertionError`` when it fails."""
+    """:func:`check_noise`, raising ``AssertionError`` when it fails.
+
+    Example:
+
+        >>> from opake_core import gaussian_noise, random, testing
+        >>> noise_fn, state = gaussian_noise(noise_multiplier=1.0, key=random.key(0))
+        >>> draws, _, _ = testing.noise_draws(noise_fn, state, size=25_000)
+        >>> report = testing.assert_noise(draws, std=1.0)
+        >>> report.passed, abs(report.std_ratio - 1) < 0.03
+        (True, True)
+    """
     r = check_noise(samples, **kwargs)
     if not r.passed:
         raise AssertionError(
@@ -433,6 +537,14 @@ def noise_draws(
 
     Returns ``(draws, noised, state)``: ``draws`` holds one flat float64 array per (step, leaf), in that order (the
     noise itself, since the input is zero), ``noised`` the mechanism's outputs (with their declared ``noise_std``).
+
+    Example:
+
+        >>> from opake_core import gaussian_noise, random, testing
+        >>> noise_fn, state = gaussian_noise(noise_multiplier=1.0, key=random.key(0))
+        >>> draws, outputs, state = testing.noise_draws(noise_fn, state, size=100, steps=3, leaves=2)
+        >>> len(draws), draws[0].shape, len(outputs), state.step
+        (6, (100,), 3, 3)
     """
     tree = {f"leaf{i}": torch.zeros(size, dtype=dtype) for i in range(leaves)}
     draws, outputs = [], []
@@ -460,6 +572,18 @@ def check_fresh_noise(draws: Sequence[Any], *, alpha: float = 1e-3) -> FreshNois
 
     Each pair of equal-length draws is tested with Fisher's z (``atanh(r) * sqrt(n - 3) ~ N(0, 1)`` under
     independence), two-sided, Bonferroni-corrected over the pairs: total false-alarm rate at most ``alpha``.
+
+    Example: successive steps draw fresh noise; running the same state twice (a reused key) repeats it.
+
+        >>> from opake_core import gaussian_noise, random, testing
+        >>> noise_fn, state = gaussian_noise(noise_multiplier=1.0, key=random.key(0))
+        >>> draws, _, _ = testing.noise_draws(noise_fn, state, size=1_000, steps=3, leaves=2)
+        >>> testing.check_fresh_noise(draws).passed
+        True
+        >>> again, _, _ = testing.noise_draws(noise_fn, state, size=1_000)
+        >>> report = testing.check_fresh_noise([draws[0], again[0]])
+        >>> report.passed, report.max_abs_correlation
+        (False, 1.0)
     """
     arrays = [_flat64(d) for d in draws]
     pairs = [(i, j) for i, j in itertools.combinations(range(len(arrays)), 2) if arrays[i].size == arrays[j].size]
@@ -480,7 +604,19 @@ def check_fresh_noise(draws: Sequence[Any], *, alpha: float = 1e-3) -> FreshNois
 
 
 def assert_fresh_noise(draws: Sequence[Any], **kwargs: Any) -> FreshNoiseReport:
-    """:func:`check_fresh_noise`, raising ``AssertionError`` when it fails."""
+    """:func:`check_fresh_noise`, raising ``AssertionError`` when it fails.
+
+    Example:
+
+        >>> import numpy as np
+        >>> from opake_core import testing
+        >>> draw = np.random.default_rng(0).standard_normal(1_000)
+        >>> try:
+        ...     testing.assert_fresh_noise([draw, draw])
+        ... except AssertionError as error:
+        ...     print(str(error)[:45])
+        noise draws (0, 1) are correlated (1.0000, co
+    """
     r = check_fresh_noise(draws, **kwargs)
     if not r.passed:
         raise AssertionError(
@@ -524,6 +660,19 @@ def check_replay(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ReplayRep
 
     States and outputs are compared leaf by leaf (optree, ``"opake"`` namespace); pass the key and the state as
     arguments so that the replay really has the same inputs.
+
+    Example: a mechanism keyed by its state replays; one that draws from the global random state does not, and one
+    that writes into its input is caught too.
+
+        >>> import torch
+        >>> from opake_core import Clipped, gaussian_noise, random, testing
+        >>> noise_fn, state = gaussian_noise(noise_multiplier=1.0, key=random.key(0))
+        >>> testing.check_replay(noise_fn, Clipped({"w": torch.zeros(3)}, 1.0), state).passed
+        True
+        >>> testing.check_replay(lambda x: x + torch.randn(3), torch.zeros(3)).identical
+        False
+        >>> testing.check_replay(lambda x: x.add_(1.0), torch.zeros(3)).mutated
+        ('0.0',)
     """
     snapshot = copy.deepcopy((args, kwargs))
     first = fn(*args, **kwargs)
@@ -539,7 +688,16 @@ def check_replay(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ReplayRep
 
 
 def assert_replay(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ReplayReport:
-    """:func:`check_replay`, raising ``AssertionError`` when it fails."""
+    """:func:`check_replay`, raising ``AssertionError`` when it fails.
+
+    Example:
+
+        >>> import torch
+        >>> from opake_core import Clipped, gaussian_noise, random, testing
+        >>> noise_fn, state = gaussian_noise(noise_multiplier=1.0, key=random.key(0))
+        >>> testing.assert_replay(noise_fn, Clipped({"w": torch.zeros(3)}, 1.0), state).identical
+        True
+    """
     r = check_replay(fn, *args, **kwargs)
     if not r.passed:
         raise AssertionError(
@@ -555,7 +713,17 @@ def assert_replay(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ReplayRe
 
 def process_rate(process: Any) -> float | None:
     """The per-step inclusion rate a (truncated) Poisson, random-allocation or without-replacement process assumes
-    (inside repeats and compositions of one rate); None for other processes."""
+    (inside repeats and compositions of one rate); None for other processes.
+
+    Example:
+
+        >>> from opake_core import accounting, testing
+        >>> g = accounting.gaussian(1.0)
+        >>> testing.process_rate(accounting.repeat(accounting.poisson(g, 0.05), 10))
+        0.05
+        >>> testing.process_rate(accounting.random_allocation(g, 4)), testing.process_rate(g)
+        (0.25, None)
+    """
     if isinstance(process, acc.Repeat | acc.Compose):
         inner = [process.process] if isinstance(process, acc.Repeat) else list(process.processes)
         rates = {process_rate(p) for p in inner}
@@ -580,6 +748,14 @@ def accounted_rate(sampler: Any, steps: int) -> tuple[float, str]:
     Read from the accounting process ``sampler.process(1.0, steps)`` when it is a (truncated) Poisson or random
     allocation process; otherwise (DP-FTRL samplers, accounted by their strategy) from the public normalizer
     ``expected_batch_size / dataset_size`` that the clipped sum is divided by.
+
+    Example:
+
+        >>> from opake_core import sampling, testing
+        >>> testing.accounted_rate(sampling.poisson(dataset_size=1_000, sample_rate=0.05), steps=10)
+        (0.05, 'accounting process')
+        >>> testing.accounted_rate(sampling.balls_in_bins(dataset_size=1_000, num_bins=4), steps=8)
+        (0.25, 'expected_batch_size / dataset_size')
     """
     try:
         rate = process_rate(sampler.process(1.0, steps))
@@ -619,6 +795,16 @@ def check_sampling_rate(
     with near certainty once ``N * steps * rate`` reaches a few thousand inclusions. ``accounted`` overrides the rate
     read by :func:`accounted_rate`. A sampler sharded over ``world_size`` ranks is drawn on every rank (the same
     sampler with each ``rank``): the union of the ranks' batches is what the accountant analyses.
+
+    Example: Poisson sampling at 0.05 passes; an accountant that assumed 0.055 would be caught.
+
+        >>> from opake_core import random, sampling, testing
+        >>> sampler = sampling.poisson(dataset_size=1_000, sample_rate=0.05)
+        >>> report = testing.check_sampling_rate(sampler, key=random.key(0), steps=100)
+        >>> report.passed, report.trials, report.source
+        (True, 100000, 'accounting process')
+        >>> testing.check_sampling_rate(sampler, key=random.key(0), steps=100, accounted=0.055).passed
+        False
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigurationError(f"steps must be an int >= 1, got {steps!r}.")
@@ -639,7 +825,15 @@ def check_sampling_rate(
 
 
 def assert_sampling_rate(sampler: Any, **kwargs: Any) -> SamplingReport:
-    """:func:`check_sampling_rate`, raising ``AssertionError`` when it fails."""
+    """:func:`check_sampling_rate`, raising ``AssertionError`` when it fails.
+
+    Example:
+
+        >>> from opake_core import random, sampling, testing
+        >>> sampler = sampling.fixed_size(dataset_size=1_000, batch_size=50)
+        >>> testing.assert_sampling_rate(sampler, key=random.key(0), steps=100).empirical_rate
+        0.05
+    """
     r = check_sampling_rate(sampler, **kwargs)
     if not r.passed:
         raise AssertionError(
@@ -648,3 +842,36 @@ def assert_sampling_rate(sampler: Any, **kwargs: Any) -> SamplingReport:
             "trials. The epsilon reported for this run is not the epsilon of the sampler that ran."
         )
     return r
+
+
+def matches_torch_optimizer(
+    optimizer: Any,
+    torch_optimizer: type[torch.optim.Optimizer],
+    *,
+    steps: int = 3,
+    atol: float = 1e-6,
+    **torch_kwargs: Any,
+) -> bool:
+    """Whether ``optimizer`` (an :class:`opake_core.optim.Optimizer`, built with ``non_private=True`` so that it takes
+    plain tensors) moves a parameter ``[2]`` as ``torch_optimizer(params, **torch_kwargs)`` does over ``steps`` fixed
+    gradients, to ``atol`` (float32).
+
+    Example:
+
+        >>> import torch
+        >>> from opake_core import optim, testing
+        >>> testing.matches_torch_optimizer(optim.sgd(lr=0.1, non_private=True), torch.optim.SGD, lr=0.1)
+        True
+        >>> testing.matches_torch_optimizer(optim.sgd(lr=0.1, non_private=True), torch.optim.SGD, lr=0.2)
+        False
+    """
+    grads = torch.tensor([[0.5, 0.1], [-0.3, 0.2], [0.1, 0.4], [0.2, -0.5]]).repeat(math.ceil(steps / 4), 1)[:steps]
+    params = {"w": torch.tensor([1.0, -2.0])}
+    reference = torch.nn.Parameter(params["w"].clone())
+    reference_optimizer, state = torch_optimizer([reference], **torch_kwargs), optimizer.init(params)
+    for grad in grads:
+        updates, state = optimizer.update({"w": grad}, state, params=params)
+        params = {"w": params["w"] + updates["w"]}
+        reference.grad = grad.clone()
+        reference_optimizer.step()
+    return bool(torch.allclose(params["w"], reference.detach(), atol=atol))

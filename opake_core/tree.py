@@ -54,6 +54,13 @@ class PerGroup:
     Attributes:
         groups: ``(leaf path, group name)`` pairs, one per tensor leaf, in flattening order.
         values: ``(group name, value)`` pairs, sorted by group name.
+
+    Example (build one with :func:`per_group`, or directly):
+
+        >>> from opake_core import PerGroup
+        >>> bounds = PerGroup.build({"w": "body", "b": "head"}, {"body": 3.0, "head": 4.0})
+        >>> bounds.leaf_values(), bounds.effective  # the joint bound is the L2 combination
+        ([3.0, 4.0], 5.0)
     """
 
     groups: tuple[tuple[str, str], ...]
@@ -112,6 +119,16 @@ class Clipped:
         value: the tree of tensors.
         sensitivity: the L2 sensitivity of ``value`` under adding or removing one example (a float, or a
             :class:`PerGroup` of per-group sensitivities).
+
+    Example: :func:`~opake_core.clipping.clipped_grad` returns one; noise takes it and nothing else.
+
+        >>> import torch
+        >>> from opake_core import Clipped, gaussian_noise, random
+        >>> clipped = Clipped({"w": torch.zeros(3)}, sensitivity=0.5)
+        >>> noise_fn, state = gaussian_noise(noise_multiplier=2.0, key=random.key(0))
+        >>> noised, state = noise_fn(clipped, state)
+        >>> noised.noise_std  # noise multiplier times sensitivity
+        1.0
     """
 
     value: Any
@@ -123,7 +140,23 @@ class Clipped:
 
 @dataclass(frozen=True)
 class Noised(Clipped):
-    """A clipped tree with Gaussian noise of standard deviation ``noise_std`` (a float or :class:`PerGroup`) added."""
+    """A clipped tree with Gaussian noise of standard deviation ``noise_std`` (a float or :class:`PerGroup`) added.
+
+    Example: a noise mechanism returns one; the optimizers take it and refuse a clipped tree that was not noised.
+
+        >>> import torch
+        >>> from opake_core import Clipped, Noised, InputTypeError, optim
+        >>> params = {"w": torch.ones(2)}
+        >>> sgd = optim.sgd(lr=0.5)
+        >>> updates, _ = sgd.update(Noised({"w": torch.ones(2)}, 1.0, noise_std=1.0), sgd.init(params))
+        >>> updates["w"]
+        tensor([-0.5000, -0.5000])
+        >>> try:
+        ...     sgd.update(Clipped({"w": torch.ones(2)}, 1.0), sgd.init(params))
+        ... except InputTypeError:
+        ...     print("refused")
+        refused
+    """
 
     noise_std: float | PerGroup = 0.0
 
@@ -196,6 +229,17 @@ def per_group(
     Raises:
         ConfigurationError: no pattern and no fallback; a value that is not positive; a leaf that matches several
             patterns, or none without a fallback; a pattern that matches nothing (unless allowed); an invalid regex.
+
+    Example: bound the biases at 0.1 and every other parameter at 1.0.
+
+        >>> import torch
+        >>> from opake_core import per_group
+        >>> params = {"layer.weight": torch.zeros(4, 3), "layer.bias": torch.zeros(4)}
+        >>> bounds = per_group(params, {r"bias$": 0.1}, fallback=1.0)
+        >>> bounds.group_of["layer.bias"], bounds.group_of["layer.weight"]
+        ('bias$', 'fallback')
+        >>> round(bounds.effective, 4)  # sqrt(0.1^2 + 1^2), the joint bound
+        1.005
     """
     patterns = dict(patterns or {})
     if not patterns and fallback is None:

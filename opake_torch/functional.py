@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from opake_core.errors import ConfigurationError, InputTypeError
+from opake_core.errors import InputTypeError
 
-__all__ = ["functional_model", "load_parameters"]
+__all__ = ["functional_model"]
 
 
 def functional_model(
@@ -25,6 +25,21 @@ def functional_model(
 
     Tied (shared) parameters appear once, under their first name, and are used at every place they are tied to,
     so a per-example gradient already sums the contributions of every use before it is clipped.
+
+    Example: the pure function computes what the module computes, and the core's steps differentiate it.
+
+        >>> import torch
+        >>> from opake_core import clipped_grad
+        >>> from opake_torch import functional_model
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
+        >>> apply, params, frozen = functional_model(model)
+        >>> x = torch.randn(5, 3)
+        >>> torch.allclose(apply(params, frozen, x), model(x))
+        True
+        >>> grad_fn, state = clipped_grad(lambda p, x: apply(p, frozen, x).sum(), clipping_norm=1.0)
+        >>> clipped, state = grad_fn(params, x, state=state)
+        >>> sorted(clipped.value) == sorted(params)
+        True
     """
     if not isinstance(module, nn.Module):
         raise InputTypeError(f"functional_model expects an nn.Module, got {type(module).__name__}.")
@@ -36,14 +51,3 @@ def functional_model(
         return functional_call(module, {**frozen, **params}, args, kwargs, tie_weights=True, strict=False)
 
     return apply, params, frozen
-
-
-def load_parameters(module: nn.Module, params: dict[str, torch.Tensor]) -> None:
-    """Copy ``params`` (as returned by training on :func:`functional_model`'s tensors) into ``module`` in place."""
-    own = dict(module.named_parameters())
-    unknown = sorted(set(params) - set(own))
-    if unknown:
-        raise ConfigurationError(f"load_parameters got names the module does not have: {unknown[:5]}.")
-    with torch.no_grad():
-        for name, value in params.items():
-            own[name].copy_(value)

@@ -43,7 +43,6 @@ from torchopt.transform.trace import TraceState
 from opake_core import random
 from opake_core.clipping import AdaptiveClipState, FixedClipState
 from opake_core.errors import CheckpointError, InputTypeError, OpakeError
-from opake_core.moe import RouterState
 from opake_core.noise import GaussianNoiseState
 from opake_core.optim._foreach import AdamState
 from opake_core.optim._lr import LearningRateState
@@ -56,6 +55,7 @@ from opake_core.optim.lion import LionState
 from opake_core.optim.radam import RAdamState
 from opake_core.optim.rmsprop import RMSpropState
 from opake_core.optim.schedule_free import ScheduleFreeState
+from opake_core.router_release import RouterState
 from opake_core.step import DPState
 from opake_core.tree import PerGroup
 

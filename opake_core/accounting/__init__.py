@@ -16,7 +16,6 @@ from opake_core.accounting.calibration import (
 from opake_core.accounting.ledger import Ledger
 from opake_core.accounting.mf import COMPATIBLE_SAMPLERS, MFProcess, mf_process, sampler_participation
 from opake_core.accounting.mf_monte_carlo import BallsInBinsMF, BMinSepMF
-from opake_core.accounting.moe import moe_aux, moe_aux_multiplier
 from opake_core.accounting.processes import (
     AdaptiveClipping,
     Compose,
@@ -42,6 +41,7 @@ from opake_core.accounting.processes import (
 )
 from opake_core.accounting.queries import ACCOUNTANTS, Result, default_adjacency, delta, epsilon
 from opake_core.accounting.random_allocation import MonteCarlo
+from opake_core.accounting.router_release import moe_aux, moe_aux_multiplier
 from opake_core.accounting.serialization import from_json, library_versions, to_json
 
 __all__ = [

@@ -19,7 +19,19 @@ __all__ = ["check_delta"]
 
 def check_delta(delta: float, *, dataset_size: int, allow_large: bool = False) -> float:
     """``delta`` checked against ``1/dataset_size``: PrivacyBudgetError at or above it (unless ``allow_large``),
-    a warning above ``1/(10 dataset_size)``; returns it as a float."""
+    a warning above ``1/(10 dataset_size)``; returns it as a float.
+
+    Example:
+
+        >>> from opake_core import PrivacyBudgetError, accounting
+        >>> accounting.check_delta(1e-6, dataset_size=10_000)
+        1e-06
+        >>> try:
+        ...     accounting.check_delta(1e-3, dataset_size=10_000)  # one record in the clear would satisfy it
+        ... except PrivacyBudgetError:
+        ...     print("refused")
+        refused
+    """
     value = validate.delta("delta", delta)
     n = validate.integer("dataset_size", dataset_size, minimum=1)
     if value >= 1 / n and not allow_large:

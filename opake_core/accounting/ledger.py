@@ -30,7 +30,23 @@ LEDGER_FORMAT = "opake.accounting.ledger/1"
 
 @dataclass(frozen=True)
 class Ledger:
-    """The releases of a run: ``entries[i] = (process, count)``, oldest first (see the module docstring)."""
+    """The releases of a run: ``entries[i] = (process, count)``, oldest first (see the module docstring).
+
+    Example: 600 steps, then 400 more with more noise after a resume; the ledger's epsilon is that of the whole
+    history, and it survives a round trip through JSON.
+
+        >>> from opake_core import accounting
+        >>> ledger = accounting.Ledger().record(accounting.poisson(accounting.gaussian(1.0), 0.01), 600)
+        >>> ledger = ledger.record(accounting.poisson(accounting.gaussian(3.0), 0.01), 400)
+        >>> ledger.releases, len(ledger.entries)
+        (1000, 2)
+        >>> history = accounting.compose(accounting.repeat(accounting.poisson(accounting.gaussian(1.0), 0.01), 600),
+        ...                               accounting.repeat(accounting.poisson(accounting.gaussian(3.0), 0.01), 400))
+        >>> ledger.epsilon(delta=1e-5, accountant="rdp") == accounting.epsilon(history, delta=1e-5, accountant="rdp")
+        True
+        >>> accounting.Ledger.from_json(ledger.to_json()) == ledger
+        True
+    """
 
     entries: tuple[tuple[Any, int], ...] = ()
 

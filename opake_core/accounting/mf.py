@@ -86,6 +86,7 @@ _MECHANISMS = (
     ((_mf.Identity,), "mf_identity"),
 )
 MFProcess = Process | BallsInBinsMF | BMinSepMF
+"""What :func:`mf_process` returns: a dp-accounting process, or one of the Monte Carlo processes."""
 
 
 def mechanism_name(strategy: Any) -> str:
@@ -111,7 +112,16 @@ def _sampler_name(sampler: Any) -> str:
 
 
 def sampler_participation(sampler: Any) -> _mf.MinSepParticipation | _mf.CyclicParticipation:
-    """The participation pattern a sampler guarantees (what unamplified accounting and optimization use)."""
+    """The participation pattern a sampler guarantees (what unamplified accounting and optimization use).
+
+    Example:
+
+        >>> from opake_core import accounting, sampling
+        >>> accounting.sampler_participation(sampling.b_min_sep(dataset_size=1_000, sample_rate=0.05, min_sep=4))
+        MinSepParticipation(min_sep=4, max_participations=None)
+        >>> accounting.sampler_participation(sampling.balls_in_bins(dataset_size=1_000, num_bins=8))
+        CyclicParticipation(cycle_length=8)
+    """
     name = _sampler_name(sampler)
     if name == "cyclic_poisson":
         return _mf.CyclicParticipation(sampler.bands)
@@ -155,6 +165,21 @@ def mf_process(
             is not a multiple of the bins, a negative coefficient under balls-in-bins, a second-moment strategy
             that the process does not cover.
         InputTypeError: not a strategy or not a sampler.
+
+    Example: BandMF with cyclic Poisson sampling over as many groups as bands is exactly a Poisson-subsampled
+    Gaussian visited once every ``bands`` steps (a refused pair names the samplers that work).
+
+        >>> from opake_core import ConfigurationError, accounting, mf, sampling
+        >>> sampler = sampling.cyclic_poisson(dataset_size=1_000, sample_rate=0.05, bands=2)
+        >>> run = accounting.mf_process(mf.band_mf(bands=2), sampler=sampler, noise_multiplier=1.0, n_steps=100)
+        >>> run == accounting.repeat(accounting.poisson(accounting.gaussian(1.0), sampler.conditional_rate), 50)
+        True
+        >>> try:
+        ...     poisson = sampling.poisson(dataset_size=1_000, sample_rate=0.05)
+        ...     accounting.mf_process(mf.band_mf(bands=2), sampler=poisson, noise_multiplier=1.0, n_steps=100)
+        ... except ConfigurationError as error:
+        ...     print(str(error)[:78])
+        mechanism 'mf_band' cannot be accounted with the 'poisson' sampler; use one of
     """
     mechanism, name = mechanism_name(strategy), _sampler_name(sampler)
     allowed = COMPATIBLE_SAMPLERS[mechanism]

@@ -49,6 +49,22 @@ class BallsInBinsMF:
         noise_multiplier: ``z_1``, the noise std over ``||c||`` (see the module docstring).
         num_bins: the number of bins ``b``.
         n_steps: the horizon, a multiple of ``num_bins``.
+
+    Example: :func:`~opake_core.accounting.mf_process` builds it; its epsilon is never above the unamplified
+    Gaussian bound (``amplified=False``), which answers when the samples cannot certify less.
+
+        >>> import dp_accounting
+        >>> from opake_core import accounting, mf, sampling
+        >>> sampler = sampling.balls_in_bins(dataset_size=1_000, num_bins=4)
+        >>> run = accounting.mf_process(mf.bsr(bandwidth=2), sampler=sampler, noise_multiplier=2.0, n_steps=8)
+        >>> type(run).__name__, run.num_bins, len(run.coef)
+        ('BallsInBinsMF', 4, 8)
+        >>> settings = accounting.MonteCarlo(num_samples=20_000, failure_probability=1e-3)
+        >>> result = accounting.epsilon(run, delta=1e-3, monte_carlo=settings)
+        >>> plain = accounting.mf_process(mf.bsr(bandwidth=2), sampler=sampler, noise_multiplier=2.0, n_steps=8,
+        ...                               amplified=False)
+        >>> result.value <= dp_accounting.get_epsilon_gaussian(plain.noise_multiplier, 1e-3)
+        True
     """
 
     coef: tuple[float, ...]
@@ -83,6 +99,17 @@ class BMinSepMF:
         min_sep: ``b``, the minimum separation of two participations.
         sampling_prob: ``p``, the probability that an eligible example joins a step.
         n_steps: the horizon.
+
+    Example: BandMF with 2 bands under b-min-sep sampling with ``min_sep = 4``.
+
+        >>> from opake_core import accounting, mf, sampling
+        >>> sampler = sampling.b_min_sep(dataset_size=1_000, sample_rate=0.05, min_sep=4)
+        >>> run = accounting.mf_process(mf.band_mf(bands=2), sampler=sampler, noise_multiplier=2.0, n_steps=8)
+        >>> type(run).__name__, run.min_sep, len(run.coef), run.sampling_prob == sampler.sampling_prob
+        ('BMinSepMF', 4, 2, True)
+        >>> settings = accounting.MonteCarlo(num_samples=20_000, failure_probability=1e-3)
+        >>> accounting.epsilon(run, delta=1e-3, monte_carlo=settings).value < 3.0
+        True
     """
 
     coef: tuple[float, ...]

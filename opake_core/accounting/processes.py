@@ -226,7 +226,15 @@ class Repeat:
 
 @dataclass(frozen=True)
 class Compose:
-    """The processes run one after another on the same data."""
+    """The processes run one after another on the same data (build it with :func:`compose`).
+
+    Example:
+
+        >>> from opake_core import accounting
+        >>> run = accounting.compose(accounting.gaussian(4.0), accounting.gaussian(3.0))
+        >>> type(run).__name__, len(run.processes)
+        ('Compose', 2)
+    """
 
     processes: tuple[Process, ...]
 
@@ -241,6 +249,7 @@ class Compose:
 Process = (
     Gaussian | AdaptiveClipping | Poisson | TruncatedPoisson | WithoutReplacement | RandomAllocation | Repeat | Compose
 )
+"""Any process: what the queries (``epsilon``, ``delta``, the calibrations) accept."""
 
 
 def _check_process(where: str, p: object) -> None:
@@ -249,46 +258,123 @@ def _check_process(where: str, p: object) -> None:
 
 
 def gaussian(noise_multiplier: float) -> Gaussian:
-    """One Gaussian release; ``noise_multiplier = 0`` is an explicit non-private release (epsilon = inf)."""
+    """One Gaussian release; ``noise_multiplier = 0`` is an explicit non-private release (epsilon = inf).
+
+    Example: its epsilon is dp-accounting's for a ``GaussianDpEvent``.
+
+        >>> import dp_accounting
+        >>> from opake_core import accounting
+        >>> ours = accounting.epsilon(accounting.gaussian(2.0), delta=1e-5, accountant="rdp").value
+        >>> theirs = dp_accounting.rdp.RdpAccountant().compose(dp_accounting.GaussianDpEvent(2.0)).get_epsilon(1e-5)
+        >>> bool(ours == theirs), accounting.epsilon(accounting.gaussian(0.0), delta=1e-5).value
+        (True, inf)
+    """
     return Gaussian(noise_multiplier)
 
 
 def adaptive_clipping(inner: Gaussian, *, count_noise_fraction: float, expected_batch_size: float) -> AdaptiveClipping:
-    """The gradient release ``inner`` plus adaptive clipping's noisy count (see :class:`AdaptiveClipping`)."""
+    """The gradient release ``inner`` plus adaptive clipping's noisy count (see :class:`AdaptiveClipping`).
+
+    Example: with the count's noise std ``0.05 * 100 = 5`` the pair is one Gaussian with multiplier
+    ``(1 + (2 * 5)^-2)^-1/2``.
+
+        >>> from opake_core import accounting
+        >>> step = accounting.adaptive_clipping(accounting.gaussian(1.0), count_noise_fraction=0.05,
+        ...                                     expected_batch_size=100.0)
+        >>> round(step.effective_noise_multiplier, 6), round((1 + 10.0**-2) ** -0.5, 6)
+        (0.995037, 0.995037)
+    """
     return AdaptiveClipping(inner, count_noise_fraction, expected_batch_size)
 
 
 def poisson(inner: Gaussian | AdaptiveClipping, sample_rate: float) -> Poisson:
-    """One Poisson-sampled step of ``inner``."""
+    """One Poisson-sampled step of ``inner``.
+
+    Example: 100 steps at rate 0.01 with multiplier 2, against dp-accounting's PLD accountant directly.
+
+        >>> import dp_accounting
+        >>> from opake_core import accounting
+        >>> run = accounting.repeat(accounting.poisson(accounting.gaussian(2.0), 0.01), 100)
+        >>> event = dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(2.0))
+        >>> direct = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+        >>> direct.compose(dp_accounting.SelfComposedDpEvent(event, 100)).get_epsilon(1e-5) == accounting.epsilon(
+        ...     run, delta=1e-5).value
+        True
+    """
     return Poisson(inner, sample_rate)
 
 
 def truncated_poisson(
     inner: Gaussian | AdaptiveClipping, sample_rate: float, *, dataset_size: int, truncated_batch_size: int
 ) -> TruncatedPoisson:
-    """One truncated-Poisson step of ``inner`` (see :class:`TruncatedPoisson`)."""
+    """One truncated-Poisson step of ``inner`` (see :class:`TruncatedPoisson`).
+
+    Example: a cap at 15 of an expected 10 costs a little privacy over plain Poisson sampling.
+
+        >>> from opake_core import accounting
+        >>> capped = accounting.truncated_poisson(accounting.gaussian(3.0), 0.01, dataset_size=1_000,
+        ...                                       truncated_batch_size=15)
+        >>> plain = accounting.poisson(accounting.gaussian(3.0), 0.01)
+        >>> accounting.epsilon(capped, delta=1e-5).value > accounting.epsilon(plain, delta=1e-5).value
+        True
+    """
     return TruncatedPoisson(inner, sample_rate, dataset_size, truncated_batch_size)
 
 
 def without_replacement(inner: Gaussian, *, dataset_size: int, sample_size: int) -> WithoutReplacement:
-    """One step on a uniformly drawn batch of exactly ``sample_size`` examples (see :class:`WithoutReplacement`)."""
+    """One step on a uniformly drawn batch of exactly ``sample_size`` examples (see :class:`WithoutReplacement`).
+
+    Example: accounted by RDP under replace-one adjacency, with the multiplier halved for dp-accounting.
+
+        >>> import dp_accounting
+        >>> from opake_core import accounting
+        >>> run = accounting.repeat(accounting.without_replacement(accounting.gaussian(2.0), dataset_size=1_000,
+        ...                                                        sample_size=10), 100)
+        >>> result = accounting.epsilon(run, delta=1e-5)
+        >>> result.accountant, accounting.default_adjacency(run)
+        ('rdp', 'replace_one')
+        >>> direct = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+        >>> event = dp_accounting.SampledWithoutReplacementDpEvent(1_000, 10, dp_accounting.GaussianDpEvent(1.0))
+        >>> bool(direct.compose(dp_accounting.SelfComposedDpEvent(event, 100)).get_epsilon(1e-5) == result.value)
+        True
+    """
     return WithoutReplacement(inner, dataset_size, sample_size)
 
 
 def random_allocation(inner: Gaussian, num_steps: int) -> RandomAllocation:
-    """1-out-of-``num_steps`` random allocation of ``inner`` (a whole horizon, include it once)."""
+    """1-out-of-``num_steps`` random allocation of ``inner`` (a whole horizon, include it once).
+
+    Example: accounted by Monte Carlo (few samples here, hence the large delta and failure probability), and about
+    as private as ten Poisson steps at rate 1/10 (RDP bound).
+
+        >>> from opake_core import accounting
+        >>> once_in_ten = accounting.random_allocation(accounting.gaussian(1.0), 10)
+        >>> settings = accounting.MonteCarlo(num_samples=50_000, failure_probability=1e-3)
+        >>> estimate = accounting.epsilon(once_in_ten, delta=1e-2, monte_carlo=settings)
+        >>> estimate.accountant, 0.5 < estimate.value < 1.0
+        ('monte_carlo', True)
+        >>> poisson = accounting.repeat(accounting.poisson(accounting.gaussian(1.0), 0.1), 10)
+        >>> round(accounting.epsilon(poisson, delta=1e-2, accountant="rdp").value, 2)
+        1.37
+    """
     return RandomAllocation(inner, num_steps)
 
 
 def k_out_of_t(inner: Gaussian, *, k: int, t: int, allocation: str) -> Process:
     """The whole-horizon process of the k-out-of-t sampler over ``t`` steps.
 
-    * ``"block"``: ``t`` is split into ``k`` equal blocks, one uniform step per block: exactly ``k``
-    independent
+    * ``"block"``: ``t`` is split into ``k`` equal blocks, one uniform step per block: exactly ``k`` independent
       1-out-of-``t/k`` allocations (needs ``t % k == 0``).
-    * ``"total"``: a uniform ``k``-subset of the ``t`` steps. Bounded (conservatively) by the block reduction
-    with
+    * ``"total"``: a uniform ``k``-subset of the ``t`` steps. Bounded (conservatively) by the block reduction with
       block sizes ``floor(t/k)`` and ``ceil(t/k)`` (Feldman & Shenfeld 2025, arXiv 2502.08202).
+
+    Example:
+
+        >>> from opake_core import accounting
+        >>> g = accounting.gaussian(1.0)
+        >>> accounting.k_out_of_t(g, k=2, t=10, allocation="block") == accounting.repeat(
+        ...     accounting.random_allocation(g, 5), 2)
+        True
     """
     k = validate.integer("k", k, minimum=1)
     t = validate.integer("t", t, minimum=1)
@@ -314,12 +400,32 @@ def k_out_of_t(inner: Gaussian, *, k: int, t: int, allocation: str) -> Process:
 
 
 def repeat(process: Process, count: int) -> Repeat:
-    """``process`` composed with itself ``count`` times (``count >= 1``)."""
+    """``process`` composed with itself ``count`` times (``count >= 1``).
+
+    Example: four releases at multiplier 2 are as private as one at multiplier 1 (Gaussian composition).
+
+        >>> from opake_core import accounting
+        >>> four = accounting.epsilon(accounting.repeat(accounting.gaussian(2.0), 4), delta=1e-5, accountant="rdp")
+        >>> one = accounting.epsilon(accounting.gaussian(1.0), delta=1e-5, accountant="rdp")
+        >>> abs(four.value - one.value) < 1e-9
+        True
+    """
     return Repeat(process, count)
 
 
 def compose(*processes: Process) -> Process:
-    """The sequential composition of ``processes``; a single process is returned unchanged."""
+    """The sequential composition of ``processes``; a single process is returned unchanged.
+
+    Example: a run resumed with more noise costs more than its first part alone.
+
+        >>> from opake_core import accounting
+        >>> first = accounting.repeat(accounting.poisson(accounting.gaussian(1.0), 0.01), 600)
+        >>> then = accounting.repeat(accounting.poisson(accounting.gaussian(3.0), 0.01), 400)
+        >>> whole = accounting.compose(first, then)
+        >>> eps = lambda p: accounting.epsilon(p, delta=1e-5, accountant="rdp").value
+        >>> eps(first) < eps(whole), accounting.compose(first) is first
+        (True, True)
+    """
     if len(processes) == 1:
         _check_process("compose", processes[0])
         return processes[0]
@@ -346,12 +452,27 @@ def contains_random_allocation(p: Process) -> bool:
 
 
 def contains_without_replacement(p: Process) -> bool:
-    """Whether ``p`` has a sampled-without-replacement part (accounted under replace-one adjacency only)."""
+    """Whether ``p`` has a sampled-without-replacement part (accounted under replace-one adjacency only).
+
+    Example:
+
+        >>> from opake_core import accounting
+        >>> fixed = accounting.without_replacement(accounting.gaussian(1.0), dataset_size=100, sample_size=10)
+        >>> accounting.contains_without_replacement(accounting.repeat(fixed, 5))
+        True
+    """
     return any(isinstance(part, WithoutReplacement) for part in releases(p))
 
 
 def is_nonprivate(p: Process) -> bool:
-    """Whether any part of ``p`` is released without noise (its epsilon is inf)."""
+    """Whether any part of ``p`` is released without noise (its epsilon is inf).
+
+    Example:
+
+        >>> from opake_core import accounting
+        >>> accounting.is_nonprivate(accounting.compose(accounting.gaussian(1.0), accounting.gaussian(0.0)))
+        True
+    """
     if isinstance(p, Gaussian):
         return p.noise_multiplier == 0.0
     if isinstance(p, Poisson | TruncatedPoisson | RandomAllocation | AdaptiveClipping | WithoutReplacement):
@@ -372,7 +493,15 @@ def _multiplier(inner: Gaussian | AdaptiveClipping) -> float:
 
 
 def to_dp_event(p: Process) -> dp_accounting.DpEvent:
-    """The dp-accounting event of ``p``; random allocation has none and raises ConfigurationError."""
+    """The dp-accounting event of ``p``; random allocation has none and raises ConfigurationError.
+
+    Example:
+
+        >>> from opake_core import accounting
+        >>> event = accounting.to_dp_event(accounting.repeat(accounting.poisson(accounting.gaussian(1.0), 0.01), 3))
+        >>> event.count, event.event
+        (3, PoissonSampledDpEvent(sampling_probability=0.01, event=GaussianDpEvent(noise_multiplier=1.0)))
+    """
     if isinstance(p, Gaussian | AdaptiveClipping):
         return _gaussian_event(_multiplier(p))
     if isinstance(p, Poisson):

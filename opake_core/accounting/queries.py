@@ -57,6 +57,7 @@ from opake_core.errors import ConfigurationError
 __all__ = ["ACCOUNTANTS", "ADJACENCIES", "DEFAULT_DISCRETIZATION", "Result", "default_adjacency", "delta", "epsilon"]
 
 ACCOUNTANTS = ("pld", "rdp", "monte_carlo")
+"""The accountants a query can name (``accountant=``); None picks one for the process (module docstring)."""
 DEFAULT_DISCRETIZATION = 1e-4
 GRID_POINTS = 1e6  # the grid size the automatic discretization aims at for large epsilons
 MAX_PLD_STEPS = 10**6  # dp-accounting's PLD composition of more steps takes minutes to hours
@@ -70,7 +71,15 @@ ADJACENCIES = {
 
 @dataclass(frozen=True)
 class Result:
-    """A privacy number and the accountant that produced it (``float(result)`` gives the number)."""
+    """A privacy number and the accountant that produced it (``float(result)`` gives the number).
+
+    Example:
+
+        >>> from opake_core import accounting
+        >>> result = accounting.epsilon(accounting.gaussian(2.0), delta=1e-5, accountant="rdp")
+        >>> result.accountant, float(result) == result.value
+        ('rdp', True)
+    """
 
     value: float
     accountant: str
@@ -155,7 +164,17 @@ def _check_rdp_replace_one(process: Process) -> None:
 
 def default_adjacency(process: Process) -> str:
     """The neighbouring relation a query of ``process`` uses by default (``adjacency=None``): replace-one for a
-    process that samples without replacement (the only one it is accounted under), add-or-remove otherwise."""
+    process that samples without replacement (the only one it is accounted under), add-or-remove otherwise.
+
+    Example:
+
+        >>> from opake_core import accounting
+        >>> g = accounting.gaussian(1.0)
+        >>> accounting.default_adjacency(accounting.poisson(g, 0.01))
+        'add_or_remove'
+        >>> accounting.default_adjacency(accounting.without_replacement(g, dataset_size=100, sample_size=10))
+        'replace_one'
+    """
     return "replace_one" if contains_without_replacement(process) else "add_or_remove"
 
 
@@ -226,6 +245,17 @@ def epsilon(
     ``accountant=None`` means PLD, or Monte Carlo where no dp-accounting event exists. ``discretization=None`` is
     1e-4, coarsened for epsilons above 100 (module docstring). Returns ``Result(inf, ...)`` for a non-private
     process.
+
+    Example: the PLD answer is dp-accounting's, and RDP's is a looser upper bound.
+
+        >>> import dp_accounting
+        >>> from opake_core import accounting
+        >>> pld = accounting.epsilon(accounting.gaussian(3.0), delta=1e-5)
+        >>> direct = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+        >>> pld, pld.value == direct.compose(dp_accounting.GaussianDpEvent(3.0)).get_epsilon(1e-5)
+        (Result(value=1.27..., accountant='pld'), True)
+        >>> accounting.epsilon(accounting.gaussian(3.0), delta=1e-5, accountant="rdp").value > pld.value
+        True
     """
     target = validate.delta("delta", delta)
     name = _resolve(process, accountant)
@@ -248,7 +278,19 @@ def delta(
     discretization: float | None = None,
     monte_carlo: _ra.MonteCarlo | None = None,
 ) -> Result:
-    """The smallest delta such that ``process`` is (epsilon, delta)-DP; 1 for a non-private process."""
+    """The smallest delta such that ``process`` is (epsilon, delta)-DP; 1 for a non-private process.
+
+    Example: one Gaussian release, against the exact delta of the Gaussian mechanism (Balle and Wang 2018, Thm 8),
+    ``Phi(1 / (2 sigma) - epsilon sigma) - e^epsilon Phi(-1 / (2 sigma) - epsilon sigma)``.
+
+        >>> import math
+        >>> from scipy.stats import norm
+        >>> from opake_core import accounting
+        >>> sigma, eps = 3.0, 1.0
+        >>> exact = norm.cdf(1 / (2 * sigma) - eps * sigma) - math.exp(eps) * norm.cdf(-1 / (2 * sigma) - eps * sigma)
+        >>> bool(abs(accounting.delta(accounting.gaussian(sigma), epsilon=eps).value / exact - 1) < 1e-6)
+        True
+    """
     target = validate.epsilon("epsilon", epsilon)
     name = _resolve(process, accountant)
     if isinstance(process, MonteCarloMF):

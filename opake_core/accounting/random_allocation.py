@@ -45,7 +45,17 @@ _CHUNK_ELEMENTS = 1 << 22
 
 @dataclass(frozen=True)
 class MonteCarlo:
-    """Settings of the Monte Carlo accountant (see the module docstring for what each controls)."""
+    """Settings of the Monte Carlo accountant (see the module docstring for what each controls).
+
+    Example: more samples certify a smaller epsilon (the bound holds with probability ``1 - failure_probability``).
+
+        >>> from opake_core import accounting
+        >>> once_in_ten = accounting.random_allocation(accounting.gaussian(1.0), 10)
+        >>> few, more = (accounting.MonteCarlo(num_samples=n, failure_probability=1e-3) for n in (5_000, 50_000))
+        >>> eps = lambda config: accounting.epsilon(once_in_ten, delta=0.05, monte_carlo=config).value
+        >>> eps(more) < eps(few)
+        True
+    """
 
     num_samples: int = 1_000_000
     failure_probability: float = 1e-6

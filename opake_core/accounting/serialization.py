@@ -30,7 +30,14 @@ FORMAT = "opake.accounting.process/1"
 
 
 def library_versions() -> dict[str, str]:
-    """Versions of the libraries that decide the numbers (``"unknown"`` if not installed)."""
+    """Versions of the libraries that decide the numbers (``"unknown"`` if not installed).
+
+    Example:
+
+        >>> from opake_core import accounting
+        >>> sorted(accounting.library_versions())
+        ['dp-accounting', 'opake']
+    """
     out = {}
     for name in ("opake", "dp-accounting"):
         try:
@@ -95,12 +102,37 @@ def _build(obj: Any) -> Process:
 
 
 def to_json(process: Process) -> dict[str, Any]:
-    """The JSON-ready dict of ``process``, with the format tag and the library versions."""
+    """The JSON-ready dict of ``process``, with the format tag and the library versions.
+
+    Example:
+
+        >>> import json
+        >>> from opake_core import accounting
+        >>> run = accounting.repeat(accounting.poisson(accounting.gaussian(1.0), 0.01), 1_000)
+        >>> document = json.dumps(accounting.to_json(run))
+        >>> accounting.from_json(json.loads(document)) == run
+        True
+    """
     return {"format": FORMAT, "process": _node(process), "versions": library_versions()}
 
 
 def from_json(obj: dict[str, Any]) -> Process:
-    """The process of a dict made by :func:`to_json` (versions are informational and not checked)."""
+    """The process of a dict made by :func:`to_json` (versions are informational and not checked).
+
+    A document is validated like user input: a bad value is refused, never accounted.
+
+    Example:
+
+        >>> from opake_core import ConfigurationError, accounting
+        >>> document = accounting.to_json(accounting.gaussian(1.0))
+        >>> accounting.from_json(document)
+        Gaussian(noise_multiplier=1.0)
+        >>> try:
+        ...     accounting.from_json({**document, "format": "something else"})
+        ... except ConfigurationError:
+        ...     print("refused")
+        refused
+    """
     if not isinstance(obj, dict) or obj.get("format") != FORMAT or "process" not in obj:
         raise ConfigurationError(
             f"from_json expects a dict with format {FORMAT!r} and a 'process', got {str(obj)[:200]!r}."

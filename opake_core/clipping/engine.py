@@ -14,9 +14,9 @@ An :class:`Engine` is one value with two parts:
 Engines here: :class:`VmapGradients` (``torch.func.vmap`` of ``example_grad``, the default, held as
 :class:`MaterializedGradients`); the adapter adds ``opake_torch.layerwise.LayerwiseGradients`` (one batched pass,
 ghost norms), ``opake_torch.patches.kernels.FusedGradients`` (Triton norms and scaled sums for materialized
-gradients) and ``opake_torch.audit.DiracGradients`` (an audit's Dirac canaries written down beside another engine's
-gradients). A new engine is a ``gradients`` callable, and a :class:`PerExampleGradients` class when its gradients are
-not plain tensors ``[m, *leaf.shape]``.
+gradients) and ``opake_torch.auditing.DiracGradients`` (an audit's Dirac canaries written down beside another
+engine's gradients). A new engine is a ``gradients`` callable, and a :class:`PerExampleGradients` class when its
+gradients are not plain tensors ``[m, *leaf.shape]``.
 """
 
 from __future__ import annotations
@@ -50,6 +50,23 @@ class PerExampleGradients(Protocol):
     """The per-example gradients of one chunk of ``m`` examples, in whatever form an engine keeps them.
 
     Leaves are in the parameter tree's flattening order (``L`` leaves).
+
+    Example: a form for a single leaf held as rows ``[m, d]``, plugged into the default engine.
+
+        >>> import torch
+        >>> from opake_core import Engine, VmapGradients, clipped_grad
+        >>> class Rows:
+        ...     def __init__(self, leaves):
+        ...         self.rows = leaves[0]
+        ...     def squared_norms(self):
+        ...         return self.rows.double().square().sum(dim=1)[None]
+        ...     def add_scaled(self, scales, sums):
+        ...         sums[0].add_(scales[sums[0].dtype][0] @ self.rows)
+        >>> engine = Engine(gradients=VmapGradients(form=Rows))
+        >>> grad_fn, state = clipped_grad(lambda w, x: x @ w, clipping_norm=1.0, engine=engine)
+        >>> clipped, state = grad_fn(torch.zeros(2), torch.tensor([[3.0, 4.0], [0.1, 0.0]]), state=state)
+        >>> clipped.value  # (3, 4) clipped to norm 1, plus (0.1, 0)
+        tensor([0.7000, 0.8000])
     """
 
     def squared_norms(self) -> torch.Tensor:
@@ -82,7 +99,20 @@ class SquaringGradients(PerExampleGradients, Protocol):
 
 
 class MaterializedGradients:
-    """Per-example gradients held as tensors ``[m, *leaf.shape]`` (what ``vmap(grad)`` returns)."""
+    """Per-example gradients held as tensors ``[m, *leaf.shape]`` (what ``vmap(grad)`` returns).
+
+    Example: one leaf, two examples; the second is kept whole, the first scaled by 0.2.
+
+        >>> import torch
+        >>> from opake_core import MaterializedGradients
+        >>> grads = MaterializedGradients([torch.tensor([[3.0, 4.0], [0.0, 1.0]])])
+        >>> grads.squared_norms()
+        tensor([[25.,  1.]], dtype=torch.float64)
+        >>> sums = [torch.zeros(2)]
+        >>> grads.add_scaled({torch.float32: torch.tensor([[0.2, 1.0]])}, sums)
+        >>> sums[0]
+        tensor([0.6000, 1.8000])
+    """
 
     def __init__(self, leaves: list[torch.Tensor]) -> None:
         self.leaves = [g.detach() for g in leaves]
@@ -106,7 +136,19 @@ class MaterializedGradients:
 @dataclass(frozen=True)
 class VmapGradients:
     """``torch.func.vmap(example_grad)`` over the chunk, with dropout drawn per example (``randomness="different"``),
-    held as ``form(leaves)``: :class:`MaterializedGradients`, or a subclass with faster arithmetic."""
+    held as ``form(leaves)``: :class:`MaterializedGradients`, or a subclass with faster arithmetic.
+
+    Example: the gradients of ``w -> x.w`` for two examples are the examples themselves.
+
+        >>> import torch
+        >>> from torch.func import grad
+        >>> from opake_core import VmapGradients
+        >>> example_grad = lambda w, x: (grad(lambda w: x @ w)(w), x @ w)  # (gradient, value) of one example
+        >>> args = (torch.zeros(2), torch.tensor([[3.0, 4.0], [1.0, 0.0]]))  # batched: position 1
+        >>> grads, values = VmapGradients()(example_grad, args, (1,))
+        >>> grads.squared_norms(), values
+        (tensor([[25.,  1.]], dtype=torch.float64), tensor([0., 0.]))
+    """
 
     form: Callable[[list[torch.Tensor]], PerExampleGradients] = MaterializedGradients
 
@@ -140,6 +182,19 @@ class Engine:
             Poisson batches of varying size meet ``ceil(microbatch_size / row_multiple)`` shapes (the allocator,
             the kernels and a transform see them again); 1 runs the real rows only. None (the default): the whole
             ``microbatch_size`` with a transform (one shape), 1 without.
+
+    Example: padding each chunk to a multiple of 4 rows changes the shapes, not the clipped sum.
+
+        >>> import torch
+        >>> from opake_core import Engine, clipped_grad
+        >>> x = torch.randn(7, 3, generator=torch.Generator().manual_seed(0))
+        >>> results = []
+        >>> for engine in (Engine(), Engine(row_multiple=4)):
+        ...     grad_fn, state = clipped_grad(lambda w, x: (x @ w).sin(), clipping_norm=0.5, microbatch_size=3,
+        ...                                   engine=engine)
+        ...     results.append(grad_fn(torch.ones(3), x, state=state)[0].value)
+        >>> torch.allclose(results[0], results[1])
+        True
     """
 
     gradients: Callable[..., tuple[PerExampleGradients, Any]] = VmapGradients()

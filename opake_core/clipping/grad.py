@@ -10,7 +10,6 @@ sensitivity); with ``second_moment=True`` also ``sum_i (g_i * scale_i)^2 / n`` (
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +46,19 @@ class ClipDiagnostics:
         nonfinite: int64 scalar tensor, the examples whose gradient norm was not finite (NaN or inf anywhere in the
             gradient): they got scale 0 and added nothing to the clipped sum, which is then a sum over the others.
             A tensor, so that counting waits for no device.
+
+    Example:
+
+        >>> import torch
+        >>> from opake_core import clipped_grad
+        >>> loss_fn = lambda w, x: (x @ w) ** 2
+        >>> x = torch.tensor([[0.1, 0.0], [3.0, 4.0]])
+        >>> grad_fn, state = clipped_grad(loss_fn, clipping_norm=1.0, return_diagnostics=True)
+        >>> (clipped, diagnostics), state = grad_fn(torch.ones(2), x, state=state)
+        >>> diagnostics.norms  # ||2 (x.w) x||: 0.02 and 70
+        tensor([2.0000e-02, 7.0000e+01])
+        >>> diagnostics.clip_rate, diagnostics.batch_size, diagnostics.nonfinite.item()
+        (tensor(0.5000), 2, 0)
     """
 
     norms: torch.Tensor
@@ -114,6 +126,23 @@ def clipped_grad(
         second)`` instead of the ``Clipped`` tree: ``first`` is that tree and ``second`` the clipped sum of squares
         (same structure, shapes and dtypes). Noise it with :func:`~opake_core.noise.gaussian_noise` (one Gaussian
         release for both streams) or :func:`~opake_core.noise.paired_mf_gaussian_noise`.
+
+    Example: the clipped sum of a least-squares loss equals a float64 loop over the examples.
+
+        >>> import torch
+        >>> from opake_core import clipped_grad
+        >>> loss_fn = lambda w, x, y: (x @ w - y) ** 2
+        >>> x, y = torch.randn(8, 3, generator=torch.Generator().manual_seed(0)), torch.ones(8)
+        >>> grad_fn, state = clipped_grad(loss_fn, clipping_norm=1.0, batch_argnums=(1, 2), normalize_by=8.0)
+        >>> clipped, state = grad_fn(torch.zeros(3), x, y, state=state)
+        >>> clipped.sensitivity  # clipping_norm / normalize_by
+        0.125
+        >>> loop = torch.zeros(3, dtype=torch.float64)
+        >>> for xi, yi in zip(x.double(), y.double()):
+        ...     g = 2 * (xi @ torch.zeros(3, dtype=torch.float64) - yi) * xi
+        ...     loop += g * min(1.0, 1.0 / g.norm().item())
+        >>> torch.allclose(clipped.value.double(), loop / 8.0, atol=1e-6)
+        True
     """
     if not callable(loss_fn):
         raise InputTypeError(
@@ -164,7 +193,7 @@ def clipped_grad(
             current = state.clipping_norm if isinstance(state, AdaptiveClipState) else bound
             rule, floats = ClipRule.of(params, current)
             if second_moment:
-                rule = dataclasses.replace(rule, second_moment=True)
+                rule = rule._replace(second_moment=True)
             leaves, treedef = optree.tree_flatten(params)
             device = leaves[0].device
             chunks = run_chunks(

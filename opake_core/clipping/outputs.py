@@ -53,6 +53,15 @@ class OutputDiagnostics:
         clip_rate: float32 scalar tensor, the fraction of examples whose norm exceeded its bound.
         batch_size: ``B``, the realized number of examples.
         nonfinite: int64 scalar tensor, the examples whose output norm was not finite: they added nothing.
+
+    Example:
+
+        >>> import torch
+        >>> from opake_core import clipped_fun
+        >>> fn, state = clipped_fun(lambda x: x, clipping_norm=1.0, return_diagnostics=True)
+        >>> (clipped, diagnostics), state = fn(torch.tensor([[0.3, 0.4], [6.0, 8.0]]), state=state)
+        >>> diagnostics.norms, diagnostics.clip_rate
+        (tensor([ 0.5000, 10.0000]), tensor(0.5000))
     """
 
     norms: torch.Tensor
@@ -99,6 +108,15 @@ def clipped_fun(
             an empty batch (``B = 0``: the output tree cannot be inferred without an example), a ``batch_argnums``
             beyond the arguments, or a per-group bound that does not cover the output's leaves.
         InputTypeError: an output leaf that is not a floating-point tensor, or a state from another factory.
+
+    Example: a private mean of vectors; the second row is scaled down to norm 1.
+
+        >>> import torch
+        >>> from opake_core import clipped_fun
+        >>> fn, state = clipped_fun(lambda x: x, clipping_norm=1.0, normalize_by=2.0)
+        >>> clipped, state = fn(torch.tensor([[0.6, 0.0], [0.0, 4.0]]), state=state)
+        >>> clipped.value, clipped.sensitivity
+        (tensor([0.3000, 0.5000]), 0.5)
     """
     if not callable(fun):
         raise InputTypeError(f"fun must be a function of one example, got {type(fun).__name__} {fun!r:.40}.")
@@ -181,6 +199,17 @@ def auto_clipped_fun(
     norm below ``R``), so the sum's sensitivity is ``R / n``. Same as ``clipped_fun(fun,
     clipping_norm=auto_s(bound, gamma=gamma), ...)``; ``bound`` is ``R`` (> 0), ``gamma`` the stability constant
     (> 0). The other arguments, the result and the empty-batch refusal are those of :func:`clipped_fun`.
+
+    Example: every example contributes a vector of norm just below ``R``, whatever its own norm.
+
+        >>> import torch
+        >>> from opake_core import auto_clipped_fun
+        >>> fn, state = auto_clipped_fun(lambda x: x, bound=2.0, gamma=0.01)
+        >>> for row in ([3.0, 4.0], [0.03, 0.04]):
+        ...     clipped, state = fn(torch.tensor([row]), state=state)
+        ...     print(round(clipped.value.norm().item(), 4), clipped.sensitivity)
+        1.996 2.0
+        1.6667 2.0
     """
     return clipped_fun(
         fun,

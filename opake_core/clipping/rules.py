@@ -29,7 +29,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import optree.dataclasses
@@ -100,7 +100,19 @@ class AdaptiveClipState:
 
 
 def auto_s(bound: float = 1.0, *, gamma: float = 0.01) -> AutoSRule:
-    """AUTO-S normalization with bound ``R = bound`` and stability constant ``gamma`` (both > 0)."""
+    """AUTO-S normalization with bound ``R = bound`` and stability constant ``gamma`` (both > 0).
+
+    Example: pass it as the clipping norm; every example is scaled, none clamped.
+
+        >>> import torch
+        >>> from opake_core import auto_s, clipped_grad
+        >>> grad_fn, state = clipped_grad(lambda w, x: x @ w, clipping_norm=auto_s(1.0, gamma=0.01), normalize_by=4.0)
+        >>> clipped, state = grad_fn(torch.zeros(2), torch.tensor([[3.0, 4.0]]), state=state)
+        >>> clipped.value  # R x / (||x|| + gamma) / n
+        tensor([0.1497, 0.1996])
+        >>> clipped.sensitivity
+        0.25
+    """
     return AutoSRule(validate.positive("bound", bound), validate.positive("gamma", gamma))
 
 
@@ -122,6 +134,19 @@ def adaptive(
         count_noise_fraction: the count's noise std as a fraction of the expected batch size, > 0.
         clipping_norm_min: the smallest bound, > 0.
         clipping_norm_max: the largest bound, above ``clipping_norm_min``.
+
+    Example: every gradient is far below the bound, so the bound moves down (by about ``exp(-eta / 2)`` when the
+    noisy count sees every example unclipped). Account the noisy count with ``accounting.adaptive_clipping``.
+
+        >>> import torch
+        >>> from opake_core import adaptive, clipped_grad, random
+        >>> grad_fn, state = clipped_grad(
+        ...     lambda w, x: x @ w, clipping_norm=adaptive(1.0, learning_rate=0.2), normalize_by=8.0, key=random.key(0))
+        >>> state.clipping_norm
+        1.0
+        >>> clipped, state = grad_fn(torch.zeros(2), torch.full((8, 2), 0.01), state=state)
+        >>> state.clipping_norm < 1.0, state.step
+        (True, 1)
     """
     quantile = validate.in_range("target_quantile", target_quantile, 0.0, 1.0, low_open=True, high_open=True)
     low = validate.positive("clipping_norm_min", clipping_norm_min)
@@ -277,13 +302,13 @@ def accumulators(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-@dataclass(frozen=True)
-class ClipRule:
+class ClipRule(NamedTuple):
     """The static part of one call's rule as hashable data: each leaf's group, AUTO-S's ``gamma``, and whether the
     clipped sum of squares is formed too (``second_moment``).
 
     The bounds reach a chunk as a float64 tensor ``[G, 1]``, so that a captured or compiled chunk follows a moving
-    (adaptive) bound without a new capture.
+    (adaptive) bound without a new capture. A named tuple, not a dataclass: every ``torch.compile`` release we support
+    traces a tuple argument (Dynamo 2.11 lost the fields of a frozen dataclass passed into the compiled chunk).
     """
 
     group_index: tuple[int, ...]

@@ -41,6 +41,15 @@ class BandedToeplitz(Concrete):
 
     Attributes:
         coef: ``c_0 .. c_{bands-1}``, finite, ``c_0 > 0``.
+
+    Example: a hand-made 2-banded ``C``; its inverse is dense.
+
+        >>> from opake_core import mf
+        >>> strategy = mf.BandedToeplitz((1.0, 0.5))
+        >>> mf.coefficients(strategy, 4), mf.inverse_coefficients(strategy, 4)
+        (array([1. , 0.5, 0. , 0. ]), array([ 1.   , -0.5  ,  0.25 , -0.125]))
+        >>> mf.band_count(strategy, 4), mf.num_buffers(strategy)
+        (2, 1)
     """
 
     coef: tuple[float, ...]
@@ -165,5 +174,15 @@ class BandMF:
 
 
 def band_mf(bands: int = 16, *, workload: Workload | None = None, objective: str = "mean") -> BandMF:
-    """BandMF with ``bands`` bands (optimized for the horizon when used); see :class:`BandMF`."""
+    """BandMF with ``bands`` bands (optimized for the horizon when used); see :class:`BandMF`.
+
+    Example: at equal privacy (error times squared sensitivity) two bands already beat independent noise on the
+    prefix sum over 8 steps.
+
+        >>> from opake_core import mf
+        >>> banded = mf.expected_error(mf.band_mf(bands=2), 8, scale_by_sensitivity=True)
+        >>> independent = mf.expected_error(mf.identity(), 8, scale_by_sensitivity=True)
+        >>> round(banded.mean, 3), independent.mean
+        (3.061, 4.5)
+    """
     return BandMF(bands, workload if workload is not None else Workload(), objective)

@@ -18,7 +18,17 @@ __all__ = ["SINGLE", "CyclicParticipation", "MinSepParticipation", "Participatio
 @dataclass(frozen=True)
 class SingleParticipation:
     """Every example contributes to at most one step (single-epoch DP-FTRL; also the per-round sensitivity that
-    amplified BandMF under cyclic Poisson sampling is accounted with)."""
+    amplified BandMF under cyclic Poisson sampling is accounted with).
+
+    Example: the default pattern; the sensitivity is then the norm of one column of ``C``.
+
+        >>> from opake_core import mf
+        >>> strategy = mf.BandedToeplitz((0.8, 0.6))
+        >>> mf.sensitivity(strategy, 6, participation=mf.SingleParticipation())
+        1.0
+        >>> round(mf.sensitivity(strategy, 6, participation=mf.MinSepParticipation(2)), 6)  # 3 columns, no overlap
+        1.732051
+    """
 
     def min_sep_and_count(self, n: int) -> tuple[int, int]:
         """The equivalent ``(min_sep, max_participations)``."""

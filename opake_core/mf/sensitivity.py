@@ -37,7 +37,14 @@ __all__ = ["band_count", "sensitivity", "sensitivity_squared"]
 
 
 def sensitivity_squared(strategy: Any, n_steps: int, *, participation: Participation = SINGLE) -> float:
-    """``sens(C)^2`` for horizon ``n_steps`` (a specification is optimized for ``participation`` first)."""
+    """``sens(C)^2`` for horizon ``n_steps`` (a specification is optimized for ``participation`` first).
+
+    Example: with single participation, the squared norm of ``C``'s first column.
+
+        >>> from opake_core import mf
+        >>> mf.sensitivity_squared(mf.lambda_cgd(0.5), 3)  # 1 + 1/4 + 1/16
+        1.3125
+    """
     with torch.profiler.record_function("opake::mf_sensitivity"):
         concrete = optimize(strategy, n_steps, participation=participation)
         c = concrete.strategy_coef(n_steps)
@@ -56,7 +63,14 @@ def sensitivity_squared(strategy: Any, n_steps: int, *, participation: Participa
 
 
 def sensitivity(strategy: Any, n_steps: int, *, participation: Participation = SINGLE) -> float:
-    """``sens(C)``: the L2 sensitivity of ``C x`` for a unit per-step contribution bound."""
+    """``sens(C)``: the L2 sensitivity of ``C x`` for a unit per-step contribution bound.
+
+    Example: independent noise over 8 steps, an example in every other step (2 groups): 4 participations.
+
+        >>> from opake_core import mf
+        >>> mf.sensitivity(mf.identity(), 8), mf.sensitivity(mf.identity(), 8, participation=mf.CyclicParticipation(2))
+        (1.0, 2.0)
+    """
     return math.sqrt(sensitivity_squared(strategy, n_steps, participation=participation))
 
 
@@ -64,6 +78,12 @@ def band_count(strategy: Any, n_steps: int, *, participation: Participation = SI
     """Number of non-zero diagonals of ``C`` within the horizon (``n_steps`` for a dense ``C``).
 
     Amplification by cyclic Poisson sampling (columns of one group orthogonal) needs ``band_count <= cycle_length``.
+
+    Example:
+
+        >>> from opake_core import mf
+        >>> mf.band_count(mf.band_mf(bands=4), 16), mf.band_count(mf.lambda_cgd(), 16)
+        (4, 16)
     """
     concrete = optimize(strategy, n_steps, participation=participation)
     if isinstance(concrete, Identity):

@@ -210,22 +210,61 @@ class BISR(Concrete):
 
 
 def identity() -> Identity:
-    """``C = I`` (DP-SGD noise)."""
+    """``C = I`` (DP-SGD noise).
+
+    Example: independent noise; on the prefix-sum workload step ``i`` carries the noise of ``i + 1`` draws.
+
+        >>> from opake_core import mf
+        >>> mf.materialize(mf.identity(), 3)
+        array([[1., 0., 0.],
+               [0., 1., 0.],
+               [0., 0., 1.]])
+        >>> mf.per_query_error(mf.identity(), 4)
+        array([1., 2., 3., 4.])
+    """
     return Identity()
 
 
 def lambda_cgd(lambda_: float = 0.5) -> LambdaCGD:
-    """DP-lambdaCGD, ``C^-1 = T([1, -lambda_])``; see :class:`LambdaCGD`."""
+    """DP-lambdaCGD, ``C^-1 = T([1, -lambda_])``; see :class:`LambdaCGD`.
+
+    Example:
+
+        >>> from opake_core import mf
+        >>> mf.inverse_coefficients(mf.lambda_cgd(0.5), 4), mf.coefficients(mf.lambda_cgd(0.5), 4)
+        (array([ 1. , -0.5,  0. ,  0. ]), array([1.   , 0.5  , 0.25 , 0.125]))
+    """
     return LambdaCGD(lambda_)
 
 
 def bsr(bandwidth: int = 8, alpha: float = 1.0, beta: float = 0.9) -> BSR:
-    """Banded square root of the momentum / weight-decay workload; see :class:`BSR`."""
+    """Banded square root of the momentum / weight-decay workload; see :class:`BSR`.
+
+    Example: without momentum and with a band as long as the horizon, ``C`` is the square root of the prefix sum:
+    ``C C = A`` (the Toeplitz coefficients convolve to ones).
+
+        >>> import numpy as np
+        >>> from opake_core import mf
+        >>> c = mf.coefficients(mf.bsr(bandwidth=5, beta=0.0), 5)
+        >>> c
+        array([1.       , 0.5      , 0.375    , 0.3125   , 0.2734375])
+        >>> np.convolve(c, c)[:5]
+        array([1., 1., 1., 1., 1.])
+        >>> mf.num_buffers(mf.bsr(bandwidth=3))
+        2
+    """
     return BSR(bandwidth, alpha, beta)
 
 
 def bisr(bandwidth: int = 4, alpha: float = 1.0, beta: float = 0.0) -> BISR:
-    """Banded inverse square root; see :class:`BISR`."""
+    """Banded inverse square root; see :class:`BISR`.
+
+    Example: the taps of ``C^-1`` are those of ``(1 - x)^(1/2)``, cut after ``bandwidth``.
+
+        >>> from opake_core import mf
+        >>> mf.inverse_coefficients(mf.bisr(bandwidth=3), 5)
+        array([ 1.   , -0.5  , -0.125,  0.   ,  0.   ])
+    """
     return BISR(bandwidth, alpha, beta)
 
 
@@ -234,7 +273,15 @@ Strategy = Identity | LambdaCGD | BSR | BISR | BandMF | BandedToeplitz | BLT | B
 
 def optimize(strategy: Any, n_steps: int, *, participation: Participation = SINGLE) -> Concrete:
     """The concrete strategy for a horizon: specifications (``band_mf``, ``blt``) are optimized for ``n_steps`` and
-    ``participation``; concrete strategies are checked against the horizon and returned as they are."""
+    ``participation``; concrete strategies are checked against the horizon and returned as they are.
+
+    Example: optimize once and pass the result to the noise and the accountant alike.
+
+        >>> from opake_core import mf
+        >>> concrete = mf.optimize(mf.band_mf(bands=2), 8)
+        >>> type(concrete).__name__, concrete.bands, mf.optimize(concrete, 8) is concrete
+        ('BandedToeplitz', 2, True)
+    """
     with torch.profiler.record_function("opake::mf_optimize"):
         validate.integer("n_steps", n_steps, minimum=1)
         if isinstance(strategy, BandMF | BLT):
@@ -249,26 +296,58 @@ def optimize(strategy: Any, n_steps: int, *, participation: Participation = SING
 
 
 def coefficients(strategy: Any, n_steps: int, *, participation: Participation = SINGLE) -> np.ndarray:
-    """The first column of ``C`` (length ``n_steps``, float64)."""
+    """The first column of ``C`` (length ``n_steps``, float64).
+
+    Example: ``C`` and ``C^-1`` are Toeplitz, so their first columns convolve to the unit impulse.
+
+        >>> import numpy as np
+        >>> from opake_core import mf
+        >>> c, c_inv = mf.coefficients(mf.bsr(bandwidth=3), 6), mf.inverse_coefficients(mf.bsr(bandwidth=3), 6)
+        >>> np.allclose(np.convolve(c, c_inv)[:6], np.eye(6)[0])
+        True
+    """
     with torch.profiler.record_function("opake::mf_coefficients"):
         return optimize(strategy, n_steps, participation=participation).strategy_coef(n_steps)
 
 
 def inverse_coefficients(strategy: Any, n_steps: int, *, participation: Participation = SINGLE) -> np.ndarray:
-    """The first column of ``C^-1`` (length ``n_steps``, float64)."""
+    """The first column of ``C^-1`` (length ``n_steps``, float64): the weights of the past draws in each step's noise.
+
+    Example:
+
+        >>> from opake_core import mf
+        >>> mf.inverse_coefficients(mf.lambda_cgd(0.25), 3)
+        array([ 1.  , -0.25,  0.  ])
+    """
     with torch.profiler.record_function("opake::mf_inverse_coefficients"):
         return optimize(strategy, n_steps, participation=participation).noising_coef(n_steps)
 
 
 def materialize(strategy: Any, n_steps: int, *, participation: Participation = SINGLE) -> np.ndarray:
-    """The dense ``n_steps x n_steps`` float64 ``C`` (tests and plots; ``O(n^2)`` memory)."""
+    """The dense ``n_steps x n_steps`` float64 ``C`` (tests and plots; ``O(n^2)`` memory).
+
+    Example:
+
+        >>> from opake_core import mf
+        >>> mf.materialize(mf.lambda_cgd(0.5), 3)
+        array([[1.  , 0.  , 0.  ],
+               [0.5 , 1.  , 0.  ],
+               [0.25, 0.5 , 1.  ]])
+    """
     with torch.profiler.record_function("opake::mf_materialize"):
         return toeplitz.materialize(coefficients(strategy, n_steps, participation=participation), n_steps)
 
 
 def num_buffers(strategy: Any, n_steps: int | None = None, *, participation: Participation = SINGLE) -> int:
     """Model-sized buffers the streaming noise keeps: 0 identity, ``bands - 1`` BandMF, ``bandwidth - 1`` BSR and
-    BISR, 1 lambda-CGD, the number of buffers of a BLT (a ``blt()`` specification needs ``n_steps``)."""
+    BISR, 1 lambda-CGD, the number of buffers of a BLT (a ``blt()`` specification needs ``n_steps``).
+
+    Example:
+
+        >>> from opake_core import mf
+        >>> mf.num_buffers(mf.identity()), mf.num_buffers(mf.band_mf(bands=4)), mf.num_buffers(mf.lambda_cgd())
+        (0, 3, 1)
+    """
     with torch.profiler.record_function("opake::mf_num_buffers"):
         if isinstance(strategy, BandMF):
             return strategy.bands - 1

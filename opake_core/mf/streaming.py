@@ -340,6 +340,24 @@ def mf_gaussian_noise(
 
     Returns:
         ``(noise_fn, state)`` with ``noise_fn(clipped, state) -> (Noised, state)``.
+
+    Example: the noise of a 3-step horizon is ``sigma C^-1 z``, so the strategy matrix ``C`` turns it back into
+    independent standard normals once divided by ``sigma = z sens(C) Delta`` (here ``z = Delta = 1``).
+
+        >>> import torch
+        >>> from opake_core import Clipped, mf, mf_gaussian_noise, random
+        >>> strategy, zeros = mf.bsr(bandwidth=2), {"w": torch.zeros(50_000)}
+        >>> noise_fn, state = mf_gaussian_noise(zeros, strategy, n_steps=3, noise_multiplier=1.0, key=random.key(0))
+        >>> noise = []
+        >>> for _ in range(3):
+        ...     noised, state = noise_fn(Clipped(zeros, sensitivity=1.0), state)
+        ...     noise.append(noised.value["w"].double())
+        >>> C = torch.from_numpy(mf.materialize(strategy, 3))
+        >>> white = C @ torch.stack(noise) / mf.sensitivity(strategy, 3)
+        >>> bool((white.std(dim=1) - 1).abs().max() < 0.01)
+        True
+        >>> bool((torch.corrcoef(white) - torch.eye(3)).abs().max() < 0.02)
+        True
     """
     validate.integer("n_steps", n_steps, minimum=1)
     options = {

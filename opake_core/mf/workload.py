@@ -94,19 +94,47 @@ class Workload:
 
 
 def prefix_sum() -> Workload:
-    """``A = np.tri(n)``: plain SGD (DP-FTRL's default workload)."""
+    """``A = np.tri(n)``: plain SGD (DP-FTRL's default workload).
+
+    Example:
+
+        >>> from opake_core import mf
+        >>> mf.prefix_sum().matrix(3)
+        array([[1., 0., 0.],
+               [1., 1., 0.],
+               [1., 1., 1.]])
+    """
     return Workload()
 
 
 def momentum_weight_decay(*, alpha: float = 1.0, beta: float = 0.9) -> Workload:
-    """SGD with momentum ``beta`` and multiplicative weight decay ``alpha`` (the workload BSR is built for)."""
+    """SGD with momentum ``beta`` and multiplicative weight decay ``alpha`` (the workload BSR is built for).
+
+    Example: the update of step ``t`` reaches the parameters of step ``s >= t`` with weight ``1 + beta + ... +
+    beta^(s - t)``.
+
+        >>> from opake_core import mf
+        >>> mf.momentum_weight_decay(beta=0.5).matrix(3)
+        array([[1.  , 0.  , 0.  ],
+               [1.5 , 1.  , 0.  ],
+               [1.75, 1.5 , 1.  ]])
+    """
     return Workload(alpha=alpha, beta=beta)
 
 
 def lr_schedule(
     learning_rates: list[float] | tuple[float, ...] | np.ndarray, *, alpha: float = 1.0, beta: float = 0.0
 ) -> Workload:
-    """A workload with per-step learning rates on the step axis (and optional momentum / weight decay)."""
+    """A workload with per-step learning rates on the step axis (and optional momentum / weight decay).
+
+    Example: a decaying learning rate; optimize a strategy for it with ``band_mf(workload=...)``.
+
+        >>> from opake_core import mf
+        >>> mf.lr_schedule([1.0, 0.5, 0.25]).matrix(3)
+        array([[1.  , 0.  , 0.  ],
+               [1.  , 0.5 , 0.  ],
+               [1.  , 0.5 , 0.25]])
+    """
     return Workload(alpha=alpha, beta=beta, learning_rates=tuple(float(v) for v in np.asarray(learning_rates).ravel()))
 
 

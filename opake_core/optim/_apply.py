@@ -17,6 +17,15 @@ def apply_updates(params: Any, updates: Any) -> Any:
 
     ``updates`` is what an optimizer's ``update`` returned (a plain tree shaped like ``params``), never
     gradients.
+
+    Example:
+
+        >>> import torch
+        >>> from opake_core import optim
+        >>> params = {"w": torch.ones(2)}
+        >>> new = optim.apply_updates(params, {"w": torch.tensor([0.5, -1.0])})
+        >>> new["w"], params["w"]  # the input is left as it was
+        (tensor([1.5000, 0.0000]), tensor([1., 1.]))
     """
     with record_function("opake::optim.apply_updates"):
         if isinstance(updates, Clipped):

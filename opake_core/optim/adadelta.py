@@ -92,6 +92,13 @@ def adadelta(
             sets the size of the first steps (``sqrt(eps)`` relative to the gradient's RMS).
         weight_decay: L2 penalty coefficient (>= 0), added to the gradient like ``torch.optim.Adadelta``.
         non_private: accept plain trees of tensors (an explicitly non-private run).
+
+    Example: three updates (non-private here, to compare) match ``torch.optim.Adadelta``.
+
+        >>> import torch
+        >>> from opake_core import optim, testing
+        >>> testing.matches_torch_optimizer(optim.adadelta(lr=1.0, non_private=True), torch.optim.Adadelta, lr=1.0)
+        True
     """
     lr = check_lr(lr)
     rho = validate.decay("rho", rho)

@@ -136,6 +136,13 @@ def adafactor(
         clip_threshold: the update-clipping threshold ``d`` (> 0; ``math.inf`` disables clipping).
         weight_decay: decoupled decay coefficient (>= 0), multiplied by ``lr`` (not by the parameter scale).
         non_private: accept plain trees of tensors (an explicitly non-private run).
+
+    Example: three updates (non-private here, to compare) match ``torch.optim.Adafactor``.
+
+        >>> import torch
+        >>> from opake_core import optim, testing
+        >>> testing.matches_torch_optimizer(optim.adafactor(lr=0.01, non_private=True), torch.optim.Adafactor, lr=0.01)
+        True
     """
     lr = check_lr(lr)
     c = validate.number("decay_rate", decay_rate)

@@ -90,6 +90,13 @@ def adagrad(
             squared).
         eps: added to the square root of the sum in the denominator (> 0), in gradient units.
         non_private: accept plain trees of tensors (an explicitly non-private run).
+
+    Example: three updates (non-private here, to compare) match ``torch.optim.Adagrad``.
+
+        >>> import torch
+        >>> from opake_core import optim, testing
+        >>> testing.matches_torch_optimizer(optim.adagrad(lr=0.1, non_private=True), torch.optim.Adagrad, lr=0.1)
+        True
     """
     lr = check_lr(lr)
     lr_decay = validate.non_negative("lr_decay", lr_decay)

@@ -132,6 +132,22 @@ def ademamix(
         t_alpha: warm-up of ``alpha`` in updates (int >= 1), or None for none.
         t_beta3: warm-up of ``b3`` in updates (int >= 1), or None for none.
         non_private: accept plain trees of tensors (an explicitly non-private run).
+
+    Example: ``alpha = 0`` is AdamW (the slow EMA gets no weight).
+
+        >>> import torch
+        >>> from opake_core import optim
+        >>> params, grads = {"w": torch.tensor([1.0, -2.0])}, [torch.tensor([0.5, 0.1]), torch.tensor([-0.3, 0.2])]
+        >>> results = []
+        >>> for opt in (optim.ademamix(lr=0.1, alpha=0.0, non_private=True),
+        ...             optim.adamw(lr=0.1, weight_decay=0.0, non_private=True)):
+        ...     p, state = params, opt.init(params)
+        ...     for grad in grads:
+        ...         updates, state = opt.update({"w": grad}, state, params=p)
+        ...         p = optim.apply_updates(p, updates)
+        ...     results.append(p["w"])
+        >>> torch.allclose(results[0], results[1])
+        True
     """
     lr = check_lr(lr)
     b1, b2, b3 = check_betas(betas, 3)

@@ -77,6 +77,16 @@ def lion(
             momentum's decay (the paper's defaults 0.9 and 0.99).
         weight_decay: decoupled decay coefficient (>= 0), multiplied by ``lr`` as in the paper.
         non_private: accept plain trees of tensors (an explicitly non-private run).
+
+    Example: every coordinate moves by exactly ``lr``, in the direction of the sign.
+
+        >>> import torch
+        >>> from opake_core import Noised, optim
+        >>> opt, params = optim.lion(lr=0.1), {"w": torch.tensor([1.0, -2.0, 0.5])}
+        >>> updates, state = opt.update(Noised({"w": torch.tensor([0.5, -0.001, 3.0])}, 1.0, noise_std=0.1),
+        ...                             opt.init(params))
+        >>> updates["w"]
+        tensor([-0.1000,  0.1000, -0.1000])
     """
     lr = check_lr(lr)
     b1, b2 = check_betas(betas, 2)

@@ -177,6 +177,22 @@ def private_moments_adam(
         A :class:`MomentsOptimizer`; it takes the :class:`~opake_core.moments.NoisedMoments` of
         ``gaussian_noise`` on ``clipped_grad(..., second_moment=True)``, of ``paired_mf_gaussian_noise``, or of
         ``jme_noise``. There is no noise-variance bias correction: see the module docstring.
+
+    Example: a DP-SGD step that releases the second moment too; with the noise off and one example per batch, the
+    private second moment is the squared gradient, so the step is exactly AdamW's.
+
+        >>> import torch
+        >>> from opake_core import dp_step, gaussian_noise, optim, random
+        >>> loss_fn, x = (lambda w, x: x @ w), torch.tensor([[0.3, -0.4]])
+        >>> step_fn, dp_state = dp_step(loss_fn, clipping=1.0, noise=gaussian_noise(noise_multiplier=0.0,
+        ...                             key=random.key(0)), optimizer=optim.private_moments_adam(lr=0.1),
+        ...                             expected_batch_size=1.0, second_moment=True)
+        >>> w = torch.zeros(2)
+        >>> w1, _, _, _ = step_fn(w, optim.private_moments_adam(lr=0.1).init(w), dp_state, (x,))
+        >>> adamw = optim.adamw(lr=0.1, non_private=True)
+        >>> updates, _ = adamw.update(x[0], adamw.init(w), params=w)
+        >>> torch.allclose(w1, w + updates)
+        True
     """
     lr = check_lr(lr)
     b1, b2 = check_betas(betas, 2)

@@ -100,6 +100,13 @@ def radam(
             ``decoupled_weight_decay=True`` AdamW's decoupled decay ``-lr * weight_decay * p``.
         decoupled_weight_decay: decouple the weight decay from the gradient (as ``torch.optim.RAdam``).
         non_private: accept plain trees of tensors (an explicitly non-private run).
+
+    Example: three updates (non-private here, to compare) match ``torch.optim.RAdam``.
+
+        >>> import torch
+        >>> from opake_core import optim, testing
+        >>> testing.matches_torch_optimizer(optim.radam(lr=0.1, non_private=True), torch.optim.RAdam, lr=0.1)
+        True
     """
     lr = check_lr(lr)
     b1, b2 = check_betas(betas, 2)

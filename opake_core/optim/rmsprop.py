@@ -98,6 +98,13 @@ def rmsprop(
         momentum: momentum coefficient in [0, 1) applied to the rescaled gradient (0: none).
         centered: divide by the square root of the gradients' EMA variance, ``v - mean^2``, instead of ``v``.
         non_private: accept plain trees of tensors (an explicitly non-private run).
+
+    Example: three updates (non-private here, to compare) match ``torch.optim.RMSprop``.
+
+        >>> import torch
+        >>> from opake_core import optim, testing
+        >>> testing.matches_torch_optimizer(optim.rmsprop(lr=0.01, non_private=True), torch.optim.RMSprop, lr=0.01)
+        True
     """
     lr = check_lr(lr)
     alpha = validate.decay("alpha", alpha)

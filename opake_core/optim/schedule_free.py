@@ -155,6 +155,18 @@ def schedule_free_adamw(
         r: power of ``t`` in the averaging weights (>= 0; 0 weighs by the learning rate only).
         weight_lr_power: power of the running-maximum learning rate in the averaging weights (>= 0).
         non_private: accept plain trees of tensors (an explicitly non-private run).
+
+    Example: minimize ``(w - 3)^2``; the averaged iterate, which is what to evaluate, gets close to 3.
+
+        >>> import torch
+        >>> from opake_core import optim
+        >>> opt, params = optim.schedule_free_adamw(lr=0.5, non_private=True), {"w": torch.zeros(1)}
+        >>> state = opt.init(params)
+        >>> for _ in range(100):
+        ...     updates, state = opt.update({"w": 2 * (params["w"] - 3)}, state, params=params)
+        ...     params = optim.apply_updates(params, updates)
+        >>> abs(opt.eval_params(state, params)["w"].item() - 3) < 0.1
+        True
     """
     lr = check_lr(lr)
     b1, b2 = check_betas(betas, 2)

@@ -135,25 +135,57 @@ def _check_transition(init_value: float, end_value: float, transition_steps: int
 
 
 def constant(value: float) -> ConstantSchedule:
-    """A constant learning rate ``value`` (finite, >= 0)."""
+    """A constant learning rate ``value`` (finite, >= 0).
+
+    Example:
+
+        >>> from opake_core import optim
+        >>> optim.schedules.constant(0.1)(0), optim.schedules.constant(0.1)(10_000)
+        (0.1, 0.1)
+    """
     return ConstantSchedule(value)
 
 
 def linear(init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0) -> LinearSchedule:
     """Linear interpolation from ``init_value`` to ``end_value`` over ``transition_steps`` (>= 1) updates,
-    starting after ``transition_begin`` (>= 0) updates. Values finite and >= 0."""
+    starting after ``transition_begin`` (>= 0) updates. Values finite and >= 0.
+
+    Example:
+
+        >>> from opake_core import optim
+        >>> schedule = optim.schedules.linear(1.0, 0.0, transition_steps=4, transition_begin=2)
+        >>> [schedule(step) for step in range(8)]
+        [1.0, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    """
     return LinearSchedule(init_value, end_value, transition_steps, transition_begin)
 
 
 def cosine(init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0) -> CosineSchedule:
     """Half-cosine decay from ``init_value`` to ``end_value`` over ``transition_steps`` (>= 1) updates,
-    starting after ``transition_begin`` (>= 0) updates. Values finite and >= 0."""
+    starting after ``transition_begin`` (>= 0) updates. Values finite and >= 0.
+
+    Example: an optimizer takes a schedule as its learning rate.
+
+        >>> from opake_core import optim
+        >>> schedule = optim.schedules.cosine(1.0, 0.0, transition_steps=4)
+        >>> [round(schedule(step), 4) for step in range(6)]
+        [1.0, 0.8536, 0.5, 0.1464, 0.0, 0.0]
+        >>> optimizer = optim.adam(lr=schedule)
+    """
     return CosineSchedule(init_value, end_value, transition_steps, transition_begin)
 
 
 def with_warmup(schedule: Schedule | float, warmup_steps: int, *, init_value: float = 0.0) -> WarmupSchedule:
     """``schedule`` (a callable, or a float for a constant) with a linear warm-up over ``warmup_steps`` (>= 1)
-    updates that starts at ``init_value * schedule(0)``, ``init_value`` in [0, 1]."""
+    updates that starts at ``init_value * schedule(0)``, ``init_value`` in [0, 1].
+
+    Example:
+
+        >>> from opake_core import optim
+        >>> schedule = optim.schedules.with_warmup(0.1, warmup_steps=4)
+        >>> [round(schedule(step), 3) for step in range(6)]
+        [0.0, 0.025, 0.05, 0.075, 0.1, 0.1]
+    """
     if not callable(schedule):
         schedule = constant(validate.number("schedule", schedule))
     return WarmupSchedule(schedule, warmup_steps, init_value)

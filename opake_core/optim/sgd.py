@@ -51,6 +51,21 @@ def sgd(lr: LearningRate, *, weight_decay: float = 0.0, non_private: bool = Fals
         lr: learning rate (> 0) or a schedule ``step -> lr``.
         weight_decay: L2 penalty coefficient (>= 0), added to the gradient like ``torch.optim.SGD``.
         non_private: accept plain trees of tensors (an explicitly non-private run).
+
+    Example: three updates (non-private here, to compare) match ``torch.optim.SGD``.
+
+        >>> import torch
+        >>> from opake_core import optim
+        >>> opt, params = optim.sgd(lr=0.1, non_private=True), {"w": torch.tensor([1.0, -2.0])}
+        >>> reference = torch.nn.Parameter(params["w"].clone())
+        >>> torch_opt, state = torch.optim.SGD([reference], lr=0.1), opt.init(params)
+        >>> for grad in (torch.tensor([0.5, 0.1]), torch.tensor([-0.3, 0.2]), torch.tensor([0.1, 0.4])):
+        ...     updates, state = opt.update({"w": grad}, state, params=params)
+        ...     params = optim.apply_updates(params, updates)
+        ...     reference.grad = grad.clone()
+        ...     torch_opt.step()
+        >>> torch.allclose(params["w"], reference.detach(), atol=1e-6)
+        True
     """
     return _build("sgd", lr, None, nesterov=False, weight_decay=weight_decay, non_private=non_private)
 
@@ -71,6 +86,14 @@ def momentum(
         nesterov: use Nesterov momentum.
         weight_decay: L2 penalty coefficient (>= 0), added to the gradient before the momentum.
         non_private: accept plain trees of tensors (an explicitly non-private run).
+
+    Example: three updates (non-private here, to compare) match ``torch.optim.SGD(momentum=0.9)``.
+
+        >>> import torch
+        >>> from opake_core import optim, testing
+        >>> opt = optim.momentum(lr=0.1, momentum=0.9, non_private=True)
+        >>> testing.matches_torch_optimizer(opt, torch.optim.SGD, lr=0.1, momentum=0.9)
+        True
     """
     decay = validate.decay("momentum", momentum)
     return _build("momentum", lr, decay, nesterov=nesterov, weight_decay=weight_decay, non_private=non_private)

@@ -119,5 +119,18 @@ class BMinSep:
 
 
 def b_min_sep(*, dataset_size: int, sample_rate: float, min_sep: int) -> BMinSep:
-    """A b-min-sep sampler; ``sample_rate`` is the expected batch / N (at most ``1 / min_sep``)."""
+    """A b-min-sep sampler; ``sample_rate`` is the expected batch / N (at most ``1 / min_sep``).
+
+    Example: an example takes part at most once in any ``min_sep`` consecutive steps.
+
+        >>> from opake_core import random, sampling
+        >>> sampler = sampling.b_min_sep(dataset_size=1_000, sample_rate=0.05, min_sep=4)
+        >>> state, last, gaps = sampler.init(), {}, []
+        >>> for step in range(40):
+        ...     batch, state = sampler.sample(random.key(0), state)
+        ...     gaps += [step - last[i] for i in batch.tolist() if i in last]
+        ...     last.update(dict.fromkeys(batch.tolist(), step))
+        >>> min(gaps)
+        4
+    """
     return BMinSep(dataset_size, sample_rate, min_sep)

@@ -68,5 +68,20 @@ class BallsInBins:
 
 
 def balls_in_bins(*, dataset_size: int, num_bins: int) -> BallsInBins:
-    """A balls-in-bins sampler whose bins stay fixed for the whole run."""
+    """A balls-in-bins sampler whose bins stay fixed for the whole run.
+
+    Example: the 5 bins partition the dataset, and epoch 2 repeats them in the same order.
+
+        >>> import numpy as np
+        >>> from opake_core import random, sampling
+        >>> sampler = sampling.balls_in_bins(dataset_size=100, num_bins=5)
+        >>> state, bins = sampler.init(), []
+        >>> for _ in range(10):
+        ...     batch, state = sampler.sample(random.key(0), state)
+        ...     bins.append(batch)
+        >>> sorted(np.concatenate(bins[:5]).tolist()) == list(range(100))
+        True
+        >>> all(np.array_equal(bins[i], bins[i + 5]) for i in range(5))
+        True
+    """
     return BallsInBins(dataset_size, num_bins)

@@ -124,5 +124,14 @@ class CyclicPoisson:
 def cyclic_poisson(
     *, dataset_size: int, sample_rate: float, bands: int, world_size: int = 1, rank: int = 0
 ) -> CyclicPoisson:
-    """A cyclic Poisson sampler over ``bands`` groups; ``sample_rate`` is the expected global batch / N."""
+    """A cyclic Poisson sampler over ``bands`` groups; ``sample_rate`` is the expected global batch / N.
+
+    Example: step 0 draws from group 0 only, at the rate that keeps the expected batch at ``sample_rate * N``.
+
+        >>> from opake_core import random, sampling
+        >>> sampler, key = sampling.cyclic_poisson(dataset_size=1_000, sample_rate=0.05, bands=4), random.key(0)
+        >>> batch, state = sampler.sample(key, sampler.init())
+        >>> set(batch.tolist()) <= set(sampler.group(key, 0).tolist()), sampler.group_size, sampler.conditional_rate
+        (True, 250, 0.2)
+    """
     return CyclicPoisson(dataset_size, sample_rate, bands, world_size, rank)

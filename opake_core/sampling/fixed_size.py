@@ -91,5 +91,14 @@ class FixedSize:
 
 def fixed_size(*, dataset_size: int, batch_size: int, world_size: int = 1, rank: int = 0) -> FixedSize:
     """A fixed-size sampler: ``batch_size`` distinct examples drawn uniformly per step (module docstring); with
-    ``world_size > 1``, rank ``rank``'s part of that global draw."""
+    ``world_size > 1``, rank ``rank``'s part of that global draw.
+
+    Example:
+
+        >>> from opake_core import random, sampling
+        >>> sampler = sampling.fixed_size(dataset_size=100, batch_size=8)
+        >>> batch, state = sampler.sample(random.key(0), sampler.init())
+        >>> len(batch), len(set(batch.tolist())), state.step
+        (8, 8, 1)
+    """
     return FixedSize(dataset_size, batch_size, world_size, rank)

@@ -100,5 +100,18 @@ class KOutOfT:
 
 
 def k_out_of_t(*, dataset_size: int, k: int, t: int, allocation: str) -> KOutOfT:
-    """A k-out-of-t sampler; ``allocation`` ("block" or "total") must be given explicitly."""
+    """A k-out-of-t sampler; ``allocation`` ("block" or "total") must be given explicitly.
+
+    Example: over the horizon of 10 steps every example takes part exactly twice.
+
+        >>> import numpy as np
+        >>> from opake_core import random, sampling
+        >>> sampler = sampling.k_out_of_t(dataset_size=100, k=2, t=10, allocation="block")
+        >>> state, counts = sampler.init(), np.zeros(100, dtype=int)
+        >>> for _ in range(10):
+        ...     batch, state = sampler.sample(random.key(0), state)
+        ...     counts[batch] += 1
+        >>> set(counts.tolist())
+        {2}
+    """
     return KOutOfT(dataset_size, k, t, allocation)

@@ -152,5 +152,23 @@ def poisson(
 
     With ``world_size > 1``: rank ``rank``'s sampler of the strided shard ``rank, rank + world_size, ...`` at the
     global rate; the union over ranks is Poisson(``sample_rate``) over all ``dataset_size`` examples.
+
+    Example: the batch size varies around ``N q``; a state replays its draw, and two ranks' draws are disjoint.
+
+        >>> import numpy as np
+        >>> from opake_core import random, sampling
+        >>> sampler, key = sampling.poisson(dataset_size=1_000, sample_rate=0.05), random.key(0)
+        >>> state, sizes = sampler.init(), []
+        >>> for _ in range(200):
+        ...     batch, state = sampler.sample(key, state)
+        ...     sizes.append(len(batch))
+        >>> sampler.expected_batch_size, bool(abs(np.mean(sizes) - 50) < 2)
+        (50.0, True)
+        >>> np.array_equal(sampler.sample(key, sampler.init())[0], sampler.sample(key, sampler.init())[0])
+        True
+        >>> ranks = [sampling.poisson(dataset_size=1_000, sample_rate=0.05, world_size=2, rank=r) for r in (0, 1)]
+        >>> a, b = (r.sample(key, r.init())[0] for r in ranks)
+        >>> len(np.intersect1d(a, b)), int(a[0] % 2), int(b[0] % 2)
+        (0, 0, 1)
     """
     return Poisson(dataset_size, sample_rate, truncated_batch_size, world_size, rank)

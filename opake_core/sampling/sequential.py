@@ -90,5 +90,20 @@ class Sequential:
 
 
 def sequential(*, dataset_size: int, batch_size: int, shuffle: bool = True) -> Sequential:
-    """Sequential batches of ``batch_size`` (shuffled each epoch by default)."""
+    """Sequential batches of ``batch_size`` (shuffled each epoch by default).
+
+    It gives no privacy amplification: a run with it must be non-private (noise multiplier 0).
+
+    Example: one epoch visits every example once.
+
+        >>> import numpy as np
+        >>> from opake_core import random, sampling
+        >>> sampler = sampling.sequential(dataset_size=10, batch_size=5)
+        >>> state, epoch = sampler.init(), []
+        >>> for _ in range(sampler.steps_per_epoch):
+        ...     batch, state = sampler.sample(random.key(0), state)
+        ...     epoch.append(batch)
+        >>> sorted(np.concatenate(epoch).tolist())
+        [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    """
     return Sequential(dataset_size, batch_size, shuffle)

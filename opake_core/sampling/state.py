@@ -18,7 +18,22 @@ __all__ = ["SamplerState", "check_state"]
 @dataclass(frozen=True)
 class SamplerState:
     """``step``: the number of batches drawn so far; ``config``: the sampler's public configuration; ``carry``: what
-    a sampler with memory needs to draw the next batch (b-min-sep's cooldowns), as a base64 string, else None."""
+    a sampler with memory needs to draw the next batch (b-min-sep's cooldowns), as a base64 string, else None.
+
+    Example: a state goes to JSON and back, and only a sampler of the same configuration accepts it.
+
+        >>> from opake_core import StateError, random, sampling
+        >>> sampler = sampling.poisson(dataset_size=1_000, sample_rate=0.05)
+        >>> _, state = sampler.sample(random.key(0), sampler.init())
+        >>> saved = state.to_json()
+        >>> saved["step"], sampling.SamplerState.from_json(saved) == state
+        (1, True)
+        >>> try:
+        ...     sampling.poisson(dataset_size=999, sample_rate=0.05).sample(random.key(0), state)
+        ... except StateError:
+        ...     print("refused: another dataset size")
+        refused: another dataset size
+    """
 
     step: int
     config: tuple[tuple[str, Any], ...]

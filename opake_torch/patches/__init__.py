@@ -1,5 +1,24 @@
-"""Model patches: compatibility patches that let Hugging Face models run under ``torch.func.vmap``."""
+"""Model patches: what lets Hugging Face models run under ``torch.func.vmap``, and the performance kernels.
 
-from opake_torch.patches.compat import apply_compat_patches, check_attention_implementation
+Per-instance patches change one model's modules; process-level patches are applied only for a scope
+(:func:`apply_runtime_patches`, undone after) and :func:`applied_patches` lists what is in effect now. Importing
+Opake patches nothing.
+"""
 
-__all__ = ["apply_compat_patches", "check_attention_implementation"]
+from opake_torch.patches.compat import check_attention_implementation
+from opake_torch.patches.runtime import (
+    VMAP_PATCHES,
+    AppliedPatches,
+    RuntimePatch,
+    applied_patches,
+    apply_runtime_patches,
+)
+
+__all__ = [
+    "VMAP_PATCHES",
+    "AppliedPatches",
+    "RuntimePatch",
+    "applied_patches",
+    "apply_runtime_patches",
+    "check_attention_implementation",
+]

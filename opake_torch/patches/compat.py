@@ -2,17 +2,21 @@
 
 Transformers skips building an attention mask when it can prove from the *values* of the padding mask that none
 is needed (``padding_mask.all()``). Under vmap that test is data-dependent control flow and fails. Transformers
-already turns the shortcut off while a graph is being traced; :func:`apply_compat_patches` extends its
-``is_tracing`` test in ``transformers.masking_utils`` to also answer True inside a ``torch.func`` transform, so the
-mask is always materialized there. Outside ``torch.func`` nothing changes.
+already turns the shortcut off while a graph is being traced; :func:`vmap_is_tracing` extends its ``is_tracing``
+test in ``transformers.masking_utils`` to also answer True inside a ``torch.func`` transform, so the mask is always
+materialized there. Outside ``torch.func`` nothing changes.
 
 Autocast does not reach ``scaled_dot_product_attention`` inside ``torch.func`` transforms (torch 2.9 to 2.13:
 under ``vmap`` of a bf16 autocast region a float query with a bf16 value raises "Expected query, key, and value to
 have the same dtype"; outside the transforms autocast casts all three to bf16). Llama-style models meet it as soon
 as their rotary embedding, in float32, promotes the query and key while the value stays bf16: in the per-example
-pass and in the recompute of a checkpointed layer. :func:`apply_compat_patches` registers a ``"sdpa"`` attention
-function that, inside a ``torch.func`` transform with autocast on, casts query, key and value to the autocast dtype
-itself, which is what autocast does outside the transforms; everywhere else it is Hugging Face's own.
+pass and in the recompute of a checkpointed layer. :func:`autocast_sdpa` is a ``"sdpa"`` attention function that,
+inside a ``torch.func`` transform with autocast on, casts query, key and value to the autocast dtype itself, which is
+what autocast does outside the transforms; everywhere else it is Hugging Face's own.
+
+Both replace a function that every model of the process calls: they are the process-level patches
+:data:`~opake_torch.patches.runtime.VMAP_PATCHES`, applied only for a scope
+(:func:`~opake_torch.patches.runtime.apply_runtime_patches`; ``DPTrainer`` applies them while it trains).
 
 FlashAttention-2 unpads sequences with ``torch.nonzero`` (data-dependent shapes) and cannot run under vmap:
 :func:`check_attention_implementation` refuses it with the fix.
@@ -38,7 +42,13 @@ import torch
 
 from opake_core.errors import ConfigurationError
 
-__all__ = ["apply_compat_patches", "check_attention_implementation", "inside_functorch", "reference_kernels"]
+__all__ = [
+    "autocast_sdpa",
+    "check_attention_implementation",
+    "inside_functorch",
+    "reference_kernels",
+    "vmap_is_tracing",
+]
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 
@@ -48,28 +58,20 @@ def inside_functorch() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
-def apply_compat_patches() -> list[str]:
-    """Apply the vmap compatibility patches (idempotent); returns the names of the patches in effect."""
-    masking = importlib.import_module("transformers.masking_utils")
-    original = masking.is_tracing
-    if not getattr(original, "_opake_patched", False):
+def vmap_is_tracing(original: Any) -> Any:
+    """``transformers.masking_utils.is_tracing`` (``original``) that also answers True inside a ``torch.func``
+    transform, so that the mask shortcut, which reads mask values, is not taken there (module docstring)."""
 
-        @functools.wraps(original)
-        def is_tracing(tensor: Any = None) -> bool:
-            return inside_functorch() or original(tensor)
+    @functools.wraps(original)
+    def is_tracing(tensor: Any = None) -> bool:
+        return inside_functorch() or original(tensor)
 
-        is_tracing._opake_patched = True  # type: ignore[attr-defined]
-        masking.is_tracing = is_tracing
-    interface = importlib.import_module("transformers.modeling_utils").AttentionInterface
-    sdpa = interface._global_mapping.get("sdpa")
-    if sdpa is not None and not getattr(sdpa, "_opake_patched", False):
-        interface.register("sdpa", _autocast_sdpa(sdpa))
-    return ["transformers.masking_utils.is_tracing", "AttentionInterface['sdpa']"]
+    return is_tracing
 
 
-def _autocast_sdpa(original: Any) -> Any:
-    """Hugging Face's SDPA attention, with autocast's cast of query, key and value done explicitly inside
-    ``torch.func`` transforms (module docstring)."""
+def autocast_sdpa(original: Any) -> Any:
+    """Hugging Face's SDPA attention (``original``), with autocast's cast of query, key and value done explicitly
+    inside ``torch.func`` transforms (module docstring)."""
 
     @functools.wraps(original)
     def sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kw: Any) -> Any:
@@ -79,7 +81,6 @@ def _autocast_sdpa(original: Any) -> Any:
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         return original(module, query, key, value, *args, **kw)
 
-    sdpa._opake_patched = True  # type: ignore[attr-defined]
     return sdpa
 
 

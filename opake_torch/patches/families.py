@@ -3,11 +3,12 @@
 :data:`FAMILIES` is the support matrix: every entry was checked on a tiny random config of transformers 5.24 by
 ``tests/torch/scale/test_families.py`` (one clipped ``vmap(grad)`` step through ``opake_core.clipping.clipped_grad``,
 with padding and a sliding window of 4 where the family has one, compared with a per-example ``grad`` loop; and the
-same with :func:`~opake_torch.patches.checkpointing.enable_vmap_checkpointing`). :func:`support_matrix` renders it
-for ``docs/memory.md``.
+same with :func:`~opake_torch.patches.activation_checkpointing.enable_vmap_checkpointing`). :func:`support_matrix`
+renders it for ``docs/memory.md``; :func:`opake_torch.transformers.model_setup.probe_vmap` runs the same check on
+any model.
 
 Family patches (:func:`apply_family_patches`) change one model instance, never a class, so two models in a process
-do not affect each other:
+do not affect each other (:func:`~opake_torch.patches.runtime.applied_patches` lists them):
 
 * ``bloom_gelu``: Bloom's MLP runs its GeLU through a legacy ``autograd.Function`` without ``setup_context``, which
   functorch refuses. The patch calls the same tanh-approximation formula (``bloom_gelu_forward``) directly; autograd
@@ -19,7 +20,8 @@ do not affect each other:
   Hugging Face's torch reference path (:func:`~opake_torch.patches.compat.reference_kernels`); everywhere else
   (generation) it is the layer's own forward.
 
-The mask patch that every family needs lives in :mod:`opake_torch.patches.compat`.
+The mask patch that every family needs lives in :mod:`opake_torch.patches.compat`; it is process-level, applied only
+for a scope (:mod:`opake_torch.patches.runtime`).
 """
 
 from __future__ import annotations
@@ -28,13 +30,12 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
-from opake_core.errors import VmapCompatibilityError
 from opake_torch.patches.compat import inside_functorch, reference_kernels
+from opake_torch.patches.runtime import mark, marked
 
-__all__ = ["FAMILIES", "Family", "apply_family_patches", "family_of", "probe_vmap", "support_matrix"]
+__all__ = ["FAMILIES", "Family", "apply_family_patches", "family_of", "support_matrix"]
 
 
 @dataclass(frozen=True)
@@ -113,25 +114,21 @@ def _bloom_gelu(model: nn.Module) -> bool:
         from transformers.models.bloom.modeling_bloom import BloomGelu, bloom_gelu_forward
     except ImportError:  # pragma: no cover - an older transformers without Bloom
         return False
-    patched = False
     for module in model.modules():
-        if isinstance(module, BloomGelu) and not getattr(module, "_opake_bloom_gelu", False):
+        if isinstance(module, BloomGelu) and not marked(module, "bloom_gelu"):
             module.forward = types.MethodType(lambda self, x: bloom_gelu_forward(x), module)
-            module._opake_bloom_gelu = True
-            patched = True
-    return patched or any(getattr(m, "_opake_bloom_gelu", False) for m in model.modules())
+            mark(module, "bloom_gelu")
+    return any(marked(m, "bloom_gelu") for m in model.modules())
 
 
 def _gated_deltanet(model: nn.Module) -> bool:
-    patched = False
     for module in model.modules():
         kind = type(module)
         deltanet = kind.__module__.startswith("transformers.") and kind.__name__.endswith("GatedDeltaNet")
-        if deltanet and not getattr(module, "_opake_gated_deltanet", False):
+        if deltanet and not marked(module, "gated_deltanet"):
             module.forward = types.MethodType(_deltanet_forward, module)
-            module._opake_gated_deltanet = True
-            patched = True
-    return patched or any(getattr(m, "_opake_gated_deltanet", False) for m in model.modules())
+            mark(module, "gated_deltanet")
+    return any(marked(m, "gated_deltanet") for m in model.modules())
 
 
 def _deltanet_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -150,77 +147,13 @@ _PATCHES = {"bloom_gelu": _bloom_gelu, "gated_deltanet": _gated_deltanet}
 def apply_family_patches(model: nn.Module) -> list[str]:
     """Apply the vmap patches of ``model``'s family to this instance (idempotent); returns the names in effect.
 
-    A family without patches, or a model outside :data:`FAMILIES`, returns ``[]``: use :func:`probe_vmap` to find
-    out whether an unlisted model runs.
+    A family without patches, or a model outside :data:`FAMILIES`, returns ``[]``: use
+    :func:`opake_torch.transformers.model_setup.probe_vmap` to find out whether an unlisted model runs.
     """
     family = family_of(model)
     if family is None:
         return []
     return [name for name in family.patches if _PATCHES[name](model)]
-
-
-def _failing_frame(exc: BaseException) -> str:
-    """The innermost frame of model code (transformers, peft, or the user's module) in the traceback chain."""
-    chain, seen = [], set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    for error in reversed(chain):
-        tb, best = error.__traceback__, None
-        while tb is not None:
-            filename = tb.tb_frame.f_code.co_filename
-            if "/torch/" not in filename and "opake_" not in filename:
-                best = f"{tb.tb_frame.f_code.co_name} ({filename.rsplit('/site-packages/', 1)[-1]}:{tb.tb_lineno})"
-            tb = tb.tb_next
-        if best is not None:
-            return best
-    return "unknown (no model frame in the traceback)"
-
-
-def probe_vmap(model: nn.Module, example: dict[str, torch.Tensor], *, loss: Any = None) -> None:
-    """Run one clipped per-example ``vmap(grad)`` step on a one-example batch; raise if the model cannot.
-
-    Args:
-        model: the model as it will be trained (patches applied, PEFT adapters attached).
-        example: one example's tensors **without** batch dimension (``input_ids``, ``attention_mask``, ``labels``).
-        loss: ``loss(params, example) -> scalar``; defaults to the loss inferred from the model class.
-
-    Raises:
-        VmapCompatibilityError naming the family, the failing operation (the innermost frame of model code) and
-        the fix.
-    """
-    from opake_core.clipping import clipped_grad
-    from opake_torch.functional import functional_model
-    from opake_torch.transformers.loss import infer_task, per_example_loss
-
-    apply, params, frozen = functional_model(model)
-    if loss is None:
-        task = infer_task(model)
-
-        def loss(p: dict[str, torch.Tensor], ex: dict[str, torch.Tensor]) -> torch.Tensor:
-            return per_example_loss(apply, p, frozen, ex, task=task)
-
-    batch = {k: v[None] for k, v in example.items()}
-    grad_fn, state = clipped_grad(loss, clipping_norm=1.0)
-    try:
-        grad_fn(params, batch, state=state)
-    except Exception as exc:
-        family = family_of(model)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        model_type = getattr(getattr(base, "config", None), "model_type", type(base).__name__)
-        listed = f"family {family.name!r}" if family else f"unlisted family {model_type!r}"
-        fix = (
-            "call opake_torch.patches.families.apply_family_patches(model) and load the model with "
-            f"attn_implementation in ({family.attention})"
-            if family
-            else "replace the operation with an out-of-place, branch-free equivalent (see docs/memory.md)"
-        )
-        raise VmapCompatibilityError(
-            f"{type(base).__name__} ({listed}) cannot run per example under torch.func.vmap(grad): the failing "
-            f"operation is in {_failing_frame(exc)}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}. "
-            f"Fix: {fix}."
-        ) from exc
 
 
 def support_matrix() -> str:

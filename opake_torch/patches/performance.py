@@ -2,10 +2,17 @@
 
 Supported families: Llama, Mistral and Qwen2 (``model.config.model_type``), their ``*RMSNorm`` modules, the SwiGLU
 activation of their ``*MLP`` modules, ``apply_rotary_pos_emb``, and PEFT LoRA ``Linear`` layers (any model).
-Each patch replaces a forward with the Triton kernel of :mod:`opake_torch.patches.kernels`, which computes the same
-function (see :mod:`~opake_torch.patches.kernels.reference`), with per-example gradients under ``vmap``. The
-patches are idempotent; a patched forward falls back to the original for anything it does not serve (multiple
-active adapters, DoRA, active dropout, mixed dtypes).
+Each patch replaces a forward of one module of the model given (never a class) with the Triton kernel of
+:mod:`opake_torch.patches.kernels`, which computes the same function (see
+:mod:`~opake_torch.patches.kernels.reference`), with per-example gradients under ``vmap``. The patches are
+idempotent; a patched forward falls back to the original for anything it does not serve (multiple active adapters,
+DoRA, active dropout, mixed dtypes).
+
+RoPE is the exception: Hugging Face's attention calls its modeling module's ``apply_rotary_pos_emb``, a function that
+every model of the family shares, so :func:`apply_performance_kernels` only reports ``"rope:<module>"``, and
+:func:`rope_patch` is the process-level patch that ``DPTrainer`` applies while it trains and undoes after
+(:func:`runtime_patches` turns the names into patches; :func:`~opake_torch.patches.runtime.apply_runtime_patches`
+applies them).
 
 Without CUDA or without Triton nothing is patched and the reason is logged: a CPU run is never changed.
 ``fused_linear_cross_entropy`` is a loss-level patch: for the supported families it is reported as applied, and
@@ -19,7 +26,6 @@ token classification; without label smoothing) then go through
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +34,7 @@ import torch
 
 from opake_core.errors import ConfigurationError, InputTypeError
 from opake_torch.patches.kernels import (
+    _triton,
     available,
     opake_lora_mlp,
     opake_lora_w,
@@ -36,15 +43,23 @@ from opake_torch.patches.kernels import (
     opake_swiglu,
 )
 from opake_torch.patches.kernels.reference import LoRAProjection
+from opake_torch.patches.runtime import RuntimePatch, mark, marked, module_attribute
 
-__all__ = ["KERNELS", "SUPPORTED_MODEL_TYPES", "apply_performance_kernels", "resolve_performance_kernels"]
+__all__ = [
+    "KERNELS",
+    "SUPPORTED_MODEL_TYPES",
+    "apply_performance_kernels",
+    "resolve_performance_kernels",
+    "rope_patch",
+    "runtime_patches",
+]
 
 logger = logging.getLogger(__name__)
 
 KERNELS = ("rms_norm", "activation", "rope", "lora", "cross_entropy", "fused_linear_cross_entropy")
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 _SWIGLU_ACTIVATIONS = ("silu", "swish")
-_PATCHED = "_opake_kernel"
+_ROPE = "rope:"  # "rope:<module>": the RoPE of that modeling module, a process-level patch (module docstring)
 
 
 def resolve_performance_kernels(
@@ -85,8 +100,6 @@ def resolve_performance_kernels(
 
 
 def _unavailable_reason() -> str:
-    from opake_torch.patches.kernels import _triton
-
     if _triton.triton is None:
         return "Triton is not installed"
     if torch.version.cuda is None:
@@ -100,12 +113,13 @@ def apply_performance_kernels(
     use_performance_kernels: bool | None = None,
     performance_kernels_config: Mapping[str, bool] | None = None,
 ) -> list[str]:
-    """Patch the supported modules of ``model`` with the Triton kernels (idempotent).
+    """Patch the supported modules of ``model`` (this instance) with the Triton kernels (idempotent).
 
     Returns:
-        The names of the patches in effect (``"rms_norm"``, ``"activation"``, ``"rope:<module>"``,
-        ``"fused_linear_cross_entropy"``, ``"cross_entropy"``, ``"lora"``),
-        empty where nothing applies (CPU, no Triton, switched off, unsupported family); the reason is logged.
+        The names of the patches in effect (``"rms_norm"``, ``"activation"``, ``"fused_linear_cross_entropy"``,
+        ``"cross_entropy"``, ``"lora"``) and ``"rope:<module>"``, the process-level RoPE patch the model needs
+        while it trains (not applied here: :func:`runtime_patches`); empty where nothing applies (CPU, no Triton,
+        switched off, unsupported family); the reason is logged.
     """
     switches = resolve_performance_kernels(use_performance_kernels, performance_kernels_config)
     if not any(switches.values()):
@@ -120,25 +134,25 @@ def apply_performance_kernels(
         hidden_act = getattr(model.config, "hidden_act", None)
         for module in model.modules():
             name = type(module).__name__
-            if switches["rms_norm"] and name.endswith("RMSNorm") and _patch(module, _rms_norm_forward):
+            if switches["rms_norm"] and name.endswith("RMSNorm") and _patch(module, "rms_norm", _rms_norm_forward):
                 _note(applied, "rms_norm")
             elif (
                 switches["activation"]
                 and name.endswith("MLP")
                 and hidden_act in _SWIGLU_ACTIVATIONS
                 and all(hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj"))
-                and _patch(module, functools.partial(_swiglu_mlp_forward, lora=switches["lora"]))
+                and _patch(module, "activation", functools.partial(_swiglu_mlp_forward, lora=switches["lora"]))
             ):
                 _note(applied, "activation")
         if switches["rope"]:
-            applied.append(f"rope:{_patch_rope(family)}")
+            applied.append(f"{_ROPE}transformers.models.{family}.modeling_{family}")
         if switches["fused_linear_cross_entropy"]:
             applied.append("fused_linear_cross_entropy")  # a loss-level patch: DPTrainer's causal-LM loss takes it
     if switches["cross_entropy"]:
         applied.append("cross_entropy")  # loss-level, any model: DPTrainer's token losses take the kernel
     if switches["lora"]:
         for module in model.modules():
-            if _is_lora_linear(module) and _patch(module, _lora_forward):
+            if _is_lora_linear(module) and _patch(module, "lora", _lora_forward):
                 _note(applied, "lora")
     logger.info("performance kernels applied: %s", applied or "none")
     return applied
@@ -149,13 +163,11 @@ def _note(applied: list[str], name: str) -> None:
         applied.append(name)
 
 
-def _patch(module: torch.nn.Module, forward: Any) -> bool:
-    """Replace ``module.forward`` by ``forward(module, original, *args)``; False when it was patched already."""
-    if getattr(module, _PATCHED, False):
-        return True
-    original = module.forward
-    module.forward = functools.partial(forward, module, original)
-    setattr(module, _PATCHED, True)
+def _patch(module: torch.nn.Module, name: str, forward: Any) -> bool:
+    """Replace ``module.forward`` by ``forward(module, original, *args)`` and mark it ``name`` (once); True."""
+    if not marked(module, name):
+        module.forward = functools.partial(forward, module, module.forward)
+        mark(module, name)
     return True
 
 
@@ -175,19 +187,25 @@ def _swiglu_mlp_forward(module: torch.nn.Module, original: Any, x: torch.Tensor,
     return module.down_proj(opake_swiglu(module.gate_proj(x), module.up_proj(x)))
 
 
-def _patch_rope(family: str) -> str:
-    name = f"transformers.models.{family}.modeling_{family}"
-    modeling = importlib.import_module(name)
-    original = modeling.apply_rotary_pos_emb
-    if not getattr(original, _PATCHED, False):
+def rope_patch(module: str) -> RuntimePatch:
+    """The process-level patch that runs the ``apply_rotary_pos_emb`` of the Hugging Face modeling module
+    ``module`` (``"transformers.models.llama.modeling_llama"``) through :func:`~opake_torch.patches.kernels.opake_rope`,
+    for every model of that family while it is applied."""
+    return module_attribute(module, "apply_rotary_pos_emb", _kernel_rope)
 
-        @functools.wraps(original)
-        def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # the signature HF calls
-            return opake_rope(q, k, cos, sin, unsqueeze_dim)
 
-        setattr(apply_rotary_pos_emb, _PATCHED, True)
-        modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
-    return name
+def runtime_patches(applied: list[str]) -> tuple[RuntimePatch, ...]:
+    """The process-level patches that the performance patches ``applied`` (as :func:`apply_performance_kernels`
+    returns them) need while the model trains: one :func:`rope_patch` per ``"rope:<module>"``."""
+    return tuple(rope_patch(name.removeprefix(_ROPE)) for name in applied if name.startswith(_ROPE))
+
+
+def _kernel_rope(original: Any) -> Any:
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # the signature HF calls
+        return opake_rope(q, k, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
 
 
 def _is_lora_linear(module: torch.nn.Module) -> bool:

@@ -10,7 +10,7 @@ new upstream field fails a test rather than a user:
 - ``REFUSED``: a non-default value has no meaning under DP (or is not implemented); refused with the reason and what
   to use instead. The Hugging Face default is accepted (``gradient_accumulation_steps=1``, ``fp16=False``).
 
-``TrainingArguments(...)`` accepts all of these names (see :mod:`opake_torch.transformers.arguments`);
+``TrainingArguments(...)`` accepts all of these names (:func:`translate`, before its ``__init__``);
 :func:`from_hf` applies the same tables to a ``transformers.TrainingArguments`` object, with three differences:
 it folds ``gradient_accumulation_steps`` into the batch (``TRANSFORMED``), drops the refused names that only
 concern batching or evaluation with a warning instead of refusing them (``DROPPED_BY_FROM_HF``), and warns about
@@ -23,6 +23,7 @@ The conversion is one-way. Upstream configs carry no privacy budget, so a DP kno
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import warnings
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "TRANSFORMED",
     "from_hf",
     "refusal",
+    "translate",
 ]
 
 HONOURED = (
@@ -246,6 +248,77 @@ def _is_default(value: Any, default: Any) -> bool:
         except TypeError:
             return False
     return False
+
+
+def _given_default(value: Any, default: Any) -> bool:
+    if isinstance(value, bool) and isinstance(default, int) and not isinstance(default, bool):
+        return False  # gradient_accumulation_steps=True is not the count 1
+    try:
+        return _is_default(value, default)
+    except Exception:  # an exotic value (an array, a tensor) is not a default
+        return False
+
+
+def _unknown_name(cls: type, name: str) -> ConfigurationError:
+    candidates = [f.name for f in dataclasses.fields(cls) if f.init] + list(ALIASES)
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
+    close += [c for c in candidates if c.endswith(f"_{name}") and c not in close]  # epsilon -> privacy_target_epsilon
+    named = [f"{c!r} (= {ALIASES[c]!r})" if c in ALIASES else repr(c) for c in close[:3]]
+    hint = f" Did you mean {' or '.join(named)}?" if named else ""
+    return ConfigurationError(
+        f"{cls.__name__} got an unknown argument {name!r}.{hint} Every accepted name, Hugging Face's and Opacus' "
+        "included, is listed on the 'Training arguments' page of the Opake documentation."
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an array or a tensor compared elementwise
+        return a is b
+
+
+def _alias_value(name: str, value: Any) -> Any:
+    if name == "max_grad_norm" and (value is None or (isinstance(value, int | float) and not value > 0)):
+        raise ConfigurationError(
+            f"max_grad_norm={value!r} means 'no clipping' in transformers, but DP needs a bound: max_grad_norm is "
+            "Opake's clipping_norm, the bound of each example's gradient (not of the batch gradient). Pass a positive "
+            "clipping_norm (math.inf only with privacy_noise_multiplier=0.0)."
+        )
+    return value
+
+
+def translate(cls: type, kwargs: dict[str, Any], *, warned: set[str]) -> dict[str, Any]:
+    """``kwargs`` of ``cls(...)`` (Opake's ``TrainingArguments`` or a subclass) with Opake's names: fields kept,
+    aliases renamed, inert names dropped (a non-default value warns, once per name in ``warned``), refused names
+    raised (unless at Hugging Face's default), unknown names raised with a hint."""
+    own = {f.name for f in dataclasses.fields(cls) if f.init}
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}  # Opake field -> the name it was given under
+    for name, value in kwargs.items():
+        if name in own:
+            target = name
+        elif name in ALIASES:
+            target, value = ALIASES[name], _alias_value(name, value)
+        elif name in REFUSED:
+            if not _given_default(value, REFUSED[name][0]):
+                raise ConfigurationError(f"{cls.__name__} does not support {name}={plain(value)!r}: {refusal(name)}")
+            continue
+        elif name in INERT:
+            if not _given_default(value, INERT[name][0]) and name not in warned:
+                warned.add(name)
+                warnings.warn(
+                    f"{cls.__name__} ignores {name}={plain(value)!r}: {INERT[name][1]}.", RuntimeWarning, stacklevel=4
+                )
+            continue
+        else:
+            raise _unknown_name(cls, name)
+        if target in out and not _same(out[target], value):
+            raise ConfigurationError(
+                f"{given[target]!r} and {name!r} both set {cls.__name__}.{target}; pass only one of them."
+            )
+        out[target], given[target] = value, name
+    return out
 
 
 def _field_values(hf_args: Any) -> dict[str, tuple[Any, Any]]:

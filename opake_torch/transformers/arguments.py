@@ -1,10 +1,20 @@
-"""``TrainingArguments``: the Hugging Face fields a DP trainer honours, plus the privacy, clipping and sampling fields.
+"""``TrainingArguments``: the Hugging Face shell of a DP run's settings, built from two frozen values by effect.
+
+The fields that decide the privacy guarantee (batch and horizon, sampler, mechanism, clipping, budget, accounting,
+router release) make :class:`~opake_torch.transformers.privacy_settings.PrivacySettings`, ``args.privacy``, which
+:func:`opake_torch.transformers.privacy.build_plan` consumes; the fields that choose how a step computes (precision,
+chunking, engine, compilation, kernels, device) make
+:class:`~opake_torch.transformers.compute_settings.ComputeSettings`, ``args.compute``. Each value holds the rules of
+its fields. The arguments keep the Hugging Face fields (logging, saving, evaluation, optimizer, hub, script flags),
+their rules, the rules across the two values, and the names Hugging Face scripts read.
 
 A standalone dataclass, not a subclass of ``transformers.TrainingArguments``: ``transformers`` is imported only by
 :meth:`TrainingArguments.from_hf`. Every value is resolved and validated in ``__post_init__``, so a constructed object
 holds no ``"auto"`` and no ``None`` that the trainer would have to interpret, except ``privacy_target_delta`` (the
 dataset size is a sensitive input, not configuration) and ``privacy_noise_multiplier`` (calibrated by the trainer).
-``dataclasses.replace`` re-runs the validation; assigning a field afterwards does not.
+The privacy and compute fields hold the values of ``args.privacy`` and ``args.compute``. ``dataclasses.replace``
+re-runs the validation. Assigning a privacy or compute field afterwards builds its value again (so ``args.privacy``
+and ``args.compute`` always match the fields, and a wrong value is refused); assigning another field checks nothing.
 
 Hugging Face and Opacus names are accepted by the constructor, through the tables of
 :mod:`opake_torch.transformers._from_hf` (the one list of what each name means here): a field with HF's name and
@@ -19,24 +29,14 @@ above 1, ``fp16``). The translation runs before the dataclass ``__init__`` (:cla
 (``warmup_steps: float`` as in Hugging Face), and the metadata of :mod:`opake_torch.transformers._command_line` makes
 the Hugging Face names options too, whose values reach ``_translate_kwargs`` under those names.
 
-Decisions on points where the reference designs disagree:
+Decisions on points where the reference designs disagree (the privacy ones: :mod:`.privacy_settings`):
 
-- Adaptive clipping with an ``mf_*`` mechanism raises. Matrix-factorization noise is calibrated to a constant
-  per-step sensitivity; silently switching to fixed clipping would run something the user did not ask for.
-- Per-group clipping (a ``clipping_norm`` dict) is supported with ``clipping_mode="fixed"`` only. Adaptive clipping
-  estimates one private quantile; per-group adaptive would spend budget on one quantile per group and is not
-  implemented. AUTO-S normalizes by the whole per-example norm, which has no per-group form.
-- ``privacy_noise_mechanism_kwargs["bound"]`` raises "no matching accountant".
-- ``clipping_norm`` dict keys are regular expressions matched with ``re.search`` on dotted parameter names, the
-  semantics of :func:`opake_core.tree.per_group`; the patterns are compiled here.
 - ``dataloader_drop_last`` and ``batch_eval_metrics`` are refused by the constructor: the training batches come from
   the DP sampler, the eval loader keeps every example, and metrics are computed once over the whole eval set.
   ``from_hf`` drops them with a warning.
 - ``max_grad_norm`` is ``clipping_norm``: the bound of each example's gradient, not of the batch gradient. ``from_hf``
   maps it without a warning unless ``clipping_norm`` is passed explicitly; ``use_liger_kernel`` maps to
   ``use_performance_kernels``.
-- ``privacy_accounting`` is on unless set to ``False``: a fixed-noise run reports its epsilon. A non-private run
-  (``privacy_noise_multiplier=0.0``) always reports epsilon = inf.
 - ``fp16`` is not a field; a read-only ``fp16 == False`` shim remains for code written against HF.
 - ``cuda_graphs`` is a count of retained graph signatures (``0`` disables), not a bool; a bool is refused so that
   ``True`` does not silently mean "one signature".
@@ -44,113 +44,36 @@ Decisions on points where the reference designs disagree:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import difflib
-import enum
-import functools
 import inspect
 import json
-import logging
-import math
 import os
 import sys
-import typing
-import warnings
-from collections.abc import Iterator
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
 
 from opake_core.errors import ConfigurationError, InputTypeError, PrivacyBudgetError
-from opake_core.plan import check_combination, is_horizon
 from opake_torch import limits
 from opake_torch.transformers import _command_line as cli
 from opake_torch.transformers import _from_hf as hf
 from opake_torch.transformers import _parsing as p
+from opake_torch.transformers._outputs import OutputRules
+from opake_torch.transformers._process import LOG_LEVELS, ParallelMode, ProcessView
+from opake_torch.transformers.compute_settings import ComputeSettings
+from opake_torch.transformers.privacy_settings import PrivacySettings
 
-__all__ = ["SECRET_FIELDS", "ParallelMode", "TrainingArguments", "as_training_arguments"]
+__all__ = ["LOG_LEVELS", "SECRET_FIELDS", "ParallelMode", "TrainingArguments", "as_training_arguments"]
 
 SECRET_FIELDS = ("hub_token", "privacy_noise_seed")  # hidden from repr and masked by to_dict
-DOCS_PAGE = "the 'Training arguments' page of the Opake documentation"
-# Hugging Face's log levels (transformers.utils.logging), "passive" keeping the level already set.
-LOG_LEVELS = {"detail": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-              "error": logging.ERROR, "critical": logging.CRITICAL, "passive": -1}  # fmt: skip
-# gradient_checkpointing_kwargs keys the vmap-safe recompute honours (it replaces both of torch's implementations
-# and always replays the forward's dropout masks), and those it cannot.
-CHECKPOINTING_KWARGS = ("use_reentrant", "preserve_rng_state", "every_n_layers")
 _WARNED_INERT: set[str] = set()  # inert names already warned about in this process
-
-
-class ParallelMode(enum.StrEnum):
-    """The values of Hugging Face's ``ParallelMode`` that this trainer can run in."""
-
-    NOT_PARALLEL = "not_parallel"
-    DISTRIBUTED = "distributed"
-
-
-def _is_default(value: Any, default: Any) -> bool:
-    if isinstance(value, bool) and isinstance(default, int) and not isinstance(default, bool):
-        return False  # gradient_accumulation_steps=True is not the count 1
-    try:
-        return hf._is_default(value, default)
-    except Exception:  # an exotic value (an array, a tensor) is not a default
-        return False
-
-
-def _unknown_name(cls: type, name: str) -> ConfigurationError:
-    candidates = [f.name for f in dataclasses.fields(cls) if f.init] + list(hf.ALIASES)
-    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
-    close += [c for c in candidates if c.endswith(f"_{name}") and c not in close]  # epsilon -> privacy_target_epsilon
-    named = [f"{c!r} (= {hf.ALIASES[c]!r})" if c in hf.ALIASES else repr(c) for c in close[:3]]
-    hint = f" Did you mean {' or '.join(named)}?" if named else ""
-    return ConfigurationError(
-        f"{cls.__name__} got an unknown argument {name!r}.{hint} Every accepted name, Hugging Face's and Opacus' "
-        f"included, is listed on {DOCS_PAGE}."
-    )
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # an array or a tensor compared elementwise
-        return a is b
-
-
-def _alias_value(name: str, value: Any) -> Any:
-    if name == "max_grad_norm" and (value is None or (isinstance(value, int | float) and not value > 0)):
-        raise ConfigurationError(
-            f"max_grad_norm={value!r} means 'no clipping' in transformers, but DP needs a bound: max_grad_norm is "
-            "Opake's clipping_norm, the bound of each example's gradient (not of the batch gradient). Pass a positive "
-            "clipping_norm (math.inf only with privacy_noise_multiplier=0.0)."
-        )
-    return value
-
-
-def _as_bool(value: Any, name: str, *, allow_none: bool = False) -> bool | None:
-    if isinstance(value, bool) or (allow_none and value is None):
-        return value
-    raise ConfigurationError(
-        f"{name} must be True or False{' or None' if allow_none else ''}, got {type(value).__name__} {value!r}. A "
-        "string or a number is not read as a bool (the string 'False' is true in Python): pass True or False."
-    )
-
-
-@functools.cache
-def _typed_fields(cls: type) -> tuple[tuple[str, type, bool], ...]:
-    """``(name, kind, optional)`` of every field of ``cls`` annotated ``bool``, ``int`` or ``float`` (``kind``), alone
-    or with None (``optional``): the fields that :meth:`TrainingArguments._check_types` checks, found from the
-    annotations so that a new field is checked without being listed."""
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        kinds = set(typing.get_args(hints[f.name])) or {hints[f.name]}
-        optional = type(None) in kinds
-        kinds.discard(type(None))
-        if len(kinds) == 1 and (kind := kinds.pop()) in (bool, int, float):
-            out.append((f.name, kind, optional))
-    return tuple(out)
+# The fields of the arguments that build each settings value (same names); world_size comes from the environment.
+_GROUPS: dict[type, tuple[str, ...]] = {
+    kind: tuple(f.name for f in dataclasses.fields(kind) if f.name != "world_size")
+    for kind in (PrivacySettings, ComputeSettings)
+}
+_GROUP_OF = {name: kind for kind, names in _GROUPS.items() for name in names}
 
 
 def _tf32_available() -> bool:
@@ -164,6 +87,16 @@ def _set_tf32(enabled: bool) -> None:
     # torch's per-backend switches, which the rest of Opake (benchmarks, tests) uses too
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
+
+
+def _check_microbatch(privacy: PrivacySettings, compute: ComputeSettings) -> None:
+    """The rule across the two settings values: a chunk holds at most the expected batch of a rank."""
+    batch, chunk = privacy.per_device_train_batch_size, compute.microbatch_size
+    if chunk is not None and chunk > batch:
+        raise ConfigurationError(
+            f"microbatch_size must be in [1, per_device_train_batch_size={batch}], got {chunk}. It is the physical "
+            "vmap chunk; raise per_device_train_batch_size to grow the logical batch."
+        )
 
 
 class _AcceptsHuggingFaceNames(type):
@@ -182,11 +115,25 @@ def _option(name: str, *, loose: bool = False) -> dict[str, Any]:
 
 
 @dataclass
-class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
+class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceNames):
     """Arguments of a DP training run.
 
     Every field, default and rule, and what each Hugging Face or Opacus argument name means here, is on the
     'Training arguments' page of the Opake documentation.
+
+    Example: the settings that change epsilon are kept apart from the compute flags; a run without a privacy knob
+    is refused.
+
+        >>> from opake_core import PrivacyBudgetError
+        >>> from opake_torch import TrainingArguments
+        >>> args = TrainingArguments("out", privacy_target_epsilon=8.0, per_device_train_batch_size=16)
+        >>> args.privacy.privacy_target_epsilon, args.privacy.sampling_mode, args.compute.microbatch_size
+        (8.0, 'poisson', None)
+        >>> try:
+        ...     TrainingArguments("out")
+        ... except PrivacyBudgetError as error:
+        ...     print(str(error)[:40])
+        Set either privacy_noise_multiplier (use
     """
 
     output_dir: str | None = None
@@ -198,6 +145,8 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
     microbatch_size: int | None = None
     auto_find_microbatch_size: bool = field(default=False, metadata=_option("auto_find_microbatch_size"))
     per_example_gradients: str = "auto"
+    per_example_row_multiple: int = 1
+    layerwise_ghost_advantage: float = 1.0
     # optimizer and schedule
     learning_rate: float = 5e-5
     weight_decay: float = 0.0
@@ -319,71 +268,72 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
 
     @classmethod
     def _translate_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """``kwargs`` with Opake's names: fields kept, aliases renamed, inert names dropped (a non-default value warns
-        once), refused names raised (unless at Hugging Face's default), unknown names raised with a hint."""
-        own = {f.name for f in dataclasses.fields(cls) if f.init}
-        out: dict[str, Any] = {}
-        given: dict[str, str] = {}  # Opake field -> the name it was given under
-        for name, value in kwargs.items():
-            if name in own:
-                target = name
-            elif name in hf.ALIASES:
-                target, value = hf.ALIASES[name], _alias_value(name, value)
-            elif name in hf.REFUSED:
-                if not _is_default(value, hf.REFUSED[name][0]):
-                    raise ConfigurationError(
-                        f"{cls.__name__} does not support {name}={p.plain(value)!r}: {hf.refusal(name)}"
-                    )
-                continue
-            elif name in hf.INERT:
-                if not _is_default(value, hf.INERT[name][0]) and name not in _WARNED_INERT:
-                    _WARNED_INERT.add(name)
-                    warnings.warn(
-                        f"{cls.__name__} ignores {name}={p.plain(value)!r}: {hf.INERT[name][1]}.",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-                continue
-            else:
-                raise _unknown_name(cls, name)
-            if target in out and not _same(out[target], value):
-                raise ConfigurationError(
-                    f"{given[target]!r} and {name!r} both set {cls.__name__}.{target}; pass only one of them."
-                )
-            out[target], given[target] = value, name
-        return out
+        """``kwargs`` with Opake's names (:func:`~opake_torch.transformers._from_hf.translate`); each inert name
+        warns once per process."""
+        return hf.translate(cls, kwargs, warned=_WARNED_INERT)
 
     def __post_init__(self) -> None:
-        self._check_types()
+        p.check_types(self, self._limits, skip=frozenset(_GROUP_OF))  # the settings values check their own fields
+        self._adopt(self._settings(PrivacySettings))
+        self._adopt(self._settings(ComputeSettings))
         self._resolve_output()
         self._resolve_batches()
         self._resolve_optimizer()
-        self._resolve_mechanism()
-        self._resolve_privacy()
-        self._resolve_clipping()
-        self._resolve_router()
-        self._resolve_compile()
+        self._resolve_keys()
         self._resolve_logging_eval_save()
         self._resolve_distributed()
         self._resolve_tf32()
         self._resolve_script_flags()
 
-    # -- resolution, one concern each ------------------------------------------------------------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        kind = _GROUP_OF.get(name)
+        if kind is None or "_compute" not in self.__dict__:  # another field, or during construction
+            super().__setattr__(name, value)
+            return
+        settings = self._settings(kind, **{name: value})  # a wrong value is refused before anything changes
+        if kind is PrivacySettings:
+            _check_microbatch(settings, self._compute)
+        else:
+            _check_microbatch(self._privacy, settings)
+        self._adopt(settings)
 
-    def _check_types(self) -> None:
-        """Before any other rule: every field annotated ``bool`` holds a bool (or None where annotated so), and
-        every numeric field a finite number of its type within its :data:`~._parsing.NUMERIC_LIMITS` entry, so that
-        no value reaches a step to overflow there or be read as truthy."""
-        if self.gradient_checkpointing is None:  # Hugging Face's default in older versions, meaning off
-            self.gradient_checkpointing = False
-        for name, kind, optional in _typed_fields(type(self)):
-            value = getattr(self, name)
-            if value is None and optional:
-                continue
-            if kind is bool:
-                _as_bool(value, name, allow_none=optional)
-            elif name in self._limits:
-                p.check_limit(value, name, self._limits[name])
+    def _settings(self, kind: type, **changes: Any) -> Any:
+        """A settings value of ``kind`` from the fields of the same names (with ``changes``)."""
+        values = {name: getattr(self, name) for name in _GROUPS[kind]} | changes
+        if kind is PrivacySettings:
+            values["world_size"] = self.world_size
+        return kind(**values)
+
+    def _adopt(self, settings: PrivacySettings | ComputeSettings) -> None:
+        """``settings`` as ``args.privacy`` or ``args.compute``, its canonical values in the fields of the same names
+        (dicts as copies: the value's own are never shared)."""
+        for name in _GROUPS[type(settings)]:
+            value = getattr(settings, name)
+            object.__setattr__(self, name, dict(value) if isinstance(value, dict) else value)
+        object.__setattr__(self, "_privacy" if isinstance(settings, PrivacySettings) else "_compute", settings)
+
+    @property
+    def privacy(self) -> PrivacySettings:
+        """The privacy settings of the run: what :func:`~opake_torch.transformers.privacy.build_plan` plans with and
+        what a resume keeps."""
+        return self._privacy
+
+    @property
+    def compute(self) -> ComputeSettings:
+        """The compute settings of the run: how its steps compute, never what they release."""
+        return self._compute
+
+    @property
+    def is_complete_horizon(self) -> bool:
+        """True when the mechanism or sampler is accounted once over the declared horizon (mf_*, k_out_of_t)."""
+        return self._privacy.is_complete_horizon
+
+    @property
+    def router_release(self) -> bool:
+        """Whether the run releases the MoE router load statistic (``router_aux_loss_coef > 0``)."""
+        return self._privacy.router_release
+
+    # -- resolution, one concern each ------------------------------------------------------------------------------
 
     def _resolve_output(self) -> None:
         self.output_dir = p.as_path("trainer_output" if self.output_dir is None else self.output_dir, "output_dir")
@@ -393,22 +343,14 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
         if self.resume_from_checkpoint is not None:
             self.resume_from_checkpoint = p.as_path(self.resume_from_checkpoint, "resume_from_checkpoint")
 
-    def _resolve_batches(self) -> None:  # types and ranges: _check_types
-        if self.microbatch_size is not None:
-            if self.microbatch_size > self.per_device_train_batch_size:
-                raise ConfigurationError(
-                    f"microbatch_size must be in [1, per_device_train_batch_size={self.per_device_train_batch_size}], "
-                    f"got {self.microbatch_size}. It is the physical vmap chunk; raise per_device_train_batch_size "
-                    "to grow the logical batch."
-                )
+    def _resolve_batches(self) -> None:  # types and ranges: check_types
+        _check_microbatch(self._privacy, self._compute)
         if self.per_device_eval_batch_size is None:
             self.per_device_eval_batch_size = self.microbatch_size or self.per_device_train_batch_size
         if self.use_cpu:
             self.dataloader_pin_memory = False
         if self.data_seed is None:
             self.data_seed = self.seed
-        if self.max_steps == 0:
-            raise ConfigurationError("max_steps must be a positive int, or -1 to use num_train_epochs; got 0.")
         names = self.label_names
         if names is not None and (not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names)):
             raise ConfigurationError(
@@ -472,72 +414,7 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
                 "them until they overflow. Typical decoupled weight decay is 0.01 to 0.1."
             )
 
-    def _resolve_mechanism(self) -> None:
-        self.privacy_noise_mechanism = p.as_choice(
-            self.privacy_noise_mechanism, "privacy_noise_mechanism", tuple(p.MECHANISM_DEFAULTS)
-        )
-        self.privacy_noise_mechanism_kwargs = p.mechanism_kwargs(
-            self.privacy_noise_mechanism, self.privacy_noise_mechanism_kwargs
-        )
-        self.sampling_mode, self.sampling_kwargs = p.sampling(
-            self.privacy_noise_mechanism, self.sampling_mode, self.sampling_kwargs
-        )
-
-    @property
-    def is_complete_horizon(self) -> bool:
-        """True when the mechanism or sampler is accounted once over the declared horizon (mf_*, k_out_of_t)."""
-        return is_horizon(self.privacy_noise_mechanism, self.sampling_mode)
-
-    def _resolve_privacy(self) -> None:
-        nm, eps, delta = self.privacy_noise_multiplier, self.privacy_target_epsilon, self.privacy_target_delta
-        if nm is None and eps is None:
-            raise PrivacyBudgetError(
-                "Set either privacy_noise_multiplier (use 0.0 for non-private training) or privacy_target_epsilon "
-                "(to calibrate noise to a budget); neither was provided."
-            )
-        if nm is not None:  # bounds before float(): a huge int does not convert
-            if not 0 <= p.as_number(nm, "privacy_noise_multiplier") < math.inf:
-                raise PrivacyBudgetError(
-                    f"privacy_noise_multiplier must be finite and >= 0 (0.0 = non-private), got {nm!r}."
-                )
-            if nm != 0:
-                limits.check_number(
-                    nm, "privacy_noise_multiplier", limits.MIN_NOISE_MULTIPLIER, limits.MAX_NOISE_MULTIPLIER,
-                    why="or 0.0 for a non-private run; see opake_torch.limits", error=PrivacyBudgetError,
-                )  # fmt: skip
-            nm = self.privacy_noise_multiplier = float(nm)
-        if eps is not None:
-            if not 0 < p.as_number(eps, "privacy_target_epsilon") < math.inf:
-                raise PrivacyBudgetError(
-                    f"privacy_target_epsilon must be finite and > 0, got {eps!r}. For a non-private run set "
-                    "privacy_noise_multiplier=0.0 and leave privacy_target_epsilon unset."
-                )
-            limits.check_number(
-                eps, "privacy_target_epsilon", 0, limits.MAX_SCALE, open_low=True,
-                why="an epsilon anywhere near it protects nothing", error=PrivacyBudgetError,
-            )  # fmt: skip
-            eps = self.privacy_target_epsilon = float(eps)
-        if delta is not None:
-            if not 0 < p.as_number(delta, "privacy_target_delta") < 1:
-                raise PrivacyBudgetError(
-                    f"privacy_target_delta must be in (0, 1), got {delta!r}; leave it None for 1 / N**1.1."
-                )
-            delta = self.privacy_target_delta = float(delta)
-        accounting = self.privacy_accounting  # a bool or None: _check_types
-        if accounting is False and eps is not None:
-            raise ConfigurationError(
-                "privacy_accounting=False cannot be combined with privacy_target_epsilon: the target needs the "
-                "accountant. Remove privacy_accounting=False."
-            )
-        if accounting is False and self.is_complete_horizon:
-            raise ConfigurationError(
-                f"privacy_accounting=False is not allowed with privacy_noise_mechanism={self.privacy_noise_mechanism!r}"
-                f" / sampling_mode={self.sampling_mode!r}: the horizon snapshot lets a resumed run detect a changed "
-                "strategy or multiplier, so it is always recorded. Remove privacy_accounting=False."
-            )
-        if accounting is None:  # the default: every run reports its epsilon unless asked not to
-            self.privacy_accounting = True
-        self.noise_calibration_kwargs = p.calibration(self.noise_calibration_kwargs)
+    def _resolve_keys(self) -> None:
         seed = self.privacy_noise_seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ConfigurationError(  # the type only: the value is a secret
@@ -548,185 +425,12 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
             self.privacy_noise_generator, "privacy_noise_generator", ("philox", "chacha20")
         )
 
-    def _resolve_clipping(self) -> None:
-        self.clipping_norm = p.parse_clipping_norm(self.clipping_norm)
-        mode = self.clipping_mode = p.as_choice(self.clipping_mode, "clipping_mode", tuple(p.CLIPPING_KWARGS))
-        bounds = self.clipping_norm.values() if isinstance(self.clipping_norm, dict) else (self.clipping_norm,)
-        if any(math.isinf(b) for b in bounds) and self.privacy_noise_multiplier != 0.0:
-            raise ConfigurationError(
-                f"clipping_norm=inf disables clipping and is allowed only with privacy_noise_multiplier=0.0 (got "
-                f"{self.privacy_noise_multiplier!r}): infinite sensitivity with noise gives infinite noise."
-            )
-        if isinstance(self.clipping_norm, dict) and mode != "fixed":
-            raise ConfigurationError(
-                f"per-group clipping_norm is supported only with clipping_mode='fixed', got {mode!r}. Use a scalar "
-                "clipping_norm or fixed clipping."
-            )
-        self.clipping_kwargs = p.clipping_kwargs(mode, self.clipping_kwargs)
-        check_combination(  # the core's rule: sampler, mechanism, clipping and budget have one accountant together
-            mechanism=self.privacy_noise_mechanism,
-            sampler=self.sampling_mode,
-            adaptive_clipping=mode == "adaptive",
-            noise_multiplier=self.privacy_noise_multiplier,
-            target=self.privacy_target_epsilon,
-        )
-
-    def _resolve_router(self) -> None:
-        coefficient, self.router_aux_kwargs = p.router_aux(self.router_aux_loss_coef, self.router_aux_kwargs)
-        if not coefficient:  # off: None (the default, as TRL's) or 0.0, as given
-            self.router_aux_loss_coef = None if p.plain(self.router_aux_loss_coef) is None else 0.0
-            return
-        self.router_aux_loss_coef = coefficient
-        if self.privacy_noise_mechanism != "gaussian":
-            raise ConfigurationError(
-                f"router_aux_loss_coef={self.router_aux_loss_coef!r} (the private router release) needs "
-                f"privacy_noise_mechanism='gaussian', got {self.privacy_noise_mechanism!r}: the router release is a "
-                "DP-SGD release, accounted next to independent Gaussian noise only. Use 'gaussian', or set "
-                "router_aux_loss_coef=0.0."
-            )
-        if self.clipping_mode != "fixed" or isinstance(self.clipping_norm, dict):
-            what = "a per-group clipping_norm" if isinstance(self.clipping_norm, dict) else repr(self.clipping_mode)
-            raise ConfigurationError(
-                f"router_aux_loss_coef={self.router_aux_loss_coef!r} (the private router release) needs fixed "
-                f"scalar clipping (clipping_mode='fixed', one clipping_norm), got {what}. Use a scalar clipping_norm "
-                "with clipping_mode='fixed', or set router_aux_loss_coef=0.0."
-            )
-
-    @property
-    def router_release(self) -> bool:
-        """Whether the run releases the MoE router load statistic (``router_aux_loss_coef > 0``)."""
-        return bool(self.router_aux_loss_coef)
-
-    def _resolve_checkpointing(self) -> None:
-        if self.gradient_checkpointing_kwargs is None:
-            return
-        kwargs = p.as_dict(self.gradient_checkpointing_kwargs, "gradient_checkpointing_kwargs")
-        p.check_keys(kwargs, CHECKPOINTING_KWARGS, "gradient_checkpointing_kwargs", "the vmap-safe recompute")
-        for key in ("use_reentrant", "preserve_rng_state"):
-            if key in kwargs:
-                _as_bool(kwargs[key], f"gradient_checkpointing_kwargs[{key!r}]")
-        if kwargs.get("every_n_layers", 1) != 1:
-            raise ConfigurationError(
-                f"gradient_checkpointing_kwargs['every_n_layers']={kwargs['every_n_layers']!r} is not supported: the "
-                "vmap-safe recompute checkpoints every decoder layer. Remove it (or set 1); lower microbatch_size "
-                "to trade speed for memory instead."
-            )
-        self.gradient_checkpointing_kwargs = kwargs
-
-    def _resolve_compile(self) -> None:
-        self._resolve_checkpointing()
-        if self.torch_compile_mode is not None:
-            self.torch_compile_mode = p.as_choice(self.torch_compile_mode, "torch_compile_mode", p.COMPILE_MODES)
-        if self.torch_compile_mode is not None or self.torch_compile_backend is not None:
-            self.torch_compile = True
-        if self.torch_compile and self.torch_compile_backend is None:
-            self.torch_compile_backend = "inductor"
-        if self.cuda_graphs and self.torch_compile:
-            raise ConfigurationError("cuda_graphs > 0 and torch_compile are mutually exclusive; pick one.")
-        if self.cuda_graphs and self.auto_find_microbatch_size:
-            raise ConfigurationError(
-                "cuda_graphs > 0 is incompatible with auto_find_microbatch_size: the probe's OOM retries would "
-                "capture graphs at every probed size. Set microbatch_size explicitly."
-            )
-        if self.torch_compile and self.auto_find_microbatch_size:
-            raise ConfigurationError(
-                "torch_compile is incompatible with auto_find_microbatch_size (recompiles at every probed size, "
-                "PyTorch #128711). Set microbatch_size explicitly."
-            )
-        if self.torch_compile and self.gradient_checkpointing:
-            raise ConfigurationError("gradient_checkpointing is incompatible with torch_compile; disable one of them.")
-        self.per_example_gradients = p.as_choice(
-            self.per_example_gradients, "per_example_gradients", ("auto", "layerwise", "vmap")
-        )
-        self.performance_kernels_config = (
-            None
-            if self.performance_kernels_config is None
-            else p.as_dict(self.performance_kernels_config, "performance_kernels_config")
-        )
-
-    def _resolve_logging_eval_save(self) -> None:
-        self.logging_strategy = p.as_choice(self.logging_strategy, "logging_strategy", ("no", "steps", "epoch"))
-        self.save_strategy = p.as_choice(self.save_strategy, "save_strategy", ("no", "steps", "epoch", "best"))
-        self.eval_strategy = p.as_choice(self.eval_strategy, "eval_strategy", ("no", "steps", "epoch"))
-        self.logging_steps = p.as_steps(self.logging_steps, "logging_steps", allow_zero=True)
-        if self.logging_strategy == "steps" and self.logging_steps == 0:
-            raise ConfigurationError("logging_strategy='steps' requires a non-zero logging_steps.")
-        self.save_steps = p.as_steps(self.save_steps, "save_steps")
-        if self.eval_steps is None and self.eval_strategy == "steps":
-            if self.logging_steps == 0:
-                raise ConfigurationError("eval_strategy='steps' requires eval_steps or a non-zero logging_steps.")
-            self.eval_steps = self.logging_steps
-        if self.eval_steps is not None:
-            self.eval_steps = p.as_steps(self.eval_steps, "eval_steps")
-        self.report_to = p.report_to(self.report_to)
-        self.log_level = p.as_choice(self.log_level, "log_level", tuple(LOG_LEVELS))
-        self.log_level_replica = p.as_choice(self.log_level_replica, "log_level_replica", tuple(LOG_LEVELS))
-        if not isinstance(self.project, str) or not self.project:
-            raise ConfigurationError(f"project must be a non-empty string, got {self.project!r}.")
-        for name in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id"):
-            value = getattr(self, name)
-            if not (value is None or isinstance(value, str) or (name == "trackio_static_space_id" and value is False)):
-                raise ConfigurationError(f"{name} must be a string or None, got {value!r}.")
-        tokens = self.include_num_input_tokens_seen
-        if isinstance(tokens, bool):
-            tokens = "all" if tokens else "no"
-        self.include_num_input_tokens_seen = p.as_choice(
-            tokens, "include_num_input_tokens_seen", ("no", "all", "non_padding")
-        )
-        self._resolve_best_model()
-
-    def _resolve_best_model(self) -> None:
-        metric = self.metric_for_best_model
-        if metric is None and self.load_best_model_at_end:
-            metric = "loss"
-        if metric is None and self.save_strategy == "best":
-            raise ConfigurationError("save_strategy='best' requires metric_for_best_model (e.g. 'loss').")
-        if metric is not None:
-            if not isinstance(metric, str) or not metric:
-                raise ConfigurationError(f"metric_for_best_model must be a metric name, got {metric!r}.")
-            if metric.startswith("train_"):
-                raise ConfigurationError(
-                    f"metric_for_best_model={metric!r} selects checkpoints on a training-set metric: which checkpoint "
-                    "survives would reveal memorisation of the private data outside the DP guarantee. Use an eval "
-                    "metric (e.g. 'loss' -> 'eval_loss')."
-                )
-            metric = metric if metric.startswith("eval_") else f"eval_{metric}"
-            if self.greater_is_better is None:
-                self.greater_is_better = not metric.endswith("loss")
-        self.metric_for_best_model = metric
-        if self.save_strategy == "best" and self.eval_strategy == "no":
-            raise ConfigurationError("save_strategy='best' requires eval_strategy != 'no' (best is judged on eval).")
-        p.check_schedule_free_best_model(self.optim, self.load_best_model_at_end)
-        if not self.load_best_model_at_end:
-            return
-        if self.save_strategy == "no" or self.eval_strategy == "no":
-            raise ConfigurationError(
-                f"load_best_model_at_end requires saving and evaluation, got save_strategy={self.save_strategy!r}, "
-                f"eval_strategy={self.eval_strategy!r}."
-            )
-        if self.save_strategy == "best":
-            return
-        if self.save_strategy != self.eval_strategy:
-            raise ConfigurationError(
-                "--load_best_model_at_end requires the save and eval strategy to match, got "
-                f"save_strategy={self.save_strategy!r}, eval_strategy={self.eval_strategy!r}."
-            )
-        if self.save_strategy == "steps":
-            save, ev = self.save_steps, self.eval_steps
-            if isinstance(save, float) != isinstance(ev, float) or round(save / ev, 9) % 1:
-                raise ConfigurationError(
-                    f"--load_best_model_at_end requires save_steps ({save!r}) to be a round multiple of eval_steps "
-                    f"({ev!r}), both counts or both fractions."
-                )
-
     def _resolve_distributed(self) -> None:
         if self.local_rank == -1:
             self.local_rank = p.env_int("LOCAL_RANK", -1)
             p.check_limit(self.local_rank, "LOCAL_RANK", self._limits["local_rank"])
         if self.ddp_backend is not None:
             self.ddp_backend = p.as_choice(self.ddp_backend, "ddp_backend", p.DDP_BACKENDS)
-        if self.bf16 and not self.use_cpu and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-            raise ConfigurationError("Your setup doesn't support bf16 on this GPU; set bf16=False or use_cpu=True.")
 
     def _resolve_tf32(self) -> None:
         """Hugging Face's meaning: ``True``/``False`` switch TF32 matmuls and convolutions on/off for the process
@@ -745,19 +449,7 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
         if self.eval_strategy != "no":  # as in Hugging Face: evaluating during training means do_eval
             self.do_eval = True
 
-    # -- properties -----------------------------------------------------------------------------------------------
-
-    @property
-    def world_size(self) -> int:
-        return p.env_int("WORLD_SIZE", 1)
-
-    @property
-    def process_index(self) -> int:
-        return p.env_int("RANK", 0)
-
-    @property
-    def local_process_index(self) -> int:
-        return max(self.local_rank, 0)
+    # -- Hugging Face's names ------------------------------------------------------------------------------------
 
     @property
     def train_batch_size(self) -> int:
@@ -768,55 +460,6 @@ class TrainingArguments(metaclass=_AcceptsHuggingFaceNames):
     def eval_batch_size(self) -> int:
         """Per-rank eval batch (as in HF under DDP)."""
         return self.per_device_eval_batch_size
-
-    @property
-    def device(self) -> torch.device:
-        if self.use_cpu or not torch.cuda.is_available():
-            return torch.device("cpu")
-        return torch.device("cuda", self.local_process_index)
-
-    @property
-    def should_log(self) -> bool:
-        """As in Hugging Face: local rank 0 of every node with ``log_on_each_node`` (the default), else global rank
-        0."""
-        return (self.local_process_index if self.log_on_each_node else self.process_index) == 0
-
-    def get_process_log_level(self) -> int:
-        """The ``logging`` level of this process, as in Hugging Face: ``log_level`` where :attr:`should_log`, else
-        ``log_level_replica``; ``"passive"`` keeps the level of the ``transformers`` logger."""
-        level = LOG_LEVELS[self.log_level if self.should_log else self.log_level_replica]
-        return logging.getLogger("transformers").getEffectiveLevel() if level == -1 else level
-
-    @contextlib.contextmanager
-    def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
-        """As in Hugging Face: under an initialized ``torch.distributed`` process group, the main process (of the
-        node with ``local``, else of the cluster) runs the block before the others (which wait at a barrier), so
-        that they can reuse what it cached. Without a process group every process runs the block at once."""
-        import torch.distributed as dist
-
-        synced = self.world_size > 1 and dist.is_available() and dist.is_initialized()
-        main = (self.local_process_index if local else self.process_index) == 0
-        if synced and not main:
-            dist.barrier()
-        try:
-            yield
-        finally:
-            if synced and main:
-                dist.barrier()
-
-    @property
-    def n_gpu(self) -> int:
-        """GPUs used by this process: 1 on CUDA (one per process under DDP; no DataParallel), else 0."""
-        return int(self.device.type == "cuda")
-
-    @property
-    def parallel_mode(self) -> ParallelMode:
-        """``ParallelMode.DISTRIBUTED`` under torchrun (a local rank is set), else ``NOT_PARALLEL``."""
-        return ParallelMode.DISTRIBUTED if self.local_rank != -1 else ParallelMode.NOT_PARALLEL
-
-    @property
-    def should_save(self) -> bool:
-        return (self.local_process_index if self.save_on_each_node else self.process_index) == 0
 
     @property
     def gradient_accumulation_steps(self) -> int:

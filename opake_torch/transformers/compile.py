@@ -20,6 +20,7 @@ returns clones, so callers may keep them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -28,6 +29,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from opake_core.errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CudaGraphChunk", "EagerAfterFailedCapture", "compile_chunk", "signature"]
 
@@ -47,7 +50,7 @@ def compile_chunk(
     later call (the sequence length of padded batches; the rows of a chunk are padded to one count) is compiled once
     more as a symbol, and later values reuse that graph unless the traced code specializes on it. Dynamo's settings
     during each call: ``trace_autograd_ops`` (a ``torch.autograd.grad`` in ``fn`` is traced into the graph, as
-    :class:`~opake_torch.layerwise_compiled.CompiledLayerwise` needs) and ``fail_on_recompile_limit_hit`` (past
+    :class:`~opake_torch.layerwise.compiled.CompiledLayerwise` needs) and ``fail_on_recompile_limit_hit`` (past
     ``torch._dynamo.config.recompile_limit`` recompilations Dynamo would run ``fn`` eagerly without a word; here that
     is a failure).
 
@@ -71,6 +74,7 @@ def compile_chunk(
             with context(args):
                 result = fn(*args, **kwargs)  # raises the function's own errors
             state["eager"] = True
+            logger.debug("torch.compile failed for %r; the traceback:", fn, exc_info=exc)
             warnings.warn(
                 f"torch.compile(backend={backend!r}, mode={mode!r}) failed for {getattr(fn, '__name__', fn)!r}; "
                 f"running it eagerly from now on ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). "
@@ -179,7 +183,8 @@ class CudaGraphChunk:
 
     Args:
         fn: the chunk function; it must be capturable (no host synchronization such as ``.item()``, no CPU
-            tensors, no RNG state reads: see :func:`~opake_torch.patches.checkpointing.check_memory_knobs`).
+            tensors, no RNG state reads: see
+            :func:`~opake_torch.patches.activation_checkpointing.check_memory_knobs`).
         max_graphs: the number of signatures to capture (``TrainingArguments.cuda_graphs``); later new signatures
             run eagerly.
 

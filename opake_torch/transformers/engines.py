@@ -4,7 +4,7 @@
   ``per_example_gradients`` allows it and the model is served by it, checked once against ``grad`` of the
   per-example loss; otherwise ``vmap(grad)``, with the fused Triton norms and scaled sums on CUDA.
 * How each chunk runs: captured as CUDA graphs (``cuda_graphs``), compiled (``torch_compile``: the layerwise engine
-  as its traced pass, :mod:`opake_torch.layerwise_compiled`, in one graph), or as it is.
+  as its traced pass, :mod:`opake_torch.layerwise.compiled`, in one graph), or as it is.
 * Whichever engine serves the run, :func:`independent` then checks that the records stay independent under it (the
   neighbour test of :mod:`.coupling`), before any step.
 
@@ -26,14 +26,13 @@ from opake_core.clipping import Engine, MaterializedGradients, VmapGradients
 from opake_core.errors import ConfigurationError
 from opake_core.step import dp_ftrl, dp_sgd
 from opake_torch.layerwise import LayerwiseGradients, unsupported_parameters
-from opake_torch.layerwise_compiled import KINDS, CompiledLayerwise, unserved
+from opake_torch.layerwise.compiled import KINDS, MIN_TORCH, CompiledLayerwise, torch_supported, unserved
 from opake_torch.patches.kernels import FusedGradients
 from opake_torch.transformers import coupling
 from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
 
 __all__ = [
     "CHECK_POSITIONS",
-    "ROW_MULTIPLE",
     "chunk_transform",
     "engine",
     "independent",
@@ -42,10 +41,6 @@ __all__ = [
     "step_factory",
     "verified",
 ]
-
-ROW_MULTIPLE = 1
-"""Each chunk's rows, without CUDA graphs, are rounded up to a multiple of this with dead rows
-(:class:`~opake_core.clipping.Engine`); 1 runs the real rows only."""
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +53,10 @@ def layerwise_engine(
     *,
     reasons: list[str],
 ) -> LayerwiseGradients | None:
-    """The layerwise engine on ``batch_losses(params, batch) -> [m]`` (run under bf16 autocast with ``args.bf16``),
-    or None when ``per_example_gradients`` is ``'vmap'`` or the run cannot use it (``reasons``: the caller's own,
-    such as an overridden loss). ``'layerwise'`` raises instead of falling back."""
+    """The layerwise engine on ``batch_losses(params, batch) -> [m]`` (run under bf16 autocast with ``args.bf16``,
+    ghost norms weighed by ``args.layerwise_ghost_advantage``), or None when ``per_example_gradients`` is ``'vmap'``
+    or the run cannot use it (``reasons``: the caller's own, such as an overridden loss). ``'layerwise'`` raises
+    instead of falling back."""
     mode = args.per_example_gradients
     if mode == "vmap":
         return None
@@ -78,7 +74,7 @@ def layerwise_engine(
         with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16):
             return batch_losses(p, batch)
 
-    return LayerwiseGradients(model, loss)
+    return LayerwiseGradients(model, loss, ghost_advantage=args.layerwise_ghost_advantage)
 
 
 CHECK_POSITIONS = 1024
@@ -194,7 +190,7 @@ def engine(
     args: Any, layerwise: LayerwiseGradients | None, transform: Callable[[Any], Any] | None, *, microbatch: int
 ) -> Engine:
     """The step's engine for chunks of at most ``microbatch`` rows: layerwise gradients when available (compiled:
-    their traced pass, :class:`~opake_torch.layerwise_compiled.CompiledLayerwise`, or the hook engine eagerly with a
+    their traced pass, :class:`~opake_torch.layerwise.compiled.CompiledLayerwise`, or the hook engine eagerly with a
     warning for a model with layer kinds that pass does not serve), else ``vmap(grad)`` with the fused Triton norms
     and scaled sums on CUDA (the identical torch path where they cannot run), but not inside a captured or compiled
     chunk.
@@ -202,10 +198,11 @@ def engine(
     Rows: with ``transform`` and ``cuda_graphs = k``, each chunk is rounded up to a multiple of
     ``ceil(microbatch / k)`` (dead rows), so that Poisson draws of any size meet at most ``k`` shapes, one captured
     graph each; compiled ``vmap(grad)`` chunks are padded to ``microbatch`` (vmap fixes the shapes it traces); the
-    compiled layerwise pass and chunks without ``transform`` run :data:`ROW_MULTIPLE`.
+    compiled layerwise pass and chunks without ``transform`` round to ``args.per_example_row_multiple`` (1: the real
+    rows only).
     """
     if transform is None:
-        row_multiple = ROW_MULTIPLE
+        row_multiple = args.per_example_row_multiple
     elif args.cuda_graphs:
         row_multiple = -(-microbatch // args.cuda_graphs)
     else:
@@ -214,11 +211,11 @@ def engine(
         if transform is not None and args.torch_compile:
             compiled = _compiled_layerwise(layerwise)
             if compiled is None:  # layer kinds the traced pass does not serve: the hook engine, eagerly
-                return Engine(gradients=layerwise, transform=None, row_multiple=ROW_MULTIPLE)
+                return Engine(gradients=layerwise, transform=None, row_multiple=args.per_example_row_multiple)
             backend, mode = args.torch_compile_backend, args.torch_compile_mode
             transform = lambda chunk: compile_chunk(chunk, backend=backend, mode=mode, around=compiled.around)  # noqa: E731
             # the traced pass keeps the rows and positions of a chunk symbolic: the real rows only, no dead ones
-            return Engine(gradients=compiled, transform=transform, row_multiple=ROW_MULTIPLE)
+            return Engine(gradients=compiled, transform=transform, row_multiple=args.per_example_row_multiple)
         return Engine(gradients=layerwise, transform=transform, row_multiple=row_multiple)
     fused = args.device.type == "cuda" and transform is None
     gradients = VmapGradients(FusedGradients if fused else MaterializedGradients)
@@ -227,7 +224,15 @@ def engine(
 
 def _compiled_layerwise(layerwise: LayerwiseGradients) -> CompiledLayerwise | None:
     """The traced pass of ``layerwise`` for a compiled chunk, or None (with a warning) for a model with layer kinds
-    it does not serve."""
+    it does not serve or a torch release it is not verified on."""
+    if not torch_supported():
+        warnings.warn(
+            f"torch_compile compiles the layerwise engine's step on torch {MIN_TORCH} or newer; this is "
+            f"{torch.__version__}, so the step runs eagerly. Set torch_compile=False to silence this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
     kinds = unserved(layerwise)
     if not kinds:
         return CompiledLayerwise(layerwise)

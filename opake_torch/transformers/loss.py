@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opake_core.errors import ConfigurationError
+from opake_torch.patches.kernels import opake_cross_entropy_loss, opake_fused_linear_cross_entropy
 
 __all__ = [
     "IGNORE_INDEX",
@@ -83,8 +84,6 @@ def _masked_mean_ce(
     logits: torch.Tensor, labels: torch.Tensor, *, label_smoothing: float, ignore_index: int, kernel: bool
 ) -> torch.Tensor:
     if kernel and not label_smoothing:  # the Triton cross-entropy (its torch reference off CUDA): same value
-        from opake_torch.patches.kernels import opake_cross_entropy_loss
-
         return opake_cross_entropy_loss(logits, labels, ignore_index=ignore_index, reduction="mean")
     mask = labels != ignore_index
     safe = torch.where(mask, labels, torch.zeros_like(labels))
@@ -169,6 +168,21 @@ def per_example_loss(
 
     ``example`` holds the model inputs and its labels, each without a batch dimension. ``compute_loss_func``,
     when given, receives the example's logits (without batch dimension) and labels and returns a scalar.
+
+    Example: a sequence's loss is the mean over its own target tokens; padding changes nothing.
+
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from opake_torch import functional_model, per_example_loss
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> apply, params, frozen = functional_model(model)
+        >>> short = {"input_ids": torch.tensor([9, 10]), "labels": torch.tensor([9, 10])}
+        >>> padded = {"input_ids": torch.tensor([9, 10, 0]), "attention_mask": torch.tensor([1, 1, 0]),
+        ...           "labels": torch.tensor([9, 10, -100])}
+        >>> loss = per_example_loss(apply, params, frozen, short, task="causal_lm")
+        >>> torch.allclose(loss, per_example_loss(apply, params, frozen, padded, task="causal_lm"))
+        True
     """
     one = {k: v[None] for k, v in example.items()}
     return batch_losses(
@@ -201,6 +215,22 @@ def batch_losses(
     ``batch`` holds the model inputs and labels with their batch dimension. Each row's loss reads only that row's
     logits and labels, so the examples stay separate as long as the model keeps them separate (attention masks,
     no batch normalization).
+
+    Example: one forward over a padded batch gives each row's own loss.
+
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from opake_torch import batch_losses, functional_model, per_example_loss
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> apply, params, frozen = functional_model(model)
+        >>> batch = {"input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]]),
+        ...          "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]),
+        ...          "labels": torch.tensor([[5, 6, 7, 8], [9, 10, -100, -100]])}
+        >>> losses = batch_losses(apply, params, frozen, batch, task="causal_lm")
+        >>> second = {"input_ids": torch.tensor([9, 10]), "labels": torch.tensor([9, 10])}
+        >>> losses.shape, torch.allclose(losses[1], per_example_loss(apply, params, frozen, second, task="causal_lm"))
+        (torch.Size([2]), True)
     """
     inputs = {k: v for k, v in batch.items() if k not in label_names}
     logits = apply(params, frozen, **inputs).logits
@@ -280,8 +310,6 @@ def fused_causal_lm_losses(
     through :func:`~opake_torch.patches.kernels.opake_fused_linear_cross_entropy` with the head's weight. Works with a
     batch dimension of 1 inside ``vmap`` (one example) and with a whole batch.
     """
-    from opake_torch.patches.kernels import opake_fused_linear_cross_entropy
-
     inputs = {k: v for k, v in batch.items() if k not in label_names}
     hidden = _final_hidden(apply, params, frozen, inputs, head)
     weight = {**frozen, **params}[head.weight_name]

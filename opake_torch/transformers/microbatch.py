@@ -18,7 +18,7 @@ import torch
 
 from opake_core.errors import ConfigurationError
 
-__all__ = ["ShrinkingStep", "choose_microbatch_size", "is_out_of_memory", "retry_eval_batch", "run_with_oom_retry"]
+__all__ = ["ShrinkingStep", "is_out_of_memory", "retry_eval_batch", "run_with_oom_retry"]
 
 T = TypeVar("T")
 
@@ -154,32 +154,3 @@ def retry_eval_batch(
             on_shrink(size, new)
         size = new
     return pieces, size
-
-
-def choose_microbatch_size(
-    *,
-    per_example_bytes: int,
-    batch_size: int,
-    device: torch.device | str | None = None,
-    headroom: float = 0.8,
-) -> int:
-    """A starting chunk size from free CUDA memory: the largest power of two ``m <= batch_size`` with
-    ``m * per_example_bytes <= headroom * free``.
-
-    ``per_example_bytes`` is the caller's estimate of one example's footprint (its per-example gradient copy plus
-    its activations, e.g. measured as the peak-memory difference between chunks of 1 and 2). This is only a first
-    guess for :func:`run_with_oom_retry`, which still halves on failure; without CUDA it returns ``batch_size``.
-    """
-    _check_size(batch_size, "batch_size")
-    _check_size(per_example_bytes, "per_example_bytes")
-    if not 0 < headroom <= 1:
-        raise ConfigurationError(f"headroom must be in (0, 1], got {headroom!r}.")
-    dev = torch.device(device) if device is not None else None
-    if not torch.cuda.is_available() or (dev is not None and dev.type != "cuda"):
-        return batch_size
-    free, _ = torch.cuda.mem_get_info(dev)
-    fits = int(headroom * free) // per_example_bytes
-    size = 1
-    while size * 2 <= min(fits, batch_size):
-        size *= 2
-    return size

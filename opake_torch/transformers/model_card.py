@@ -1,7 +1,7 @@
 """The model card of a privately trained model: ``README.md`` stating the guarantee and what lies outside it.
 
 :func:`model_card` is a pure function of the public privacy record (what ``accountant.json`` holds, see
-:func:`opake_torch.transformers.checkpointing.accountant_record`), the arguments and the privacy unit; it returns
+:func:`opake_torch.transformers.saving.accountant_record`), the arguments and the privacy unit; it returns
 the markdown, with Hugging Face metadata (YAML front matter) on top. :func:`write_model_card` writes it as
 ``README.md``; for a PEFT adapter it keeps the metadata of the card peft wrote (``base_model``, ``library_name:
 peft``, tags) and replaces peft's generic text. ``DPTrainer.save_model`` writes the card beside the weights, so
@@ -294,10 +294,10 @@ def write_trainer_card(
     model's Hub id) as ``base_model``, a single ``tasks`` as ``pipeline_tag``, ``dataset_tags`` (else ``dataset``)
     as ``datasets``. Hugging Face's table of training losses and evaluation results is left out: those are outside
     the guarantee. ``dataset_args`` is accepted and unused."""
-    from opake_torch.transformers.checkpointing import accountant_record
+    from opake_torch.transformers.saving import accountant_record
 
-    plan, args = trainer._plan, trainer.args
-    record = None if plan is None else accountant_record(args, plan, trainer._ledger)
+    plan, args = trainer.privacy_plan, trainer.args
+    record = None if plan is None else accountant_record(args, plan, trainer.ledger)
     task = tasks[0] if isinstance(tasks, list) and len(tasks) == 1 else tasks
     metadata = {
         "language": language,

@@ -1,24 +1,40 @@
 """A model made ready for private training: the inputs refused, the patches applied, the weights on the device.
 
-Everything here runs once, when a :class:`~opake_torch.transformers.DPTrainer` is built: the compatibility patches
-that let ``vmap(grad)`` run Hugging Face models, activation checkpointing that survives ``vmap``, the performance
-kernels the arguments ask for, and (under DDP) rank 0's weights on every rank.
+Everything here runs once, when a :class:`~opake_torch.transformers.DPTrainer` is built: the family patches that let
+``vmap(grad)`` run Hugging Face models, activation checkpointing that survives ``vmap``, the performance kernels the
+arguments ask for, and (under DDP) rank 0's weights on every rank. These change the model's own modules only. The
+process-level patches the model needs (the vmap patches, a family's RoPE kernel) are applied while the trainer runs
+(:func:`with_training_patches`) and undone after. :func:`probe_vmap` tells whether a model runs under ``vmap(grad)``.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from opake_core.errors import ConfigurationError, OpakeError
-from opake_torch.patches import apply_compat_patches, check_attention_implementation
-from opake_torch.patches.checkpointing import check_memory_knobs, enable_vmap_checkpointing
-from opake_torch.patches.families import apply_family_patches
-from opake_torch.patches.performance import apply_performance_kernels
+from opake_core.clipping import clipped_grad
+from opake_core.errors import ConfigurationError, OpakeError, VmapCompatibilityError
+from opake_torch.functional import functional_model
+from opake_torch.patches.activation_checkpointing import check_memory_knobs, enable_vmap_checkpointing
+from opake_torch.patches.compat import check_attention_implementation
+from opake_torch.patches.families import apply_family_patches, family_of
+from opake_torch.patches.performance import apply_performance_kernels, runtime_patches
+from opake_torch.patches.runtime import VMAP_PATCHES, RuntimePatch, apply_runtime_patches
+from opake_torch.transformers.loss import infer_task, per_example_loss
 
-__all__ = ["check_inputs", "check_outputs", "prepare_model", "probe_outputs"]
+__all__ = [
+    "check_inputs",
+    "check_outputs",
+    "prepare_model",
+    "probe_outputs",
+    "probe_vmap",
+    "training_patches",
+    "with_training_patches",
+]
 
 
 def check_inputs(model: nn.Module, args: Any, optimizers: tuple[Any, Any], arguments_type: type) -> None:
@@ -112,8 +128,13 @@ def probe_outputs(
 
 
 def prepare_model(model: nn.Module, args: Any, topology: Any) -> tuple[nn.Module, list[str], list[str]]:
-    """``(model on args.device, compat patches, performance patches)``, with rank 0's weights on every rank."""
-    compat = apply_compat_patches() + apply_family_patches(model) if args.use_compat_patches else []
+    """``(model on args.device, compat patches, performance patches)``, with rank 0's weights on every rank.
+
+    The compat names are the process-level vmap patches (applied while the trainer runs) and the family patches of
+    this model; the performance names are as :func:`~opake_torch.patches.performance.apply_performance_kernels`
+    returns them. :func:`training_patches` turns both into the process-level patches of a run."""
+    vmap = [patch.name for patch in VMAP_PATCHES]
+    compat = vmap + apply_family_patches(model) if args.use_compat_patches else []
     check_attention_implementation(model)
     if args.gradient_checkpointing:
         enable_vmap_checkpointing(model)
@@ -128,3 +149,84 @@ def prepare_model(model: nn.Module, args: Any, topology: Any) -> tuple[nn.Module
         model, use_performance_kernels=args.use_performance_kernels, performance_kernels_config=kernels_config
     )
     return model, compat, performance
+
+
+def training_patches(compat: list[str], performance: list[str]) -> tuple[RuntimePatch, ...]:
+    """The process-level patches a run needs while it runs, from the names :func:`prepare_model` returned: the vmap
+    patches where ``compat`` lists them, the family RoPE kernel where ``performance`` does."""
+    return (*(patch for patch in VMAP_PATCHES if patch.name in compat), *runtime_patches(performance))
+
+
+def with_training_patches(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of a ``DPTrainer`` with the process-level patches of its run (:func:`training_patches` of its
+    ``compat_patches`` and ``performance_patches``) applied while it runs, and undone when it returns or raises: no
+    other model of the process sees them afterwards."""
+
+    @functools.wraps(method)
+    def patched(trainer: Any, *args: Any, **kwargs: Any) -> Any:
+        with apply_runtime_patches(training_patches(trainer.compat_patches, trainer.performance_patches)):
+            return method(trainer, *args, **kwargs)
+
+    return patched
+
+
+def _failing_frame(exc: BaseException) -> str:
+    """The innermost frame of model code (transformers, peft, or the user's module) in the traceback chain."""
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    for error in reversed(chain):
+        tb, best = error.__traceback__, None
+        while tb is not None:
+            filename = tb.tb_frame.f_code.co_filename
+            if "/torch/" not in filename and "opake_" not in filename:
+                best = f"{tb.tb_frame.f_code.co_name} ({filename.rsplit('/site-packages/', 1)[-1]}:{tb.tb_lineno})"
+            tb = tb.tb_next
+        if best is not None:
+            return best
+    return "unknown (no model frame in the traceback)"
+
+
+def probe_vmap(model: nn.Module, example: dict[str, torch.Tensor], *, loss: Any = None) -> None:
+    """Run one clipped per-example ``vmap(grad)`` step on a one-example batch, with the process-level vmap patches
+    applied for the duration (:data:`~opake_torch.patches.runtime.VMAP_PATCHES`); raise if the model cannot.
+
+    Args:
+        model: the model as it will be trained (patches applied, PEFT adapters attached).
+        example: one example's tensors **without** batch dimension (``input_ids``, ``attention_mask``, ``labels``).
+        loss: ``loss(params, example) -> scalar``; defaults to the loss inferred from the model class.
+
+    Raises:
+        VmapCompatibilityError naming the family, the failing operation (the innermost frame of model code) and
+        the fix.
+    """
+    apply, params, frozen = functional_model(model)
+    if loss is None:
+        task = infer_task(model)
+
+        def loss(p: dict[str, torch.Tensor], ex: dict[str, torch.Tensor]) -> torch.Tensor:
+            return per_example_loss(apply, p, frozen, ex, task=task)
+
+    batch = {k: v[None] for k, v in example.items()}
+    grad_fn, state = clipped_grad(loss, clipping_norm=1.0)
+    try:
+        with apply_runtime_patches():
+            grad_fn(params, batch, state=state)
+    except Exception as exc:
+        family = family_of(model)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        model_type = getattr(getattr(base, "config", None), "model_type", type(base).__name__)
+        listed = f"family {family.name!r}" if family else f"unlisted family {model_type!r}"
+        fix = (
+            "call opake_torch.patches.families.apply_family_patches(model) and load the model with "
+            f"attn_implementation in ({family.attention})"
+            if family
+            else "replace the operation with an out-of-place, branch-free equivalent (see docs/memory.md)"
+        )
+        raise VmapCompatibilityError(
+            f"{type(base).__name__} ({listed}) cannot run per example under torch.func.vmap(grad): the failing "
+            f"operation is in {_failing_frame(exc)}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}. "
+            f"Fix: {fix}."
+        ) from exc

@@ -53,7 +53,7 @@ def _data():
     return torch.randn(N, 5, generator=gen, dtype=torch.float64), torch.randint(0, 3, (N,), generator=gen)
 
 
-# -- samplers and mechanisms the trainer accepts (opake_torch.transformers._parsing.SAMPLERS) -----------------------
+# -- samplers and mechanisms the trainer accepts (opake_torch.transformers.privacy_settings.SAMPLERS) ---------------
 
 
 def _sampler(name):
@@ -266,7 +266,7 @@ def test_neighbour_invariance(mechanism, sampler_name):
 
 
 def test_pairs_cover_everything_the_trainer_accepts():
-    parsing = importlib.import_module("opake_torch.transformers._parsing")
+    parsing = importlib.import_module("opake_torch.transformers.privacy_settings")
     audited = {(m, s.split("_truncated")[0].replace("_block", "").replace("_total", "")) for m, s in CASES}
     accepted = {(m, s) for m, names in parsing.SAMPLERS.items() for s in names}
     assert accepted <= audited, f"pairs the trainer accepts but the audit misses: {sorted(accepted - audited)}"
@@ -573,7 +573,7 @@ def test_neighbour_invariance_of_clipped_outputs():
     assert violations == [] and participated >= 1
 
 
-# -- the MoE router release (opake_core.moe) next to the gradient ----------------------------------------------------
+# -- the MoE router release (opake_core.router_release) next to the gradient -------------------------------------------
 
 
 def _router_data():
@@ -596,7 +596,7 @@ def test_neighbour_invariance_of_the_router_release(sampler_name):
     removing (replacing) the target moves each stream by at most its declared sensitivity (twice it), and the pair,
     whitened by its noise, by at most ``1 / z_eff`` (``2 / z_eff``), ``z_eff = z / sqrt(1 + rho)``: one Gaussian
     release, as ``accounting.moe_aux`` accounts it. A step without the target changes nothing."""
-    from opake_core.moe import RouterGeometry, load_statistic, router_release, sum_statistics, surrogate_loss
+    from opake_core.router_release import RouterGeometry, load_statistic, router_release, sum_statistics, surrogate_loss
 
     rho = 0.3
     sampler = _sampler(sampler_name)

@@ -266,7 +266,7 @@ def _corrupt(rows, task, gen, *, first):
 
 def _finite_loss_with(trainer, rows, r):
     """The losses of a batch of row ``r`` and one other row: finite (the loss takes the row)."""
-    batch = trainer._batch(rows, np.array([r, (r + 1) % len(rows)]))
+    batch = trainer.fetch_batch(rows, np.array([r, (r + 1) % len(rows)]))
     losses = trainer.compute_batch_losses(trainer._params, batch)
     return bool(torch.isfinite(losses).all())
 
@@ -313,7 +313,7 @@ def _refused_before_the_first_step(trainer, label):
         assert str(exc), label
     except Exception as exc:
         pytest.fail(f"raw {type(exc).__name__}: {exc} -- {label}")
-    assert trainer.state.global_step == 0 and trainer._ledger.releases == 0, label
+    assert trainer.state.global_step == 0 and trainer.ledger.releases == 0, label
 
 
 # -- model cases -----------------------------------------------------------------------------------------------------

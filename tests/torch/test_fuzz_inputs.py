@@ -152,6 +152,8 @@ SPEC = {
     "adam_beta2": real(0, 1, open_high=True),
     "label_smoothing_factor": real(0, 1, open_high=True),
     "cuda_graphs": count(0, INT32),
+    "per_example_row_multiple": count(1, INT32),
+    "layerwise_ghost_advantage": real(0, SCALE, open_low=True),
     "seed": count(0, SEED_MAX),
     "data_seed": optional(count(0, SEED_MAX)),
     "privacy_noise_seed": optional(is_int),

@@ -1,4 +1,4 @@
-"""LoRA linear maps with a hand-written backward: :func:`opake_lora_w`, :func:`opake_lora_qkv`, :func:`opake_lora_mlp`.
+"""LoRA linear maps with a hand-written backward: :func:`opake_lora_w`, :func:`opake_lora_mlp`.
 
 ``y_j = x W_j^T + b_j + s (x A_j^T) B_j^T`` for one or several projections of the same input. The forward does one
 matmul ``x [A_1; A_2; ...]^T`` for all adapters (the q/k/v or gate/up fusion) and keeps ``xA`` for the backward;
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from opake_torch.patches.kernels.activation import opake_geglu, opake_swiglu
 from opake_torch.patches.kernels.reference import LoRAProjection
 
-__all__ = ["LoRAProjection", "opake_lora_mlp", "opake_lora_qkv", "opake_lora_w"]
+__all__ = ["LoRAProjection", "opake_lora_mlp", "opake_lora_w"]
 
 
 def _unpack(flat: tuple[torch.Tensor, ...], has_bias: tuple[bool, ...]) -> list[tuple[Any, ...]]:
@@ -112,14 +112,6 @@ def opake_lora_w(
     """``x W^T + b + scaling * (x A^T) B^T`` with ``x [..., in]``, ``W [out, in]``, ``A [r, in]``, ``B [out, r]``."""
     with torch.profiler.record_function("opake::lora_w"):
         return _lora(x, (LoRAProjection(weight, lora_A, lora_B, bias),), scaling)[0]
-
-
-def opake_lora_qkv(
-    x: torch.Tensor, q: LoRAProjection, k: LoRAProjection, v: LoRAProjection, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The q, k and v projections of ``x`` with their adapters: one ``x A^T`` matmul for the three adapters."""
-    with torch.profiler.record_function("opake::lora_qkv"):
-        return _lora(x, (q, k, v), scaling)  # type: ignore[return-value]
 
 
 def opake_lora_mlp(

@@ -21,7 +21,6 @@ __all__ = [
     "fused_linear_cross_entropy",
     "geglu",
     "lora_mlp",
-    "lora_qkv",
     "lora_w",
     "rms_norm",
     "rope",
@@ -121,13 +120,6 @@ def lora_w(
 ) -> torch.Tensor:
     """``x W^T + b + scaling * (x A^T) B^T``."""
     return F.linear(x, weight, bias) + scaling * F.linear(F.linear(x, lora_A), lora_B)
-
-
-def lora_qkv(
-    x: torch.Tensor, q: LoRAProjection, k: LoRAProjection, v: LoRAProjection, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The three attention input projections of one input, each with its LoRA adapter."""
-    return tuple(lora_w(x, p.weight, p.lora_A, p.lora_B, scaling, p.bias) for p in (q, k, v))  # type: ignore[return-value]
 
 
 def lora_mlp(

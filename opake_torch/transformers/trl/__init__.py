@@ -10,18 +10,15 @@ metrics per example (:mod:`opake_torch.transformers.trl.metrics`, outside the gu
 
 from typing import Any
 
+from opake_torch import _extras
 from opake_torch.transformers.trl.config import DPOConfig, SFTConfig
 
 __all__ = ["DPOConfig", "DPOTrainer", "SFTConfig", "SFTTrainer"]
 
+_TRAINERS = {"SFTTrainer": "opake_torch.transformers.trl.sft", "DPOTrainer": "opake_torch.transformers.trl.dpo"}
+
 
 def __getattr__(name: str) -> Any:
-    if name == "SFTTrainer":
-        from opake_torch.transformers.trl.sft import SFTTrainer
-
-        return SFTTrainer
-    if name == "DPOTrainer":
-        from opake_torch.transformers.trl.dpo import DPOTrainer
-
-        return DPOTrainer
-    raise AttributeError(f"module 'opake_torch.transformers.trl' has no attribute {name!r}")
+    if name in _TRAINERS:
+        return _extras.load(_TRAINERS[name], name, face=f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -337,6 +337,13 @@ class SFTConfig(TrainingArguments):
         packing, padding_free: accepted for TRL compatibility, refused when True.
 
     Every other ``trl.SFTConfig`` name is accepted as :data:`SFT_NAMES` says.
+
+    Example: TRL's defaults, on top of the privacy arguments.
+
+        >>> from opake_torch import SFTConfig
+        >>> config = SFTConfig("out", privacy_noise_multiplier=1.0, completion_only_loss=True)
+        >>> config.max_length, config.loss_type, config.learning_rate, config.privacy.privacy_noise_multiplier
+        (1024, 'nll', 2e-05, 1.0)
     """
 
     _: KW_ONLY
@@ -440,6 +447,13 @@ class DPOConfig(TrainingArguments):
         padding_free: accepted for TRL compatibility, refused when True.
 
     Every other ``trl.DPOConfig`` name is accepted as :data:`DPO_NAMES` says.
+
+    Example:
+
+        >>> from opake_torch import DPOConfig
+        >>> config = DPOConfig("out", privacy_target_epsilon=4.0, beta=0.2)
+        >>> config.beta, config.loss_type, config.learning_rate
+        (0.2, 'sigmoid', 1e-06)
     """
 
     _: KW_ONLY
@@ -474,7 +488,7 @@ class DPOConfig(TrainingArguments):
     def __post_init__(self) -> None:
         super().__post_init__()
         _refuse_packing("padding_free", self.padding_free)
-        self.loss_type = _dpo_loss_type(self.loss_type)  # types and ranges of the fields: _check_types
+        self.loss_type = _dpo_loss_type(self.loss_type)  # types and ranges of the fields: _parsing.check_types
         self.beta = float(self.beta)
         self._resolve_label_smoothing()
         self.discopop_tau = float(self.discopop_tau)

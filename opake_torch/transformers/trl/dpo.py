@@ -171,6 +171,23 @@ class DPOTrainer(DPTrainer):
     Besides the loss, :meth:`compute_per_example_loss_and_metrics` gives TRL's ``rewards/*``, ``logps/*``,
     ``logits/*``, ``mean_token_accuracy``, ``entropy`` and ``num_tokens`` per pair
     (:mod:`opake_torch.transformers.trl.metrics`; outside the guarantee).
+
+    Example: a preference pair is one example (the privacy unit); its two sequences share the prompt, and only the
+    completions count in the loss. ``trainer.train()`` then runs DP-SGD as :class:`DPTrainer` does.
+
+        >>> import tempfile
+        >>> from opake_torch.transformers.trl.examples import tiny_llama, word_tokenizer
+        >>> tokenizer, model = word_tokenizer(), tiny_llama()  # offline, random weights
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> from opake_torch import DPOConfig, DPOTrainer
+        >>> config = DPOConfig(folder.name, privacy_noise_multiplier=1.0, per_device_train_batch_size=4, use_cpu=True,
+        ...                    report_to="none")
+        >>> pairs = [{"prompt": "the cat", "chosen": " sat", "rejected": " ran"}] * 8
+        >>> trainer = DPOTrainer(model, args=config, train_dataset=pairs, processing_class=tokenizer)
+        >>> pair = trainer.train_dataset[0]
+        >>> pair["chosen_input_ids"], pair["rejected_input_ids"], pair["chosen_completion_mask"]
+        (tensor([3, 4, 5, 1]), tensor([ 3,  4, 10,  1]), tensor([0, 0, 1, 1]))
+        >>> folder.cleanup()
     """
 
     privacy_unit = "one preference pair (one prompt with its chosen and rejected completions)"

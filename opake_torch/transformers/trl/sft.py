@@ -161,6 +161,22 @@ class SFTTrainer(DPTrainer):
 
     Besides the loss, :meth:`compute_per_example_loss_and_metrics` gives TRL's ``mean_token_accuracy``, ``entropy``
     and ``num_tokens`` per example (:mod:`opake_torch.transformers.trl.metrics`; outside the guarantee).
+
+    Example: prompt-completion rows are formatted once; the prompt's tokens get label -100, so only the completion
+    (and the EOS token) is trained on. ``trainer.train()`` then runs DP-SGD as :class:`DPTrainer` does.
+
+        >>> import tempfile
+        >>> from opake_torch.transformers.trl.examples import tiny_llama, word_tokenizer
+        >>> tokenizer, model = word_tokenizer(), tiny_llama()  # offline, random weights
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> from opake_torch import SFTConfig, SFTTrainer
+        >>> config = SFTConfig(folder.name, privacy_noise_multiplier=1.0, per_device_train_batch_size=4, use_cpu=True,
+        ...                    report_to="none")
+        >>> rows = [{"prompt": "the cat", "completion": " sat on the mat"}] * 8
+        >>> trainer = SFTTrainer(model, config, train_dataset=rows, processing_class=tokenizer)
+        >>> trainer.train_dataset[0]["labels"]
+        tensor([-100, -100,    5,    6,    3,    7,    1])
+        >>> folder.cleanup()
     """
 
     privacy_unit = "one example (one text, one conversation or one prompt-completion pair)"

@@ -143,7 +143,7 @@ def _train(out: Path, kind: str, save_steps: int = STEPS, stop: int | None = Non
 
 
 def run_trainer(kind: str, out: Path) -> dict:
-    from opake_torch.transformers import checkpoint as ckpt
+    from opake_torch.transformers import checkpoint_folder as ckpt
 
     writes = []
     original = ckpt.write_atomically

@@ -19,7 +19,8 @@ from opake_core.errors import CheckpointError, ConfigurationError, StateError
 from opake_core.sampling.state import SamplerState
 from opake_torch import distributed
 from opake_torch.transformers import DPTrainer, TrainingArguments
-from opake_torch.transformers.privacy import build_plan, ledger_epsilon
+from opake_torch.transformers.privacy import build_plan
+from opake_torch.transformers.run_state import ledger_result
 
 DATA = token_data(40)
 STEPS, PER_DEVICE = 5, 2
@@ -70,7 +71,8 @@ def _rank_samplers(kind, rate):
 def _single_process(tmp_path, kind):
     """Parameters of a one-process run fed, at every step, the union of the two ranks' draws (same per-rank keys)."""
     trainer = DPTrainer(tiny_model("llama"), _args(tmp_path, **_mf(kind)), train_dataset=DATA)
-    run, step_fn = trainer._start(None, None)
+    run = trainer._start(None)
+    step_fn = run.step
     samplers = _rank_samplers(kind, run.plan.sample_rate)
     states = [s.init() for s in samplers]
     sizes = []
@@ -80,11 +82,11 @@ def _single_process(tmp_path, kind):
             idx, states[r] = sampler.sample(run.keys.sampler, states[r])
             parts.append(idx)
         sizes.append([len(p) for p in parts])
-        batch = trainer._batch(DATA, np.sort(np.concatenate(parts)))
+        batch = trainer.fetch_batch(DATA, np.sort(np.concatenate(parts)))
         run.params, run.opt_state, run.dp_state, _ = step_fn(run.params, run.opt_state, run.dp_state, (batch,))
         if not run.plan.horizon:
             run.ledger = run.ledger.record(run.plan.release)
-    return run.params, ledger_epsilon(run.ledger, run.plan.delta), sizes
+    return run.params, ledger_result(run.ledger, run.plan.delta).value, sizes
 
 
 @pytest.mark.parametrize("kind", ["sgd", "mf", "adaptive", "fixed"])

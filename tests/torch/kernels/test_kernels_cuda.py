@@ -229,16 +229,7 @@ def test_lora(d_in, d_out, rank, dtype):
         )  # fmt: skip
 
     x = _randn(3, 9, d_in, dtype=dtype)
-    q, k, v = proj(d_in, d_out, rank, True), proj(d_in, d_out // 2, rank), proj(d_in, d_out // 2, rank)
     gate, up, down = proj(d_in, d_out, rank), proj(d_in, d_out, rank), proj(d_out, d_in, rank)
-
-    def qkv(fn, up_cast):
-        def f(ad, x):
-            ps = [up_cast(p._replace(lora_A=a, lora_B=b)) for p, (a, b) in zip((q, k, v), ad, strict=True)]
-            outs = fn(up_cast(x), *ps, 2.0)
-            return sum((o.float() * r).sum() for o, r in zip(outs, r_qkv, strict=True))
-
-        return f
 
     def mlp(fn, up_cast):
         def f(ad, x):
@@ -255,12 +246,10 @@ def test_lora(d_in, d_out, rank, dtype):
             return t.float()
         return t._replace(**{f: getattr(t, f).float() for f in t._fields if getattr(t, f) is not None})
 
-    r_qkv = [_randn(9, p.weight.shape[0]) for p in (q, k, v)]
     r_mlp = _randn(9, d_in)
-    for make, projections in ((qkv, (q, k, v)), (mlp, (gate, up, down))):
+    for make, projections in ((mlp, (gate, up, down)),):
         adapters = [(p.lora_A, p.lora_B) for p in projections]
-        fused = K.opake_lora_qkv if make is qkv else K.opake_lora_mlp
-        ref = R.lora_qkv if make is qkv else R.lora_mlp
+        fused, ref = K.opake_lora_mlp, R.lora_mlp
         ours = vmap(grad(make(fused, identity)), in_dims=(None, 0))(adapters, x)
         theirs = vmap(grad(make(ref, to_float32)), in_dims=(None, 0))(adapters, x)
         ours, theirs = torch.utils._pytree.tree_leaves(ours), torch.utils._pytree.tree_leaves(theirs)

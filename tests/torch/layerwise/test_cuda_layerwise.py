@@ -9,7 +9,7 @@ from tiny_hf import tiny_lora, tiny_model, token_data
 from opake_core.clipping import VMAP, Engine, clipped_grad
 from opake_torch.functional import functional_model
 from opake_torch.layerwise import LayerwiseGradients
-from opake_torch.patches import apply_compat_patches
+from opake_torch.patches import apply_runtime_patches
 from opake_torch.transformers.data import collate, language_modeling_labels
 from opake_torch.transformers.loss import batch_losses, per_example_loss
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.cuda
     [("llama", True, torch.float32), ("llama", True, torch.bfloat16), ("bert", False, torch.float32)],
 )
 def test_layerwise_equals_vmap_on_cuda(family, lora, dtype):
-    apply_compat_patches()
+    apply_runtime_patches()
     model = tiny_model(family)
     model.config._attn_implementation = "sdpa"
     model = model.to("cuda", dtype)

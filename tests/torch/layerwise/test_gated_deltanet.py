@@ -18,7 +18,7 @@ from opake_core.clipping import Engine, clipped_grad
 from opake_core.errors import ConfigurationError
 from opake_torch.functional import functional_model
 from opake_torch.layerwise import LayerwiseGradients, unsupported_parameters
-from opake_torch.patches import apply_compat_patches
+from opake_torch.patches import apply_runtime_patches
 from opake_torch.patches.compat import reference_kernels
 from opake_torch.patches.families import apply_family_patches
 from opake_torch.transformers import DPTrainer, TrainingArguments
@@ -93,12 +93,12 @@ def test_layerwise_norms_and_clipped_sum_equal_a_single_record_loop(model_type, 
     """Every parameter trained, float64: the layerwise engine's per-example norms and clipped sum equal those of
     single-record backwards to 1e-10. Checkpointed decoder layers keep nothing in the forward and are tapped in
     their recompute (counted)."""
-    from opake_torch.patches import checkpointing as ckpt
+    from opake_torch.patches import activation_checkpointing as ckpt
 
     recomputes = []
     plain = ckpt._plain_recompute
     monkeypatch.setattr(ckpt, "_plain_recompute", lambda *a: recomputes.append(1) or plain(*a))
-    apply_compat_patches()
+    apply_runtime_patches()
     model = tiny_gated_deltanet(model_type, torch.float64)
     layers = ckpt.enable_vmap_checkpointing(model) if checkpointing else 0
     _, params, _ = functional_model(model)
@@ -115,7 +115,7 @@ def test_vmap_norms_and_clipped_sum_equal_a_single_record_loop(model_type) -> No
     """``vmap(grad)`` with the family patch (no in-place cache write, the torch reference path inside the
     transform). Hugging Face runs the gated delta rule in float32 whatever the model's dtype, and vmap batches its
     float32 matmuls otherwise than a single record: 8 float32 unit roundoffs, relative."""
-    apply_compat_patches()
+    apply_runtime_patches()
     model = tiny_gated_deltanet(model_type, torch.float64)
     assert apply_family_patches(model) == ["gated_deltanet"]
     clipped, norms, params = _clipped(model, Engine())
@@ -140,7 +140,7 @@ def _modeling(model: torch.nn.Module) -> types.ModuleType:
 def test_a_conv_weight_used_out_of_sight_is_refused(kernel, monkeypatch) -> None:
     """A stand-in for causal-conv1d's CUDA kernel, which takes the conv weight where the engine cannot follow it:
     refused (it would otherwise leave the weight's gradient unformed), not trained with a zero gradient."""
-    apply_compat_patches()
+    apply_runtime_patches()
     model = tiny_gated_deltanet("qwen3_5_moe_text", torch.float64)
     monkeypatch.setattr(_modeling(model), "causal_conv1d_fn", kernel)
     with pytest.raises(ConfigurationError, match=r"conv1d\.weight.*out of sight"):
@@ -154,7 +154,7 @@ def test_the_delta_net_runs_the_torch_path_in_the_private_step_only_where_needed
     all frozen (adapters, linear layers: the kernels' autograd functions hide no trained parameter), nor outside."""
     from transformers.integrations import hub_kernels
 
-    apply_compat_patches()
+    apply_runtime_patches()
     model = tiny_gated_deltanet("qwen3_5_moe_text", torch.float64)
     switch = []
     original = _modeling(model).causal_conv1d_fn

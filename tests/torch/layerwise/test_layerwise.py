@@ -16,7 +16,7 @@ from opake_core.random import key
 from opake_core.tree import per_group
 from opake_torch.functional import functional_model
 from opake_torch.layerwise import LayerwiseGradients, unsupported_parameters
-from opake_torch.patches import apply_compat_patches
+from opake_torch.patches import apply_runtime_patches
 from opake_torch.transformers.data import collate, language_modeling_labels
 from opake_torch.transformers.loss import batch_losses, per_example_loss
 
@@ -56,7 +56,7 @@ def _mixer_case() -> tuple:
 
 
 def _hf_case(family: str, lora: bool) -> tuple:
-    apply_compat_patches()
+    apply_runtime_patches()
     model = tiny_model(family).double()
     if lora:
         model = tiny_lora(targets=LORA_TARGETS, std=1.0, model=model)
@@ -128,15 +128,12 @@ def test_clipped_sum_equals_a_float64_loop(case, bound, microbatch, multiple):
 
 
 @pytest.mark.parametrize("advantage", [1.0, 10.0])
-def test_ghost_advantage_instantiates_a_ghost_layer_with_the_same_sum(advantage, monkeypatch):
-    """``GHOST_ADVANTAGE`` trades memory for time only: at 10 the wide layer (its factors, ``T (in + out)`` per
+def test_ghost_advantage_instantiates_a_ghost_layer_with_the_same_sum(advantage):
+    """``ghost_advantage`` trades memory for time only: at 10 the wide layer (its factors, ``T (in + out)`` per
     example, 18% of its gradient at T = 5) is instantiated instead of taking ghost norms; the clipped sum equals the
     float64 loop either way."""
-    from opake_torch import layerwise
-
-    monkeypatch.setattr(layerwise, "GHOST_ADVANTAGE", advantage)
     model, params, loss, batch_loss, batch = CASES["mixer"]()
-    engine = LayerwiseGradients(model, batch_loss)
+    engine = LayerwiseGradients(model, batch_loss, ghost_advantage=advantage)
     grads, _ = engine._run(params, batch, instantiate=False)
     assert ("wide.weight" in grads.ghost) == (advantage == 1.0) and "embed.weight" in grads.ghost
     grad_fn, state = clipped_grad(loss, clipping_norm=0.05, batch_argnums=(1, 2), engine=Engine(gradients=engine))
@@ -320,12 +317,12 @@ def test_checkpointed_layers_give_the_float64_loop_sum(family, adapters, monkeyp
     the backward is tapped, and the clipped sum equals the float64 loop (whose per-example gradients run the same
     checkpointing under torch.func). Adapters are instantiated in the recompute; the full fine-tune's MLP weights
     take ghost norms there (their recomputed inputs and output gradients kept for the book-keeping sum)."""
-    from opake_torch.patches import checkpointing
+    from opake_torch.patches import activation_checkpointing as checkpointing
 
     recomputes = []
     plain = checkpointing._plain_recompute
     monkeypatch.setattr(checkpointing, "_plain_recompute", lambda *a: recomputes.append(1) or plain(*a))
-    apply_compat_patches()
+    apply_runtime_patches()
     model = tiny_model(family).double()
     if adapters:
         model = tiny_lora(family, targets=LORA_TARGETS, std=1.0, model=model)
@@ -370,12 +367,40 @@ def test_checkpointed_layers_give_the_float64_loop_sum(family, adapters, monkeyp
     assert len(recomputes) == layers * len(recorded)  # every checkpointed layer recomputed once per chunk
 
 
+def test_the_anchor_reaches_the_engines_checkpointed_layers_only_during_its_pass():
+    """The engine hands its anchor to the checkpointed layers of its own model for the duration of its pass
+    (``recompute_linked_to``), explicitly: another checkpointed model in the process never sees it, and afterwards
+    every layer's checkpointing function is the one ``enable_vmap_checkpointing`` installed."""
+    from opake_torch.patches.activation_checkpointing import enable_vmap_checkpointing
+
+    apply_runtime_patches()
+    model, other = tiny_model("llama").double(), tiny_model("llama").double()
+    for m in (model, other):
+        enable_vmap_checkpointing(m)
+        m.train()
+    ours, theirs = ([m for m in net.modules() if hasattr(m, "_gradient_checkpointing_func")] for net in (model, other))
+    installed = [m._gradient_checkpointing_func for m in ours + theirs]
+    apply, params, frozen = functional_model(model)
+    batch = language_modeling_labels(collate(token_data(4), pad_token_id=0))
+    during = []
+
+    def batch_loss(p, b):
+        during.append([m._gradient_checkpointing_func.keywords for m in ours + theirs])
+        return batch_losses(apply, p, frozen, b, task="causal_lm")
+
+    LayerwiseGradients(model, batch_loss)._run(params, (batch,), instantiate=False)
+    (keywords,) = during
+    assert ours and all(isinstance(k.get("anchor"), torch.Tensor) for k in keywords[: len(ours)])
+    assert theirs and all("anchor" not in k for k in keywords[len(ours) :])
+    assert all(m._gradient_checkpointing_func is f for m, f in zip(ours + theirs, installed, strict=True))
+
+
 def test_checkpointed_layers_under_bf16_autocast_give_the_plain_pass():
     """bf16 autocast with SDPA attention: the checkpointed layers' recompute re-enters the autocast state, so the
     clipped sum equals the one without checkpointing up to the summation order (the same bf16 roundings)."""
-    from opake_torch.patches.checkpointing import enable_vmap_checkpointing
+    from opake_torch.patches.activation_checkpointing import enable_vmap_checkpointing
 
-    apply_compat_patches()
+    apply_runtime_patches()
     batch = language_modeling_labels(collate(token_data(6), pad_token_id=0))
     sums = []
     for checkpointing in (False, True):
@@ -405,13 +430,13 @@ def test_checkpointed_layers_under_bf16_autocast_give_the_plain_pass():
 def test_ghost_sums_run_at_the_runs_float32_precision_and_leave_it_as_it_was(monkeypatch):
     """With TF32 allowed, the ghost layers' scaled sums run at that precision (their norms carry its error bound:
     test_tf32_bound.py) and the bf16 reduced-precision reduction is off; both settings are restored afterwards."""
-    from opake_torch import layerwise
+    from opake_torch.layerwise import gradients
 
     seen = []
-    add_ghost = layerwise._add_ghost
+    add_ghost = gradients.add_ghost
     cuda_matmul = torch.backends.cuda.matmul
     record = lambda: (torch.get_float32_matmul_precision(), cuda_matmul.allow_bf16_reduced_precision_reduction)  # noqa: E731
-    monkeypatch.setattr(layerwise, "_add_ghost", lambda *a: seen.append(record()) or add_ghost(*a))
+    monkeypatch.setattr(gradients, "add_ghost", lambda *a: seen.append(record()) or add_ghost(*a))
     model, params, loss, batch_loss, batch = _mixer_case()
     grad_fn, state = clipped_grad(
         loss, clipping_norm=0.5, batch_argnums=(1, 2), engine=Engine(gradients=LayerwiseGradients(model, batch_loss))
@@ -431,7 +456,7 @@ def test_ghost_sums_run_at_the_runs_float32_precision_and_leave_it_as_it_was(mon
 def test_layers_reading_one_tensor_share_its_gram_matrix(monkeypatch):
     """Three ghost-norm layers that read the same hidden states (q, k and v) take one Gram matrix of it; a fourth
     that reads another tensor of the same shape gets its own. The clipped sum equals the float64 loop."""
-    from opake_torch import layerwise
+    from opake_torch.layerwise import ghost, gradients
 
     class Shared(nn.Module):
         def __init__(self) -> None:
@@ -455,10 +480,10 @@ def test_layers_reading_one_tensor_share_its_gram_matrix(monkeypatch):
         return F.cross_entropy(apply(p, frozen, xb), yb, reduction="none")
 
     shapes, scaled = [], []
-    gram = layerwise._gram
-    monkeypatch.setattr(layerwise, "_gram", lambda t: shapes.append(t.shape[-1]) or gram(t))
+    gram = ghost.gram
+    monkeypatch.setattr(ghost, "gram", lambda t: shapes.append(t.shape[-1]) or gram(t))
 
-    class CountedInputs(layerwise._ScaledInputs):
+    class CountedInputs(ghost.ScaledInputs):
         def __call__(self, call, *args):
             before = self.key
             out = super().__call__(call, *args)
@@ -466,7 +491,7 @@ def test_layers_reading_one_tensor_share_its_gram_matrix(monkeypatch):
                 scaled.append(call.module)
             return out
 
-    monkeypatch.setattr(layerwise, "_ScaledInputs", CountedInputs)
+    monkeypatch.setattr(gradients, "ScaledInputs", CountedInputs)
     grad_fn, state = clipped_grad(
         loss, clipping_norm=0.5, batch_argnums=(1, 2), engine=Engine(gradients=LayerwiseGradients(model, batch_loss))
     )
@@ -482,17 +507,17 @@ def test_layers_reading_one_tensor_share_its_gram_matrix(monkeypatch):
 
 def test_bf16_parts_hold_a_float32_value_exactly():
     """Three bf16 parts sum, in float64, to the float32 value for |x| >= 2^-110, and within 2^-133 below."""
-    from opake_torch.layerwise import _bf16_parts
+    from opake_torch.layerwise.precision import bf16_parts
 
     gen = torch.Generator().manual_seed(0)
     exponents = torch.randint(-110, 126, (100_000,), generator=gen).float()
     x = torch.randn(100_000, generator=gen) * torch.exp2(exponents)
     x = torch.cat([x, torch.tensor([0.0, -0.0, 3.3e38, -3.3e38, 2.0**-110, 1.0000001, -0.99999994])])
-    parts = _bf16_parts(x[None])[0].double().view(3, -1)
+    parts = bf16_parts(x[None])[0].double().view(3, -1)
     big = x.abs() >= 2.0**-110
     assert torch.equal((parts[0] + parts[1] + parts[2])[big], x.double()[big])
     tiny = torch.randn(1000, generator=gen) * 2.0**-120
-    parts = _bf16_parts(tiny[None])[0].double().view(3, -1)
+    parts = bf16_parts(tiny[None])[0].double().view(3, -1)
     assert ((parts.sum(0) - tiny.double()).abs() <= 2.0**-133).all()
 
 
@@ -545,7 +570,7 @@ def test_bf16_layers_take_norms_and_sums_from_their_bf16_factors(monkeypatch, de
     and their clipped sums from three exact bf16 parts of the scaled output gradient: the clipped sum equals the
     float64 sum of the per-example products of those factors, and one example's contribution stays within the
     bound (a batch of one, its gradient far above the bound). On CUDA the sums run on bf16 tensor cores."""
-    from opake_torch import layerwise
+    from opake_torch.layerwise import ghost
 
     torch.manual_seed(0)
     model = _Bf16Stack().to(device)
@@ -561,8 +586,8 @@ def test_bf16_layers_take_norms_and_sums_from_their_bf16_factors(monkeypatch, de
             return F.cross_entropy(apply(p, frozen, xb), yb, reduction="none")
 
     products = []
-    add = layerwise._add_bf16_product
-    monkeypatch.setattr(layerwise, "_add_bf16_product", lambda *a: products.append(a[0].kind) or add(*a))
+    add = ghost.add_bf16_product
+    monkeypatch.setattr(ghost, "add_bf16_product", lambda *a: products.append(a[0].kind) or add(*a))
     engine = Engine(gradients=LayerwiseGradients(model, batch_loss))
     for bound in (0.05, 10.0):
         grad_fn, state = clipped_grad(loss, clipping_norm=bound, batch_argnums=(1, 2), engine=engine)

@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 from opake_core.clipping import Engine, clipped_grad
-from opake_torch import layerwise
 from opake_torch.functional import functional_model
-from opake_torch.layerwise import LayerwiseGradients, matmul_precision, product_error
+from opake_torch.layerwise import LayerwiseGradients, engine, ghost, matmul_precision, product_error
 
 WIDTH = 64  # T (in + out) = 256 < in * out = 4096: the weight takes ghost norms
 
@@ -61,12 +60,12 @@ def _case() -> tuple:
 def _contribution(monkeypatch, bound: float, *, margin: bool) -> float:
     """The norm of the one example's clipped contribution under emulated TF32 products."""
     model, params, loss, batch_loss, batch, _, _ = _case()
-    monkeypatch.setattr(layerwise, "_add_product", _tf32_product)
-    monkeypatch.setattr(layerwise, "matmul_precision", lambda device: "tf32")
+    monkeypatch.setattr(ghost, "_add_product", _tf32_product)
+    monkeypatch.setattr(engine, "matmul_precision", lambda device: "tf32")
     if not margin:
-        monkeypatch.setattr(layerwise, "product_error", lambda precision: 0.0)
-    engine = Engine(gradients=LayerwiseGradients(model, batch_loss))
-    grad_fn, state = clipped_grad(loss, clipping_norm=bound, batch_argnums=(1, 2), normalize_by=1.0, engine=engine)
+        monkeypatch.setattr(engine, "product_error", lambda precision: 0.0)
+    hooks = Engine(gradients=LayerwiseGradients(model, batch_loss))
+    grad_fn, state = clipped_grad(loss, clipping_norm=bound, batch_argnums=(1, 2), normalize_by=1.0, engine=hooks)
     clipped, _ = grad_fn(params, *batch, state=state)
     return clipped.value["weight"].double().norm().item()
 

@@ -12,8 +12,8 @@ from torch.func import grad, vmap
 from opake_core.clipping import clipped_grad
 from opake_core.errors import ConfigurationError
 from opake_torch.functional import functional_model
-from opake_torch.patches import apply_compat_patches
-from opake_torch.patches.checkpointing import check_memory_knobs, checkpoint_layer, enable_vmap_checkpointing
+from opake_torch.patches import apply_runtime_patches
+from opake_torch.patches.activation_checkpointing import check_memory_knobs, checkpoint_layer, enable_vmap_checkpointing
 from opake_torch.transformers.loss import per_example_loss
 
 
@@ -57,7 +57,7 @@ def clipped(model: torch.nn.Module, *, bf16: bool = False, norms: bool = False) 
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_checkpointed_clipped_grads_equal_plain(lora: bool) -> None:
-    apply_compat_patches()
+    apply_runtime_patches()
     model = llama(lora=lora)
     plain, plain_norms = clipped(model)
     assert enable_vmap_checkpointing(model) == 2
@@ -71,7 +71,7 @@ def test_checkpointed_clipped_grads_equal_plain(lora: bool) -> None:
 
 
 def test_checkpointing_recomputes_the_layer() -> None:
-    apply_compat_patches()
+    apply_runtime_patches()
     model = llama(layers=1)
     layer = model.model.layers[0]
     calls = []
@@ -88,7 +88,7 @@ def test_checkpointing_recomputes_the_layer() -> None:
 def test_checkpointing_under_bf16_autocast(attention: str) -> None:
     """SDPA included: autocast does not cast its inputs under torch.func (a float query after the rotary embedding
     meets a bf16 value); the compat patch casts them as autocast would, in the pass and in the recompute."""
-    apply_compat_patches()
+    apply_runtime_patches()
     model = llama()
     model.config._attn_implementation = attention
     plain, _ = clipped(model, bf16=True)
@@ -99,7 +99,7 @@ def test_checkpointing_under_bf16_autocast(attention: str) -> None:
 
 
 def test_dropout_masks_are_replayed() -> None:
-    apply_compat_patches()
+    apply_runtime_patches()
 
     def run(checkpoint: bool) -> tuple[dict, torch.Tensor]:
         torch.manual_seed(0)

@@ -13,10 +13,11 @@ from torch.func import grad
 from opake_core.clipping import clipped_grad
 from opake_core.errors import VmapCompatibilityError
 from opake_torch.functional import functional_model
-from opake_torch.patches import apply_compat_patches
-from opake_torch.patches.checkpointing import enable_vmap_checkpointing
-from opake_torch.patches.families import FAMILIES, apply_family_patches, probe_vmap, support_matrix
+from opake_torch.patches import apply_runtime_patches
+from opake_torch.patches.activation_checkpointing import enable_vmap_checkpointing
+from opake_torch.patches.families import FAMILIES, apply_family_patches, support_matrix
 from opake_torch.transformers.loss import per_example_loss
+from opake_torch.transformers.model_setup import probe_vmap
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,7 +88,7 @@ def clipped(model: torch.nn.Module, data: dict[str, torch.Tensor]) -> tuple[dict
 def test_family_runs_per_example_under_vmap(model_type: str) -> None:
     if model_type not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
-    apply_compat_patches()
+    apply_runtime_patches()
     data = batch()
     model = tiny(model_type)
     apply_family_patches(model)
@@ -101,7 +102,7 @@ def test_family_runs_per_example_under_vmap(model_type: str) -> None:
 
 
 def test_probe_names_family_and_operation() -> None:
-    apply_compat_patches()
+    apply_runtime_patches()
     model = tiny("bloom")  # unpatched: its GeLU is a legacy autograd.Function
     example = {k: v[0] for k, v in batch().items()}
     with pytest.raises(

@@ -10,7 +10,6 @@ from opake_core.errors import ConfigurationError
 from opake_core.optim import sgd
 from opake_core.step import dp_sgd
 from opake_torch.transformers.microbatch import (
-    choose_microbatch_size,
     is_out_of_memory,
     retry_eval_batch,
     run_with_oom_retry,
@@ -113,13 +112,3 @@ def test_eval_retry_covers_every_example_once() -> None:
     pieces, size = retry_eval_batch(evaluate, start=0, stop=10, batch_size=8)
     assert size == 2 and [i for p in pieces for i in p] == list(range(10))
     assert seen == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
-
-
-def test_choose_microbatch_size_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert choose_microbatch_size(per_example_bytes=1 << 20, batch_size=24) == 24
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 << 20, 80 << 20))
-    assert choose_microbatch_size(per_example_bytes=1 << 20, batch_size=24, device="cuda") == 8
-    with pytest.raises(ConfigurationError, match="headroom"):
-        choose_microbatch_size(per_example_bytes=1, batch_size=2, headroom=0)

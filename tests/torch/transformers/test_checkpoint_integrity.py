@@ -29,7 +29,7 @@ from tiny_hf import tiny_model, token_data
 from opake_core.errors import CheckpointError, ConfigurationError, InputTypeError, PrivacyBudgetError
 from opake_torch.state_files import sha256
 from opake_torch.transformers import DPTrainer, TrainingArguments
-from opake_torch.transformers import checkpoint as ckpt
+from opake_torch.transformers import checkpoint_folder as ckpt
 from opake_torch.transformers.fingerprint import dataset_fingerprint
 from opake_torch.transformers.keys import RunKeys
 

@@ -14,11 +14,10 @@ from torch._dynamo.utils import counters
 
 from opake_core.clipping import Engine, clipped_grad
 from opake_core.errors import ConfigurationError
-from opake_torch import layerwise
 from opake_torch.functional import functional_model
 from opake_torch.layerwise import LayerwiseGradients
-from opake_torch.layerwise_compiled import CompiledLayerwise
-from opake_torch.patches import apply_compat_patches
+from opake_torch.layerwise.compiled import CompiledLayerwise
+from opake_torch.patches import apply_runtime_patches
 from opake_torch.transformers import DPTrainer, TrainingArguments, engines
 from opake_torch.transformers.compile import compile_chunk
 from opake_torch.transformers.data import collate, language_modeling_labels
@@ -33,7 +32,7 @@ FAMILIES = {
 
 def _case(family: str) -> tuple:
     """A float64 model in eval mode, its parameters, per-example and batched losses, and a batch of six."""
-    apply_compat_patches()
+    apply_runtime_patches()
     model = FAMILIES[family]().double().eval()
     apply, params, frozen = functional_model(model)
     task = "sequence_classification" if family == "bert" else "causal_lm"
@@ -78,13 +77,12 @@ def _entered(compiled: CompiledLayerwise):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("advantage", [0.01, 100.0], ids=["ghost", "instantiated"])
-def test_traced_pass_equals_a_float64_loop(family, advantage, monkeypatch):
+def test_traced_pass_equals_a_float64_loop(family, advantage):
     """The traced pass (run eagerly: the arithmetic the compiled graph computes) releases the float64 loop's clipped
     sum and norms, with every large weight taking ghost norms or every one instantiated, in chunks of at most 4 rows
     (a batch of 6: two chunks of 3)."""
-    monkeypatch.setattr(layerwise, "GHOST_ADVANTAGE", advantage)
     model, params, loss, batch_loss, batch = _case(family)
-    compiled = CompiledLayerwise(LayerwiseGradients(model, batch_loss))
+    compiled = CompiledLayerwise(LayerwiseGradients(model, batch_loss, ghost_advantage=advantage))
     bound = 0.05
     grad_fn, state = clipped_grad(
         loss,
@@ -158,10 +156,25 @@ def test_a_model_with_layers_the_traced_pass_does_not_serve_runs_eagerly():
     model = tiny_moe("qwen3_moe")
     engine_of = LayerwiseGradients(model, lambda p, b: None)
     args = SimpleNamespace(torch_compile=True, torch_compile_backend="inductor", torch_compile_mode=None,
-                           cuda_graphs=0, device=torch.device("cpu"))  # fmt: skip
+                           cuda_graphs=0, device=torch.device("cpu"), per_example_row_multiple=1)  # fmt: skip
     with pytest.warns(RuntimeWarning, match=r"this model has \['experts'.*runs eagerly"):
         engine = engines.engine(args, engine_of, engines.chunk_transform(args, keep=print), microbatch=4)
     assert engine.gradients is engine_of and engine.transform is None and engine.row_multiple == 1
+
+
+def test_a_torch_release_older_than_the_verified_one_runs_the_hook_engine_eagerly(monkeypatch):
+    """On torch 2.11 the traced pass compiled to zero gradients on CUDA: a release older than MIN_TORCH keeps the
+    hook engine, uncompiled, with a warning, and the traced pass itself refuses to be built."""
+    model = tiny_model("gpt2")
+    engine_of = LayerwiseGradients(model, lambda p, b: None)
+    args = SimpleNamespace(torch_compile=True, torch_compile_backend="inductor", torch_compile_mode=None,
+                           cuda_graphs=0, device=torch.device("cpu"), per_example_row_multiple=1)  # fmt: skip
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.11.0+cu130"))
+    with pytest.warns(RuntimeWarning, match=r"torch 2\.13 or newer; this is 2\.11\.0\+cu130.*runs eagerly"):
+        engine = engines.engine(args, engine_of, engines.chunk_transform(args, keep=print), microbatch=4)
+    assert engine.gradients is engine_of and engine.transform is None
+    with pytest.raises(ConfigurationError, match=r"needs torch 2\.13 or newer"):
+        CompiledLayerwise(engine_of)
 
 
 def test_compile_wrapper_enters_its_context_and_counts_compiled_calls():
@@ -238,7 +251,8 @@ def test_compiled_step_equals_the_eager_step(tmp_path, family, monkeypatch):
         trainer = DPTrainer(FAMILIES[family](), _args(tmp_path / str(compiled), torch_compile=compiled),
                             train_dataset=data)  # fmt: skip
         assert trainer.per_example_gradients_engine == "layerwise"
-        trainer._batch = lambda dataset, rows, batch=trainer._batch: shapes.append(len(rows)) or batch(dataset, rows)
+        fetch = trainer.fetch_batch
+        trainer.fetch_batch = lambda dataset, rows, fetch=fetch: shapes.append(len(rows)) or fetch(dataset, rows)
         torch._dynamo.reset()
         counters.clear()
         with warnings.catch_warnings(record=True) as caught:

@@ -53,7 +53,7 @@ def _refused_before_the_first_step(tmp_path, model, data, match, *, error=OpakeE
     with pytest.raises(error, match=match) as info:
         trainer.train()
     assert counter.steps == 0 and trainer.state.global_step == 0
-    assert trainer._ledger.releases == 0
+    assert trainer.ledger.releases == 0
     assert not list((tmp_path / "out").glob("checkpoint-*"))
     return info.value
 

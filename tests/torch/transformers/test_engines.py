@@ -12,7 +12,7 @@ from opake_torch.transformers import engines
 
 
 def _args(cuda_graphs: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(cuda_graphs=cuda_graphs, device=torch.device("cpu"))
+    return SimpleNamespace(cuda_graphs=cuda_graphs, device=torch.device("cpu"), per_example_row_multiple=1)
 
 
 @pytest.mark.parametrize("graphs", [1, 2, 3, 4, 32, 40])
@@ -35,9 +35,23 @@ def test_compiled_chunks_are_padded_to_the_microbatch_and_eager_ones_are_not():
     compiled = engines.engine(_args(), None, transform=lambda chunk: chunk, microbatch=16)
     eager = engines.engine(_args(), None, transform=None, microbatch=16)
     assert compiled.row_multiple == 16
-    assert eager.row_multiple == engines.ROW_MULTIPLE
+    assert eager.row_multiple == 1  # per_example_row_multiple=1: the real rows only
     # the step a failed capture hands over to: no transform, so no dead rows whatever cuda_graphs says
-    assert engines.engine(_args(4), None, transform=None, microbatch=16).row_multiple == engines.ROW_MULTIPLE
+    assert engines.engine(_args(4), None, transform=None, microbatch=16).row_multiple == 1
+
+
+def test_the_compute_arguments_reach_the_engine():
+    """``per_example_row_multiple`` rounds the rows of chunks run without a transform, whichever engine runs them, and
+    ``layerwise_ghost_advantage`` is the layerwise engine's weight on the size of the Gram factors."""
+    args = SimpleNamespace(
+        cuda_graphs=0, device=torch.device("cpu"), bf16=False, per_example_gradients="auto",
+        per_example_row_multiple=4, layerwise_ghost_advantage=1.5,
+    )  # fmt: skip
+    model = torch.nn.Linear(3, 2)
+    layerwise = engines.layerwise_engine(model, dict(model.named_parameters()), args, lambda p, b: b, reasons=[])
+    assert layerwise.ghost_advantage == 1.5
+    assert engines.engine(args, layerwise, None, microbatch=16).row_multiple == 4
+    assert engines.engine(args, None, None, microbatch=16).row_multiple == 4
 
 
 _SEEN: list[int | str] = []  # the rows of each chunk the capture wrapper got, and "|" at each step's end

@@ -7,7 +7,7 @@ import torch
 from tiny_hf import tiny_lora, tiny_model, token_data
 
 from opake_torch.functional import functional_model
-from opake_torch.patches import apply_compat_patches
+from opake_torch.patches import apply_runtime_patches
 from opake_torch.transformers import DPTrainer, TrainingArguments
 from opake_torch.transformers.data import collate, language_modeling_labels
 from opake_torch.transformers.loss import batch_losses, fused_causal_lm_losses, fused_head, per_example_loss
@@ -17,7 +17,7 @@ DATA = token_data(24)
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_fused_losses_equal_the_logits_losses(family):
-    apply_compat_patches()
+    apply_runtime_patches()
     model = tiny_lora(family).double()
     apply, params, frozen = functional_model(model)
     head = fused_head(model, set(params))

@@ -15,12 +15,13 @@ import pytest
 import torch
 from dp_accounting import pld
 from tiny_hf import tiny_model, token_data
+from transformers import TrainerCallback
 
 from opake_core import accounting, random
 from opake_core.clipping import clipped_grad
 from opake_core.errors import CheckpointError, ConfigurationError, PrivacyBudgetError
 from opake_torch.transformers import DPTrainer, TrainingArguments
-from opake_torch.transformers import checkpoint as ckpt
+from opake_torch.transformers import checkpoint_folder as ckpt
 from opake_torch.transformers.keys import NOISE_STREAM
 
 DATA = token_data(40)
@@ -180,13 +181,41 @@ def test_a_second_train_call_continues_the_history_with_new_noise(tmp_path):
     assert output.metrics["privacy_epsilon"] == pytest.approx(_fresh_epsilon([(1.0, RATE, 12)]), rel=1e-6)
 
 
+class _FailAtStep(TrainerCallback):
+    """Raises at the end of step ``step``: an error (a callback, memory, an interrupt) that ends a run midway."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise RuntimeError("interrupted")
+
+
+def test_a_run_that_fails_midway_stays_charged_and_the_next_call_is_a_new_segment(tmp_path):
+    """The steps a failed run took were released: they stay in the ledger (and its epsilon), and the next train()
+    call draws new keys instead of replaying the noise of the failed one on another trajectory."""
+    trainer = DPTrainer(
+        tiny_model("llama"), _args(tmp_path / "out", save_strategy="no"), train_dataset=DATA, callbacks=[_FailAtStep(4)]
+    )
+    keys = trainer._keys
+    with pytest.raises(RuntimeError, match="interrupted"):
+        trainer.train()
+    assert trainer.ledger.releases == 4 and trainer.privacy_plan is not None
+    trainer.pop_callback(_FailAtStep)
+    output = trainer.train()
+    assert trainer._keys.noise != keys.noise and trainer._keys.sampler != keys.sampler
+    assert trainer.ledger.releases == 10
+    assert output.metrics["privacy_epsilon"] == pytest.approx(_fresh_epsilon([(1.0, RATE, 10)]), rel=1e-6)
+
+
 def test_a_target_is_the_total_across_resumes(tmp_path):
     """Target 3 over 6 steps, then resumed to 12 steps: the budget is spent, the resume is refused. With a larger
     total the remaining steps are calibrated against what is left, and the run reports the history's epsilon."""
     target = {"privacy_noise_multiplier": None, "privacy_target_epsilon": 3.0}
     first = DPTrainer(tiny_model("llama"), _args(tmp_path / "out", **target), train_dataset=DATA)
     output = first.train()
-    z1 = first._plan.noise_multiplier
+    z1 = first.privacy_plan.noise_multiplier
     assert output.metrics["privacy_epsilon"] <= 3.0
     with pytest.raises(PrivacyBudgetError, match="budget is spent"):
         DPTrainer(tiny_model("llama"), _args(tmp_path / "out", max_steps=12, **target), train_dataset=DATA).train(
@@ -195,7 +224,7 @@ def test_a_target_is_the_total_across_resumes(tmp_path):
     more = {**target, "privacy_target_epsilon": 4.0}
     resumed = DPTrainer(tiny_model("llama"), _args(tmp_path / "out", max_steps=12, **more), train_dataset=DATA)
     output = resumed.train(resume_from_checkpoint=True)
-    z2 = resumed._plan.noise_multiplier
+    z2 = resumed.privacy_plan.noise_multiplier
     expected = _fresh_epsilon([(z1, RATE, 6), (z2, RATE, 6)])
     assert output.metrics["privacy_epsilon"] == pytest.approx(expected, rel=1e-6)
     assert 4.0 * (1 - 2e-3) <= expected <= 4.0
@@ -282,7 +311,7 @@ def test_a_record_without_attention_mask_moves_the_others_by_at_most_the_bound(t
 
     def clipped_sum(indices):
         grad_fn, state = clipped_grad(trainer._loss_fn(), clipping_norm=bound)
-        return grad_fn(trainer._params, trainer._batch(data, torch.tensor(indices).numpy()), state=state)[0].value
+        return grad_fn(trainer._params, trainer.fetch_batch(data, torch.tensor(indices).numpy()), state=state)[0].value
 
     five, six, alone = clipped_sum([0, 1, 2, 3, 4]), clipped_sum([0, 1, 2, 3, 4, 5]), clipped_sum([5])
     moved = torch.sqrt(sum(((six[k] - five[k]).double() ** 2).sum() for k in five))
@@ -402,15 +431,19 @@ def test_a_pickled_checkpoint_of_an_earlier_version_is_refused(checkpoint, tmp_p
 
 
 def test_epsilon_of_a_history_past_the_pld_limit_is_rdp_s_upper_bound():
-    """A fixed-noise run of more than MAX_PLD_STEPS steps still reports epsilon at once: dp-accounting's RDP bound,
-    computed here directly, never the refusal of a PLD query that would take hours."""
+    """A fixed-noise run of more than MAX_PLD_STEPS steps still reports epsilon at once, through the one epsilon
+    function behind the logs, accountant.json and the model card: dp-accounting's RDP bound, computed here directly,
+    named as such, never the refusal of a PLD query that would take hours."""
     import dp_accounting
 
     from opake_core.accounting.queries import MAX_PLD_STEPS
-    from opake_torch.transformers.privacy import ledger_epsilon
+    from opake_torch.transformers.run_state import ledger_result
 
     steps, q, sigma, delta = MAX_PLD_STEPS + 7, 1e-3, 1.0, 1e-6
     ledger = accounting.Ledger().record(accounting.poisson(accounting.gaussian(sigma), q), steps)
     rdp = dp_accounting.rdp.RdpAccountant()
     rdp.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
-    assert ledger_epsilon(ledger, delta) == pytest.approx(rdp.get_epsilon(delta), rel=1e-9)
+    result = ledger_result(ledger, delta)
+    assert result.accountant == "rdp" and result.value == pytest.approx(rdp.get_epsilon(delta), rel=1e-9)
+    within = accounting.Ledger().record(accounting.poisson(accounting.gaussian(sigma), q), 1000)
+    assert ledger_result(within, delta) == within.epsilon(delta=delta)  # the PLD answer below the limit

@@ -82,7 +82,7 @@ def test_examples_with_a_nan_gradient_are_counted_warned_and_charged(tmp_path, e
     ]
     assert "non-finite gradient" in caplog.text and "charged to epsilon" in caplog.text
     assert output.metrics["nonfinite_loss_steps"] == 0 and math.isfinite(output.training_loss)
-    assert trainer.privacy_plan is not None and trainer._ledger.releases == STEPS  # every step charged
+    assert trainer.privacy_plan is not None and trainer.ledger.releases == STEPS  # every step charged
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
@@ -107,11 +107,11 @@ def test_a_run_of_only_non_finite_gradients_stops_with_an_error(tmp_path):
     with pytest.raises(StateError, match=r"examples of the last \d+ steps had a non-finite gradient"):
         trainer.train()
     assert trainer.state.global_step == expected  # stopped at that log row, not after all the steps
-    assert trainer._ledger.releases == expected  # the steps that ran stay charged
+    assert trainer.ledger.releases == expected  # the steps that ran stay charged
     keys = trainer._keys
     with pytest.raises(StateError):  # a later train() is a new segment with new keys, the ledger continued
         trainer.train()
-    assert trainer._keys != keys and trainer._ledger.releases > expected
+    assert trainer._keys != keys and trainer.ledger.releases > expected
 
 
 def test_a_stretch_of_only_non_finite_gradients_after_finite_ones_stops(tmp_path):

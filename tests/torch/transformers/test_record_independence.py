@@ -15,6 +15,7 @@ from transformers import BertConfig, BertForSequenceClassification
 from opake_core.clipping import VMAP, Engine, clipped_grad
 from opake_core.errors import ConfigurationError
 from opake_torch.layerwise import LayerwiseGradients
+from opake_torch.patches import apply_runtime_patches
 from opake_torch.transformers import DPTrainer, TrainingArguments, coupling
 from opake_torch.transformers import loss as loss_module
 from opake_torch.transformers.data import collate
@@ -56,9 +57,11 @@ def _engine(trainer: DPTrainer, name: str) -> Engine:
 
 
 def _clipped_sum(trainer: DPTrainer, engine: Engine, rows: list[dict]) -> dict[str, torch.Tensor]:
-    """The engine's clipped sum (bound C, not normalized) of ``rows`` collated into one batch, as a step forms it."""
+    """The engine's clipped sum (bound C, not normalized) of ``rows`` collated into one batch, as a step forms it
+    (outside ``train()``: with the vmap patches that ``train()`` applies)."""
     fn, state = clipped_grad(trainer.compute_per_example_loss, clipping_norm=C, engine=engine)
-    out, _ = fn(trainer.trainable_params, collate(rows), state=state)
+    with apply_runtime_patches():
+        out, _ = fn(trainer.trainable_params, collate(rows), state=state)
     return out.value
 
 
@@ -128,7 +131,8 @@ def test_records_without_an_attended_position_have_zero_loss_and_gradient(tmp_pa
         trainer.compute_per_example_loss, clipping_norm=C, engine=_engine(trainer, engine), return_diagnostics=True
     )
     for rows, zeros in (([*odd, *normal], len(odd)), ([empty] * 3, 3)):
-        (_, diagnostics), _ = fn(trainer.trainable_params, collate(rows), state=state)
+        with apply_runtime_patches():  # outside train(): the vmap patches that train() applies
+            (_, diagnostics), _ = fn(trainer.trainable_params, collate(rows), state=state)
         assert diagnostics.losses[:zeros].eq(0).all() and diagnostics.norms[:zeros].eq(0).all()
         assert diagnostics.losses[zeros:].gt(0).all() and diagnostics.norms[zeros:].gt(0).all()
 

@@ -21,7 +21,7 @@ from opake_core.step import dp_sgd
 from opake_torch.functional import functional_model
 from opake_torch.state_files import load_tree
 from opake_torch.transformers import DPTrainer, TrainingArguments
-from opake_torch.transformers import checkpoint as ckpt
+from opake_torch.transformers import checkpoint_folder as ckpt
 from opake_torch.transformers.data import collate, language_modeling_labels
 from opake_torch.transformers.loss import causal_lm_loss
 

@@ -38,7 +38,7 @@ def _perturbed_reference():
 
 
 def _per_example(trainer, rows):
-    batch = trainer._batch(trainer.train_dataset, rows)
+    batch = trainer.fetch_batch(trainer.train_dataset, rows)
     fn = torch.func.vmap(torch.func.grad_and_value(trainer.compute_per_example_loss), in_dims=(None, 0))
     return fn(trainer._params, batch)
 

@@ -67,7 +67,7 @@ def test_neighbour_changes_only_its_own_contribution(tmp_path, loss_type):
     losses = []
     for rows in (data, changed):
         trainer = _trainer(tmp_path, rows, loss_type=loss_type, loss_chunk_size=3)
-        batch = trainer._batch(trainer.train_dataset, [0, 1, 2, 3])
+        batch = trainer.fetch_batch(trainer.train_dataset, [0, 1, 2, 3])
         per_example = torch.func.vmap(torch.func.grad_and_value(trainer.compute_per_example_loss), in_dims=(None, 0))
         grads, loss = per_example(trainer._params, batch)
         losses.append((loss, grads))
@@ -83,7 +83,7 @@ def test_neighbour_changes_only_its_own_contribution(tmp_path, loss_type):
 def test_chunked_nll_equals_nll_on_a_model(tmp_path, family):
     data = prompt_completion_rows(4)
     nll, chunked = (_trainer(tmp_path, data, family, loss_type=t, loss_chunk_size=3) for t in ("nll", "chunked_nll"))
-    batch = nll._batch(nll.train_dataset, [0, 1, 2, 3])
+    batch = nll.fetch_batch(nll.train_dataset, [0, 1, 2, 3])
     fn = torch.func.vmap(torch.func.grad_and_value(nll.compute_per_example_loss), in_dims=(None, 0))
     gn, ln = fn(nll._params, batch)
     gc, lc = torch.func.vmap(torch.func.grad_and_value(chunked.compute_per_example_loss), in_dims=(None, 0))(

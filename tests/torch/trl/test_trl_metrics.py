@@ -63,7 +63,7 @@ def test_reduction_per_example_per_token_and_cumulative_tokens():
 
 def _through_clipped_grad(trainer, rows):
     """The per-example aux values as the core step returns them: clipped_grad(has_aux=True) over the batch."""
-    batch = trainer._batch(trainer.train_dataset, rows)
+    batch = trainer.fetch_batch(trainer.train_dataset, rows)
     grad_fn, state = clipped_grad(
         trainer.compute_per_example_loss_and_metrics, clipping_norm=1.0, batch_argnums=1, has_aux=True,
         return_diagnostics=True, microbatch_size=2,
@@ -119,7 +119,7 @@ def test_chunked_nll_reports_num_tokens_only(tmp_path):
 def test_sft_batched_metrics_equal_the_per_example_ones(tmp_path):
     trainer = SFTTrainer(tiny_model("llama"), SFTConfig(str(tmp_path), **BASE), train_dataset=prompt_completion_rows(4),
                          processing_class=tiny_tokenizer())  # fmt: skip
-    batch = trainer._batch(trainer.train_dataset, [0, 1, 2, 3])
+    batch = trainer.fetch_batch(trainer.train_dataset, [0, 1, 2, 3])
     losses, values = trainer.compute_batch_losses_and_metrics(trainer._params, batch)
     one = torch.func.vmap(trainer.compute_per_example_loss_and_metrics, in_dims=(None, 0))
     per_losses, per_values = one(trainer._params, batch)
@@ -131,7 +131,7 @@ def test_sft_batched_metrics_equal_the_per_example_ones(tmp_path):
     dft = SFTTrainer(tiny_model("llama"), SFTConfig(str(tmp_path), **BASE, loss_type="dft"),
                      train_dataset=prompt_completion_rows(2), processing_class=tiny_tokenizer())  # fmt: skip
     with pytest.raises(ConfigurationError, match="no batched form"):
-        dft.compute_batch_losses_and_metrics(dft._params, dft._batch(dft.train_dataset, [0, 1]))
+        dft.compute_batch_losses_and_metrics(dft._params, dft.fetch_batch(dft.train_dataset, [0, 1]))
 
 
 @pytest.mark.parametrize("engine", ["layerwise", "vmap"])

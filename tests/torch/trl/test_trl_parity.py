@@ -77,7 +77,7 @@ def test_sft_loss_and_gradient_equal_trl(tmp_path, rows, kwargs):
     )
     for i in range(len(data)):
         trl_batch = theirs.data_collator([theirs.train_dataset[i]])
-        our_batch = ours._batch(ours.train_dataset, [i])
+        our_batch = ours.fetch_batch(ours.train_dataset, [i])
         assert torch.equal(our_batch["input_ids"], trl_batch["input_ids"])
         assert torch.equal(our_batch["labels"], trl_batch["labels"])
         _assert_equal(_our_grads(ours, our_batch), _trl_grads(theirs, trl_batch))
@@ -111,7 +111,7 @@ def test_dpo_loss_and_gradient_equal_trl(tmp_path, loss_type, conversational):
     )
     for rows in ([0], [1], [0, 1, 2]):
         trl_batch = theirs.data_collator([theirs.train_dataset[i] for i in rows])
-        our_batch = ours._batch(ours.train_dataset, rows)
+        our_batch = ours.fetch_batch(ours.train_dataset, rows)
         _assert_equal(_our_grads(ours, our_batch), _trl_grads(theirs, trl_batch))
 
 
@@ -167,7 +167,7 @@ def test_every_dpo_loss_and_trls_log_metrics_equal_trl(tmp_path, loss_type):
     theirs, ours = _dpo_pair(tmp_path, loss_type, data, tokenizer)
     rows = [0, 1, 2]
     trl_batch = theirs.data_collator([theirs.train_dataset[i] for i in rows])
-    our_batch = ours._batch(ours.train_dataset, rows)
+    our_batch = ours.fetch_batch(ours.train_dataset, rows)
     _assert_equal(_our_grads(ours, our_batch), _trl_grads(theirs, trl_batch))
     trl_logged = _trl_logged(theirs)
     losses, logged = _our_logged(ours, our_batch)
@@ -197,7 +197,7 @@ def test_sft_log_metrics_equal_trl(tmp_path, rows, kwargs):
     )
     for i in range(len(data)):  # one example per batch: TRL's token ratios are then per example too
         trl_batch = theirs.data_collator([theirs.train_dataset[i]])
-        our_batch = ours._batch(ours.train_dataset, [i])
+        our_batch = ours.fetch_batch(ours.train_dataset, [i])
         _assert_equal(_our_grads(ours, our_batch), _trl_grads(theirs, trl_batch))
         trl_logged = _trl_logged(theirs)
         losses, logged = _our_logged(ours, our_batch)

@@ -1,0 +1,105 @@
+"""The chunk's per-example gradients as the hook engine forms them: instantiated ones in grouped buffers and ghost
+calls, with their squared norms and their scaled sum (the
+:class:`~opake_core.clipping.engine.PerExampleGradients` protocol)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from opake_torch.layerwise.calls import Call
+from opake_torch.layerwise.ghost import ScaledInputs, add_ghost
+from opake_torch.layerwise.precision import float32_matmuls
+
+__all__ = ["Gradients"]
+
+
+@dataclass
+class _Group:
+    """Instantiated per-example gradients of the names that share an accumulation dtype and a size: one contiguous
+    buffer ``[c, m, numel]`` (name ``j``'s gradients are ``buffer[j]``), so that their norms and their scaled sum
+    take one batched operation each instead of one per name."""
+
+    names: list[str]
+    dtype: torch.dtype
+    numel: int
+    buffer: torch.Tensor | None = None  # zeros from the backward's first write into the group; None before
+
+
+@dataclass
+class Gradients:
+    """The chunk's per-example gradients: per trainable name, instantiated ``[m, *shape]`` or ghost calls.
+
+    Instantiated gradients live in the buffers of :class:`_Group` (``dense[name]`` is a view of its rows), grouped
+    once the forward has shown which names they are (:meth:`group`); a group's buffer is allocated at the backward's
+    first write into it (:meth:`block`), past the forward's peak, and a group never written holds zero gradients.
+    """
+
+    names: list[str]
+    shapes: dict[str, torch.Size]
+    dtypes: dict[str, torch.dtype]  # accumulation dtype: float64 for float64 parameters, else float32
+    m: int
+    device: torch.device
+    dense: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [m, *shape], a view of its group's buffer
+    ghost: dict[str, tuple[Call, torch.Tensor]] = field(default_factory=dict)  # name -> (call, squared norms)
+    groups: list[_Group] = field(default_factory=list)
+    group_of: dict[str, _Group] = field(default_factory=dict)
+    product_error: float = 0.0  # of the float32 ghost sums, at the run's matmul precision (precision.product_error)
+
+    def group(self, names: Sequence[str]) -> None:
+        """The (dtype, size) groups of the instantiated gradients of ``names``."""
+        by_size: dict[tuple[torch.dtype, int], list[str]] = {}
+        for name in names:
+            by_size.setdefault((self.dtypes[name], math.prod(self.shapes[name])), []).append(name)
+        for (dtype, numel), members in by_size.items():
+            self.groups.append(_Group(members, dtype, numel))
+            self.group_of.update(dict.fromkeys(members, self.groups[-1]))
+
+    def block(self, name: str) -> torch.Tensor:
+        """``[m, *shape]``: where the gradients of ``name`` are written (its group's buffer, allocated at the first
+        request)."""
+        if name not in self.dense:
+            group = self.group_of[name]
+            group.buffer = torch.zeros(len(group.names), self.m, group.numel, dtype=group.dtype, device=self.device)
+            for member, rows in zip(group.names, group.buffer.unbind(0), strict=True):
+                self.dense[member] = rows.view(self.m, *self.shapes[member])
+        return self.dense[name]
+
+    def squared_norms(self) -> torch.Tensor:
+        rows = {name: sq for name, (_, sq) in self.ghost.items()}
+        for group in self.groups:  # vector_norm accumulates in float64 without a float64 copy of the buffer
+            if group.buffer is None:
+                continue
+            sq = torch.linalg.vector_norm(group.buffer, dim=2, dtype=torch.float64).square()
+            rows.update(zip(group.names, sq.unbind(0), strict=True))
+        zeros = torch.zeros(self.m, dtype=torch.float64, device=self.device)
+        return torch.stack([rows.get(name, zeros) for name in self.names])
+
+    def add_scaled(self, scales: dict[torch.dtype, torch.Tensor], sums: list[torch.Tensor]) -> None:
+        """Consumes the instantiated buffers (scaled in place): call once, after :meth:`squared_norms`."""
+        index = {name: k for k, name in enumerate(self.names)}
+        for group in self.groups:
+            if group.buffer is None:
+                continue
+            leaves = [index[name] for name in group.names]
+            rows = scales[group.buffer.dtype]  # [L, m]; stride 0: one row for every leaf
+            scale = rows[0].expand(len(leaves), -1) if not rows.stride(0) else torch.stack([rows[k] for k in leaves])
+            scaled = group.buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(scale[:, :, None])
+            torch._foreach_add_([sums[k].view(-1) for k in leaves], list(scaled.sum(dim=1).unbind(0)))
+        rows_of: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        inputs = ScaledInputs(self.m)
+        with float32_matmuls(self.device, highest=not self.product_error):  # the precision the norms assumed
+            for name, (call, _) in self.ghost.items():
+                if call.grad is None:  # the loss does not depend on this layer's output: a zero gradient
+                    continue
+                k = index[name]
+                total = sums[k]
+                rows = scales[total.dtype]
+                key = (total.dtype, k if rows.stride(0) else 0)  # one row for all leaves (stride 0): one mask
+                if key not in rows_of:
+                    scale = rows[k].reshape(self.m, 1, 1)
+                    rows_of[key] = (scale, scale == 0)
+                add_ghost(call, *rows_of[key], total, inputs)

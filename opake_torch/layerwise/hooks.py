@@ -1,0 +1,286 @@
+"""The hooks of one chunk's batched pass: they record every call of a served layer in the forward and hand each one
+its output gradient inside the backward, where its per-example gradients are formed at once.
+
+The output gradients come from a tensor hook on the layer's output or, for the first layers, whose outputs need no
+gradient yet, from a tap (:class:`_Tap`) that links them to a scalar anchor: the backward runs to the anchor and forms
+no parameter gradient. The hooks exist for the duration of one pass (:meth:`ChunkPass.install`,
+:meth:`ChunkPass.remove`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from opake_core.errors import ConfigurationError
+from opake_torch.layerwise.calls import Call, same_tensor
+from opake_torch.layerwise.dense import add_dense
+from opake_torch.layerwise.experts import Routing, replace_forward, tapped_experts_forward
+from opake_torch.layerwise.ghost import InputGrams, ghost_norms
+from opake_torch.layerwise.gradients import Gradients
+from opake_torch.layerwise.uses import DEPTHWISE, ELEMENTWISE, ParameterUses, Watched
+
+__all__ = ["ChunkPass"]
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on a layer's output whose backward hands the output gradient to ``record``.
+
+    It also links the output to ``anchor`` (a scalar leaf), so that a backward to the anchor reaches every tapped
+    layer and nothing else: no parameter gradient is ever formed.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, anchor: torch.Tensor, record: Callable[[torch.Tensor], None]) -> Any:
+        ctx.record = record
+        ctx.anchor = (anchor.dtype, anchor.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        ctx.record(grad)
+        dtype, device = ctx.anchor
+        return grad, torch.zeros((), dtype=dtype, device=device), None
+
+
+class _BroadcastTap(torch.overrides.TorchFunctionMode):
+    """Active during one call of an attention layer with sinks: the expansion of its ``sinks`` parameter over the
+    batch (``sinks.reshape(1, -1, 1, 1).expand(m, -1, T, -1)`` in Hugging Face's eager attention, the only place it
+    is used) goes through ``on_expand``, which taps it; the tap's gradient ``[m, H, T, 1]`` summed over the positions
+    is each example's gradient of the sinks. ``tapped`` says whether that expansion happened (other attention
+    implementations use the sinks otherwise, and are refused)."""
+
+    def __init__(self, param: torch.Tensor, m: int, on_expand: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.seen, self.m, self.on_expand, self.tapped = [param], m, on_expand, False
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not args or not any(args[0] is seen for seen in self.seen):
+            return out
+        if func is torch.Tensor.expand and out.dim() and out.shape[0] == self.m:
+            self.tapped = True
+            return self.on_expand(out)
+        if func in (torch.Tensor.reshape, torch.Tensor.view):
+            self.seen.append(out)
+        return out
+
+
+class ChunkPass:
+    """The hooks of one chunk's pass on the served layers.
+
+    Args:
+        layers: ``{layer: (kind, {attribute: trainable name})}``, the served layers of the model.
+        out: the chunk's gradients, filled inside the backward (``out.ghost`` names the weights that take ghost
+            norms: set before the backward starts).
+        anchor: the scalar leaf the taps link to, and that the backward runs to.
+        hooks_suffice: nothing outside the taps needs a gradient, so a layer output that requires one is downstream
+            of a tap and a tensor hook on it suffices (cheaper than another tap).
+
+    ``calls`` lists the layer calls in the forward's order (a checkpointed layer's forward, which keeps nothing,
+    notes its call; its recompute in the backward is tapped like the others).
+    """
+
+    def __init__(
+        self,
+        layers: dict[nn.Module, tuple[str, dict[str, str]]],
+        out: Gradients,
+        anchor: torch.Tensor,
+        *,
+        hooks_suffice: bool,
+    ) -> None:
+        self.layers, self.out, self.anchor, self.hooks_suffice = layers, out, anchor, hooks_suffice
+        self.calls: list[Call] = []
+        self.written: set[str] = set()  # instantiated names the backward has written (their buffers held zeros)
+        self.grams = InputGrams(out.m)
+        self.modes: list[_BroadcastTap | ParameterUses] = []  # the taps of the attention and scope calls in progress
+        self.scopes: dict[nn.Module, list[Watched]] = {}  # the modules during whose calls parameters are followed
+        self.handles: list[Any] = []
+
+    def install(self, model: nn.Module) -> None:
+        """Register the hooks on ``model``'s served layers (and the scopes whose parameter uses are followed)."""
+        if any(kind in (ELEMENTWISE, DEPTHWISE) for kind, _ in self.layers.values()):
+            parents = {child: parent for parent in model.modules() for child in parent.children()}
+            for module, (kind, attrs) in self.layers.items():
+                if kind in (ELEMENTWISE, DEPTHWISE):
+                    scope = module if kind == ELEMENTWISE else parents.get(module, module)
+                    watched = (Watched(module, a, name, kind) for a, name in attrs.items())
+                    self.scopes.setdefault(scope, []).extend(watched)
+        handles = self.handles
+        for scope in self.scopes:
+            handles.append(scope.register_forward_pre_hook(self.enter_uses))
+            handles.append(scope.register_forward_hook(self.leave_uses))
+        for module, (kind, _) in self.layers.items():
+            if kind == DEPTHWISE:
+                handles.append(module.register_forward_pre_hook(self.guard_conv))
+            if kind in (ELEMENTWISE, DEPTHWISE):
+                continue
+            if kind == "attention_sinks":
+                handles.append(module.register_forward_pre_hook(self.enter_sinks))
+                handles.append(module.register_forward_hook(self.leave_sinks))
+                continue
+            if kind == "experts":
+                forward = functools.partial(tapped_experts_forward, examples=self.out.m)
+                handles.append(replace_forward(module, forward, self.tap_experts))
+                continue
+            if kind == "router":
+                handles.append(module.register_forward_pre_hook(self.link_router_input))
+            handles.append(module.register_forward_hook(self.forward_hook))
+
+    def remove(self) -> None:
+        """Remove the hooks (and leave the taps a forward that raised left active)."""
+        while self.modes:
+            self.modes.pop().__exit__(None, None, None)
+        for handle in self.handles:
+            handle.remove()
+
+    def record(self, call: Call, grad: torch.Tensor) -> None:
+        """Runs inside the backward: instantiated gradients are formed at once and the layer's tensors freed."""
+        out = self.out
+        call.grad = grad.detach()
+        for attr, name in call.names.items():
+            if name in out.ghost:
+                error = out.product_error if out.dtypes[name] == torch.float32 else 0.0
+                out.ghost[name] = (call, ghost_norms(call, out.m, self.grams, error=error))
+            else:
+                add_dense(call, attr, out.block(name), first=name not in self.written)
+                self.written.add(name)
+        if call.input_key is not None:
+            self.grams.done(call)
+        if not any(name in out.ghost for name in call.names.values()):
+            call.inputs = call.grad = None
+
+    def forward_hook(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
+        m = self.out.m
+        kind, attrs = self.layers[module]
+        if kind == "router":  # flattened tokens [m * T, d] in, (logits, scores, experts) out
+            return self.router_hook(module, attrs, inputs[0].detach(), output[0])
+        x = inputs[0].detach()
+        # tokens flattened to rows [m * T, d], example-major (MoE blocks' shared experts, the gated norm's heads)
+        rows = kind != "embedding" and x.dim() == 2 and x.shape[0] % m == 0
+        lead = m if rows else x.shape[0]
+        positions = x.numel() // max(1, lead * (1 if kind == "embedding" else x.shape[-1]))
+        if not torch.is_grad_enabled():  # a checkpointed layer's forward: its recompute is tapped
+            self.calls.append(Call(kind, module, attrs, None, positions))
+            return None
+        if kind == "embedding" and x.shape[0] == 1 and m > 1:  # positions shared by the batch: one per example
+            x, output = x.expand(m, *x.shape[1:]), output.expand(m, *output.shape[1:])
+        if (not rows and x.shape[0] != m) or (kind == "gated_rms_norm" and len(inputs) != 2):
+            raise ConfigurationError(
+                f"a {type(module).__name__} layer runs on a tensor of leading size {x.shape[0]}, not the batch of "
+                f"{m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
+            )
+        gate = inputs[1].detach() if kind == "gated_rms_norm" else None
+        return self.tap(Call(kind, module, attrs, x, positions, gate=gate), output)
+
+    def register(self, call: Call) -> None:
+        self.calls.append(call)
+        if call.kind not in ("embedding", "experts"):
+            call.input_key = same_tensor(call.inputs)
+            self.grams.read_by(call)
+
+    def tap(self, call: Call, output: torch.Tensor) -> torch.Tensor | None:
+        """Record ``call`` and hand it its output's gradient in the backward (None: the output is unchanged)."""
+        self.register(call)
+        if self.hooks_suffice and output.requires_grad:
+            output.register_hook(lambda grad: self.record(call, grad))
+            return None
+        return _Tap.apply(output, self.anchor, lambda grad: self.record(call, grad))
+
+    def router_hook(self, module: nn.Module, attrs: dict[str, str], x: torch.Tensor, logits: torch.Tensor) -> None:
+        """A router's logits are ``F.linear`` of its input, and its scores are computed from that very tensor: a
+        tensor hook on it sees the whole gradient (:meth:`link_router_input` made it require one)."""
+        m = self.out.m
+        positions = x.shape[0] // m
+        if not torch.is_grad_enabled():
+            self.calls.append(Call("linear", module, attrs, None, positions))
+            return None
+        if x.shape[0] % m or not logits.requires_grad:
+            raise ConfigurationError(
+                f"a {type(module).__name__} router runs on {x.shape[0]} rows, not a multiple of the batch of "
+                f"{m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
+            )
+        call = Call("linear", module, attrs, x, positions)
+        self.register(call)
+        logits.register_hook(lambda grad: self.record(call, grad))
+        return None
+
+    def link_router_input(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        x = args[0]
+        if not torch.is_grad_enabled() or x.requires_grad:
+            return None
+        return (_Tap.apply(x, self.anchor, lambda grad: None), *args[1:])
+
+    def tap_experts(self, module: nn.Module, attr: str, x: torch.Tensor, routing: Routing, y: torch.Tensor) -> Any:
+        """One projection of an experts layer (``attr``: its weight): rows ``x`` ``[m * T, in]`` routed as
+        ``routing`` says, output ``y``; returns the output the layer continues with."""
+        m = self.out.m
+        attrs = self.layers[module][1]
+        names = {k: attrs[a] for k, a in (("weight", attr), ("bias", f"{attr}_bias")) if a in attrs}
+        if not names:
+            return y
+        positions = x.shape[0] // m
+        if not torch.is_grad_enabled():
+            self.calls.append(Call("experts", module, names, None, positions))
+            return y
+        if x.shape[0] % m:
+            raise ConfigurationError(
+                f"a {type(module).__name__} layer runs on {x.shape[0]} rows, not a multiple of the batch of "
+                f"{m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
+            )
+        call = Call("experts", module, names, x.detach(), positions, routing=routing,
+                    transposed=bool(module.is_transposed))  # fmt: skip
+        tapped = self.tap(call, y)
+        return y if tapped is None else tapped
+
+    def enter_sinks(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        attrs = self.layers[module][1]
+
+        def on_expand(expanded: torch.Tensor) -> torch.Tensor:
+            call = Call("attention_sinks", module, attrs, None, expanded.shape[2])
+            self.calls.append(call)
+            if not torch.is_grad_enabled():  # a checkpointed layer's forward: its recompute is tapped
+                return expanded
+            return _Tap.apply(expanded, self.anchor, lambda grad: self.record(call, grad))
+
+        self.modes.append(_BroadcastTap(module.sinks, self.out.m, on_expand))
+        self.modes[-1].__enter__()
+
+    def leave_sinks(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        mode = self.modes.pop()
+        mode.__exit__(None, None, None)
+        if not mode.tapped:
+            raise ConfigurationError(
+                f"the attention sinks of {type(module).__name__} are served with eager attention only (the "
+                "sinks expanded over the batch); this attention implementation uses them otherwise. Set "
+                "attn_implementation='eager', freeze the sinks, or use vmap(grad) for this model."
+            )
+
+    def on_use(self, kind: str, module: nn.Module, names: dict[str, str], value: torch.Tensor, x: Any) -> torch.Tensor:
+        """One use of parameters followed by :class:`ParameterUses`: ``value`` tapped (``x``: a conv's input)."""
+        grad = torch.is_grad_enabled()  # else a checkpointed layer's forward: its recompute is tapped
+        call = Call(kind, module, names, x if grad else None, 1 if x is None else x.shape[-1])
+        self.calls.append(call)
+        return _Tap.apply(value, self.anchor, lambda g: self.record(call, g)) if grad else value
+
+    def enter_uses(self, scope: nn.Module, args: tuple[Any, ...]) -> None:
+        watched = [(w, getattr(w.module, w.attr)) for w in self.scopes[scope]]  # as reparametrized for this call
+        self.modes.append(ParameterUses(watched, self.out.m, self.on_use))
+        self.modes[-1].__enter__()
+
+    def leave_uses(self, scope: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        mode = self.modes.pop()
+        mode.__exit__(None, None, None)
+        mode.finish(scope)
+
+    def guard_conv(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not any(isinstance(mode, ParameterUses) and mode.watches(module) for mode in self.modes):
+            raise ConfigurationError(
+                f"a depthwise {type(module).__name__} runs outside the call of the module that holds it (its "
+                "weight is followed during that call): its per-example gradients cannot be formed. Use "
+                "vmap(grad) for this model."
+            )

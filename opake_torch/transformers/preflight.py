@@ -1,0 +1,99 @@
+"""The checks a ``DPTrainer.train()`` call passes before it spends any privacy budget.
+
+* :func:`check_data`: every row is one the loss can take (:mod:`.dataset_check`, one pass over the rows) and, with
+  the built-in loss, the model's output on the longest row is one it can read (:func:`.model_setup.probe_outputs`);
+* :func:`verified_engine`: the layerwise engine agrees with ``grad`` of the per-example loss on two training
+  examples (:func:`.engines.verified`);
+* :func:`independent_engine`: the records stay independent under the engine the step uses (the neighbour test,
+  :func:`.engines.independent`).
+
+With the MoE router release (``geometry``), the engine checks run as its step does: router logits off, and the
+batch carrying a load estimate, here the uniform load ``k / E``. Each check reads the trainer through its public
+surface (``model``, ``args``, ``fetch_batch``, ``trainable_params``...); the loss functions are passed in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from opake_torch.transformers import coupling, engines
+from opake_torch.transformers.data import fetch
+from opake_torch.transformers.dataset_check import check_dataset, dataset_schema
+from opake_torch.transformers.model_setup import probe_outputs
+from opake_torch.transformers.routers import router_logits_off, with_load
+
+__all__ = ["check_data", "independent_engine", "routing", "verified_engine"]
+
+
+def check_data(trainer: Any, dataset: Any, name: str, *, training: bool, own_loss: bool) -> None:
+    """Refuse a row of ``dataset`` (called ``name`` in messages) that the loss cannot take and, with the built-in
+    loss (``own_loss``), a model output it cannot read (one forward of the longest row); ``training``: labels are
+    required. ConfigurationError or InputTypeError naming the row."""
+    model, task, labels = trainer.model, trainer.task, trainer.label_names
+    schema = dataset_schema(model, task=task, label_names=labels, own_loss=own_loss, require_labels=training)
+    row = check_dataset(dataset, schema, keep=trainer.dataset_columns, name=name).probe_row
+    if own_loss and row is not None:
+        classes = schema.label_bound if task is not None else None
+        forward = functools.partial(trainer.apply_model, trainer.trainable_params)
+        batch = trainer.fetch_batch(dataset, np.array([row]))
+        where = f"{name} row {row}"
+        probe_outputs(model, forward, batch, label_names=labels, task=task, classes=classes, where=where)
+
+
+def verified_engine(trainer: Any, layerwise: Any, *, loss_fn: Callable[..., torch.Tensor], geometry: Any) -> Any:
+    """``layerwise`` after its check against ``grad`` of ``loss_fn`` (one example's loss) on the first two training
+    examples; None: ``'auto'`` fell back to vmap (:func:`.engines.verified`)."""
+    dataset = trainer.train_dataset
+    batch = _with_uniform_load(trainer.fetch_batch(dataset, np.arange(min(2, len(dataset)))), geometry)
+    with routing(trainer.model, geometry):
+        return engines.verified(
+            layerwise, args=trainer.args, model=trainer.model, params=trainer.trainable_params, loss_fn=loss_fn,
+            batch=batch,
+        )  # fmt: skip
+
+
+def independent_engine(
+    trainer: Any,
+    layerwise: Any,
+    *,
+    loss_fn: Callable[..., Any],
+    has_aux: bool,
+    geometry: Any,
+    microbatch: int,
+    own_loss: bool,
+) -> Any:
+    """The engine in use after the neighbour test on a few training rows, in the step's chunks of ``microbatch``
+    rows, with the step's ``loss_fn`` (``has_aux``: it returns ``(loss, aux)``): :func:`.engines.independent`.
+    The test adds an empty record where the trainer's own collation and loss serve the run (``own_loss`` and no
+    ``data_collator``). None: ``'auto'`` fell back to vmap."""
+    dataset = trainer.train_dataset
+
+    def batch_of(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return _with_uniform_load(trainer.fetch_batch(rows, np.arange(len(rows))), geometry)
+
+    read = functools.partial(fetch, dataset, keep=trainer.dataset_columns)
+    sample = coupling.neighbour_rows(dataset, read, empty=own_loss and trainer.data_collator is None)
+    with routing(trainer.model, geometry):
+        return engines.independent(
+            layerwise, args=trainer.args, model=trainer.model, params=trainer.trainable_params, batch_of=batch_of,
+            loss_fn=loss_fn, has_aux=has_aux, sample=sample, microbatch=microbatch,
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def routing(model: torch.nn.Module, geometry: Any) -> Iterator[None]:
+    """With the router release (``geometry`` not None), the model's router logits off, as its step runs."""
+    with router_logits_off(model) if geometry is not None else contextlib.nullcontext():
+        yield
+
+
+def _with_uniform_load(batch: dict[str, torch.Tensor], geometry: Any) -> dict[str, torch.Tensor]:
+    if geometry is None:
+        return batch
+    return with_load(batch, torch.full((geometry.num_experts,), geometry.uniform, dtype=torch.float64))
