@@ -44,7 +44,9 @@ __all__ = [
     "key_to_json",
     "normal",
     "normal_many",
+    "normal_slice",
     "normal_tree",
+    "normal_tree_shard",
     "numpy_generator",
     "random_key",
     "split",
@@ -53,6 +55,13 @@ __all__ = [
 IMPLS = ("philox", "chacha20")
 """The noise generators a key can name (``Key.impl``): ``"philox"`` (the default) and ``"chacha20"`` (hardened)."""
 _MASK64 = (1 << 64) - 1
+_PHILOX_BLOCK = {"cpu": 1 << 20, "cuda": 1 << 24}
+"""Coordinates per block of a philox key's flat vector above this size (:func:`normal_slice`), by device type.
+Neither NumPy's ziggurat nor torch's CUDA kernel can start a draw in the middle, so a long vector is cut into blocks
+drawn from keys of their own, and a slice draws only the blocks it overlaps: at most two blocks of values it does not
+keep. A block costs some tens of microseconds besides its draw (a key hash, a generator call). On the CPU (about
+10 ns a value) 2**20 keeps that cost near 1% and a slice's waste near 20 ms; a GPU draws 2**24 values in well under
+a millisecond, so larger blocks there cut the per-block cost at almost no waste."""
 
 
 @dataclass(frozen=True)
@@ -285,11 +294,47 @@ def normal_many(
     ]
 
 
+def normal_slice(
+    k: Key,
+    total: int,
+    start: int,
+    stop: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Coordinates ``[start, stop)`` (a 1-D tensor of ``stop - start`` values) of the flat standard normal vector of
+    length ``total`` that ``k`` defines, drawn without the rest: the slices of any partition of ``[0, total)``,
+    concatenated, equal ``normal_slice(k, total, 0, total)`` bit for bit (same dtype and device type, and for a
+    philox key on CUDA the same GPU model, as for :func:`normal`).
+
+    The vector of a chacha20 key is ``normal(k, (total,))``: slices start at block ``start // 8`` of the keystream. A
+    philox key of ``total`` up to a block (2**20 coordinates on the CPU, 2**24 on CUDA) gives ``normal(k, (total,))``
+    too; above, block ``b`` (the last one shorter) is ``normal(fold_in(k, "opake.block", b), (its length,))``, and a
+    slice draws only the blocks it overlaps. This is how each rank of a sharded model draws the noise of its own
+    coordinates only.
+
+    Example: two halves make the whole vector.
+
+        >>> import torch
+        >>> from opake_core import random
+        >>> k = random.key(0)
+        >>> halves = [random.normal_slice(k, 10, 0, 4), random.normal_slice(k, 10, 4, 10)]
+        >>> torch.equal(torch.cat(halves), random.normal_slice(k, 10, 0, 10)), halves[1].shape
+        (True, torch.Size([6]))
+    """
+    _check_key(k, "normal_slice")
+    _check_dtype(dtype)
+    _check_range("normal_slice", total, start, stop, "total")
+    return _normal_ranges(k, total, [(start, stop)], dtype=dtype, device=torch.device(device))[0]
+
+
 def normal_tree(k: Key, tensors: Sequence[torch.Tensor], *, dtype: torch.dtype) -> list[torch.Tensor]:
     """Standard normal draws shaped and placed like ``tensors`` (the leaves of a tree), from one key and one draw
     per device: the tensors on the ``d``-th device to appear are consecutive pieces, in order, of
-    ``normal(fold_in(k, d), [their total size])``. One generator call per device instead of one per leaf (a model
-    has hundreds of leaves); the pieces are views of that draw.
+    ``normal_slice(fold_in(k, d), n, 0, n)`` with ``n`` their total size. One generator call per device (per block
+    of 2**20 values on the CPU, 2**24 on CUDA, for a philox key) instead of one per leaf (a model has hundreds of
+    leaves); the pieces are views of that draw. :func:`normal_tree_shard` draws any part of it alone.
 
     Example: two leaves on the CPU are the two pieces of one draw.
 
@@ -308,9 +353,95 @@ def normal_tree(k: Key, tensors: Sequence[torch.Tensor], *, dtype: torch.dtype) 
     out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
     for d, (device, indices) in enumerate(by_device.items()):
         sizes = [tensors[i].numel() for i in indices]
-        flat = normal(fold_in(k, d), (sum(sizes),), dtype=dtype, device=device)
+        flat = _normal_ranges(fold_in(k, d), sum(sizes), [(0, sum(sizes))], dtype=dtype, device=device)[0]
         for i, piece in zip(indices, flat.split(sizes), strict=True):
             out[i] = piece.view(tensors[i].shape)
+    return out
+
+
+def normal_tree_shard(
+    k: Key,
+    shapes: Sequence[tuple[int, ...] | torch.Size],
+    ranges: Sequence[tuple[int, int]],
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
+    """The part of :func:`normal_tree`'s draw that a shard of the tree holds, drawn alone.
+
+    ``shapes``: the global shape of every leaf of the tree, in :func:`normal_tree`'s order, all on one device (one
+    device per rank, as under FSDP2). ``ranges``: for each leaf, the range ``(start, stop)`` of its row-major
+    flattening that the shard holds (``(0, 0)`` for none; rows ``r0:r1`` of a leaf sharded on dim 0 are
+    ``(r0 * row, r1 * row)`` with ``row`` the size of one row). Returns one 1-D tensor of ``stop - start`` values per
+    leaf: ``normal_tree(k, leaves)[i].flatten()[start:stop]`` bit for bit, for leaves of those shapes on a device of
+    ``device``'s type. The ranks of a sharded model that cover every coordinate once draw every coordinate's noise
+    exactly once, and together the one-process noise.
+
+    Example: the two row halves of a (4, 3) leaf, and all of a (2,) leaf on the first shard.
+
+        >>> import torch
+        >>> from opake_core import random
+        >>> k, shapes = random.key(0), [(4, 3), (2,)]
+        >>> first = random.normal_tree_shard(k, shapes, [(0, 6), (0, 2)], dtype=torch.float32)
+        >>> second = random.normal_tree_shard(k, shapes, [(6, 12), (2, 2)], dtype=torch.float32)
+        >>> whole = random.normal_tree(k, [torch.zeros(4, 3), torch.zeros(2)], dtype=torch.float32)
+        >>> torch.equal(torch.cat([first[0], second[0]]).view(4, 3), whole[0]), torch.equal(first[1], whole[1])
+        (True, True)
+    """
+    _check_key(k, "normal_tree_shard")
+    _check_dtype(dtype)
+    shapes, ranges = [tuple(s) for s in shapes], list(ranges)
+    if len(shapes) != len(ranges):
+        raise ConfigurationError(
+            f"normal_tree_shard needs one (start, stop) range per leaf shape, got {len(shapes)} shapes and "
+            f"{len(ranges)} ranges."
+        )
+    sizes = [math.prod(s) for s in shapes]
+    offsets = np.cumsum([0, *sizes]).tolist()
+    flat_ranges = []
+    for i, (size, offset, leaf_range) in enumerate(zip(sizes, offsets, ranges, strict=False)):
+        if not isinstance(leaf_range, Sequence) or len(leaf_range) != 2:
+            raise InputTypeError(f"normal_tree_shard: ranges[{i}] must be a (start, stop) pair, got {leaf_range!r}.")
+        start, stop = leaf_range
+        _check_range("normal_tree_shard", size, start, stop, f"the size of leaf {i}")
+        flat_ranges.append((offset + start, offset + stop))
+    return _normal_ranges(fold_in(k, 0), offsets[-1], flat_ranges, dtype=dtype, device=torch.device(device))
+
+
+def _check_range(where: str, total: Any, start: Any, stop: Any, what: str) -> None:
+    if not all(type(v) is int for v in (total, start, stop)) or not 0 <= start <= stop <= total:
+        raise ConfigurationError(
+            f"{where} needs ints 0 <= start <= stop <= {what}, got start={start!r}, stop={stop!r}, {what}={total!r}."
+        )
+
+
+def _normal_ranges(
+    k: Key, total: int, ranges: list[tuple[int, int]], *, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """The slices ``[start, stop)`` of the flat vector of :func:`normal_slice` (checked ranges); with ranges in
+    increasing order, as :func:`normal_tree_shard` passes them, each block of a philox key is drawn once."""
+    if k.impl == "chacha20":
+        firsts = [start // 8 for start, _ in ranges]  # 8 normals per keystream block
+        counts = [-(-stop // 8) - first for (_, stop), first in zip(ranges, firsts, strict=True)]
+        draws = _chacha20_normals(
+            [k] * len(ranges), [(8 * n,) for n in counts], dtype=dtype, device=device, first_blocks=firsts
+        )
+        return [d[start - 8 * f : stop - 8 * f] for d, f, (start, stop) in zip(draws, firsts, ranges, strict=True)]
+    block = _PHILOX_BLOCK.get(device.type, _PHILOX_BLOCK["cpu"])  # other devices: normal() refuses philox keys
+    if total <= block:
+        whole = normal(k, (total,), dtype=dtype, device=device)
+        return [whole[start:stop] for start, stop in ranges]
+    last: tuple[int, torch.Tensor] | None = None  # ranges come in increasing order: each block is drawn once
+    out = []
+    for start, stop in ranges:
+        piece = torch.empty(stop - start, dtype=dtype, device=device)  # filled block by block: no second copy
+        for b in range(start // block, -(-stop // block)):
+            if last is None or last[0] != b:
+                length = min(block, total - b * block)
+                last = b, normal(fold_in(k, "opake.block", b), (length,), dtype=dtype, device=device)
+            lo, hi = max(start, b * block), min(stop, (b + 1) * block)
+            piece[lo - start : hi - start].copy_(last[1][lo - b * block : hi - b * block])
+        out.append(piece)
     return out
 
 
@@ -399,9 +530,15 @@ def _chacha20_block(state: torch.Tensor) -> torch.Tensor:
 
 
 def _chacha20_normals(
-    keys: list[Key], shapes: list[tuple[int, ...]], *, dtype: torch.dtype, device: torch.device
+    keys: list[Key],
+    shapes: list[tuple[int, ...]],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    first_blocks: list[int] | None = None,
 ) -> list[torch.Tensor]:
-    """Standard normals of each shape from the ChaCha20 keystream of each key, block counter from 0, on ``device``.
+    """Standard normals of each shape from the ChaCha20 keystream of each key, from block ``first_blocks[i]`` of key
+    ``i`` (default 0), on ``device``. A block's values depend only on the key and the block's index.
 
     Block ``j`` of a key has counter ``j mod 2**32`` in word 12 and ``j // 2**32`` in word 13 (the first nonce word:
     the 64-bit-counter layout of the original ChaCha; below 2**32 blocks it is RFC 8439 with a zero nonce). Each pair
@@ -415,13 +552,14 @@ def _chacha20_normals(
     firsts = np.cumsum([0] + [-(-n // 8) for n in sizes]).tolist()  # first block of each key, then the total
     table = torch.tensor([_chacha20_key_words(k) for k in keys], dtype=torch.int32, device=device).T  # (8, keys)
     starts = torch.tensor(firsts[:-1], dtype=torch.int64, device=device)
+    skips = torch.tensor(first_blocks or [0] * len(keys), dtype=torch.int64, device=device)
     sigma = torch.tensor([_int32(w) for w in _SIGMA], dtype=torch.int32, device=device)[:, None]
     flat = torch.empty(8 * firsts[-1], dtype=dtype, device=device)
     chunk = _CHUNK_BLOCKS.get(device.type, _CHUNK_BLOCKS["cuda"])
     for start in range(0, firsts[-1], chunk):
         j = torch.arange(start, min(start + chunk, firsts[-1]), dtype=torch.int64, device=device)
         owner = torch.searchsorted(starts, j, right=True) - 1
-        j = j - starts[owner]  # block index within its key
+        j = j - starts[owner] + skips[owner]  # block index within its key's keystream
         counter = ((torch.stack((j, j >> 32)) + (1 << 31)) % (1 << 32) - (1 << 31)).int()  # uint32 -> int32, exactly
         key_words = table[:, owner] if len(keys) > 1 else table
         state = torch.cat((sigma.expand(4, len(j)), key_words.expand(8, len(j)), counter, torch.zeros_like(counter)))
