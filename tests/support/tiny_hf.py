@@ -148,3 +148,28 @@ def tiny_lora(family: str = "llama", targets: tuple[str, ...] = ("q_proj", "v_pr
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=std)
     return lora
+
+
+def functional_losses(model: torch.nn.Module, family: str) -> tuple:
+    """``model`` in float64 and eval mode as a pure function: its trainable parameters, the per-example and batched
+    losses of its task (sequence classification for BERT, else causal LM) and a collated batch of six examples."""
+    from opake_torch.functional import functional_model
+    from opake_torch.patches import apply_runtime_patches
+    from opake_torch.transformers.data import collate, language_modeling_labels
+    from opake_torch.transformers.loss import batch_losses, per_example_loss
+
+    apply_runtime_patches()
+    model = model.double().eval()
+    apply, params, frozen = functional_model(model)
+    task = "sequence_classification" if family == "bert" else "causal_lm"
+    batch = collate(token_data(6, classes=3 if family == "bert" else None), pad_token_id=0)
+    if task == "causal_lm":
+        batch = language_modeling_labels(batch)
+
+    def loss(p, example):
+        return per_example_loss(apply, p, frozen, example, task=task)
+
+    def batch_loss(p, b):
+        return batch_losses(apply, p, frozen, b, task=task)
+
+    return params, loss, batch_loss, batch

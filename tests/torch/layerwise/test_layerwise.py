@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_hf import tiny_lora, tiny_model, token_data
+from tiny_hf import functional_losses, tiny_lora, tiny_model, token_data
 from torch import nn
 
 from opake_core.clipping import VMAP, Engine, adaptive, auto_s, clipped_grad
@@ -56,23 +56,10 @@ def _mixer_case() -> tuple:
 
 
 def _hf_case(family: str, lora: bool) -> tuple:
-    apply_runtime_patches()
     model = tiny_model(family).double()
     if lora:
         model = tiny_lora(targets=LORA_TARGETS, std=1.0, model=model)
-    model.eval()
-    apply, params, frozen = functional_model(model)
-    task = "sequence_classification" if family == "bert" else "causal_lm"
-    batch = collate(token_data(6, classes=3 if family == "bert" else None), pad_token_id=0)
-    if task == "causal_lm":
-        batch = language_modeling_labels(batch)
-
-    def loss(p, example):
-        return per_example_loss(apply, p, frozen, example, task=task)
-
-    def batch_loss(p, b):
-        return batch_losses(apply, p, frozen, b, task=task)
-
+    params, loss, batch_loss, batch = functional_losses(model, family)
     return model, params, loss, batch_loss, (batch,)
 
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_hf import tiny_lora, tiny_model, tiny_moe, token_data
+from tiny_hf import functional_losses, tiny_lora, tiny_model, tiny_moe, token_data
 from torch._dynamo.utils import counters
 
 from opake_core.clipping import Engine, clipped_grad
@@ -17,11 +17,8 @@ from opake_core.errors import ConfigurationError
 from opake_torch.functional import functional_model
 from opake_torch.layerwise import LayerwiseGradients
 from opake_torch.layerwise.compiled import CompiledLayerwise
-from opake_torch.patches import apply_runtime_patches
 from opake_torch.transformers import DPTrainer, TrainingArguments, engines
 from opake_torch.transformers.compile import compile_chunk
-from opake_torch.transformers.data import collate, language_modeling_labels
-from opake_torch.transformers.loss import batch_losses, per_example_loss
 
 FAMILIES = {
     "bert": lambda: tiny_model("bert"),
@@ -32,21 +29,8 @@ FAMILIES = {
 
 def _case(family: str) -> tuple:
     """A float64 model in eval mode, its parameters, per-example and batched losses, and a batch of six."""
-    apply_runtime_patches()
-    model = FAMILIES[family]().double().eval()
-    apply, params, frozen = functional_model(model)
-    task = "sequence_classification" if family == "bert" else "causal_lm"
-    batch = collate(token_data(6, classes=3 if family == "bert" else None), pad_token_id=0)
-    if task == "causal_lm":
-        batch = language_modeling_labels(batch)
-
-    def loss(p, example):
-        return per_example_loss(apply, p, frozen, example, task=task)
-
-    def batch_loss(p, b):
-        return batch_losses(apply, p, frozen, b, task=task)
-
-    return model, params, loss, batch_loss, batch
+    model = FAMILIES[family]()
+    return (model, *functional_losses(model, "bert" if family == "bert" else "causal_lm"))
 
 
 def _loop_reference(loss, params, batch, bound):
