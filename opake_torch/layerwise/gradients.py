@@ -70,11 +70,11 @@ class Gradients:
 
     def squared_norms(self) -> torch.Tensor:
         rows = {name: sq for name, (_, sq) in self.ghost.items()}
-        for group in self.groups:  # vector_norm accumulates in float64 without a float64 copy of the buffer
+        for group in self.groups:  # a name at a time: vector_norm reads a float64 copy of what it is given
             if group.buffer is None:
                 continue
-            sq = torch.linalg.vector_norm(group.buffer, dim=2, dtype=torch.float64).square()
-            rows.update(zip(group.names, sq.unbind(0), strict=True))
+            sq = [torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).square() for g in group.buffer.unbind(0)]
+            rows.update(zip(group.names, sq, strict=True))
         zeros = torch.zeros(self.m, dtype=torch.float64, device=self.device)
         return torch.stack([rows.get(name, zeros) for name in self.names])
 
@@ -103,3 +103,4 @@ class Gradients:
                     scale = rows[k].reshape(self.m, 1, 1)
                     rows_of[key] = (scale, scale == 0)
                 add_ghost(call, *rows_of[key], total, inputs)
+                call.inputs = call.grad = None  # consumed, as the buffers are: the next sums run without them

@@ -3,8 +3,9 @@ its output gradient inside the backward, where its per-example gradients are for
 
 The output gradients come from a tensor hook on the layer's output or, for the first layers, whose outputs need no
 gradient yet, from a tap (:class:`_Tap`) that links them to a scalar anchor: the backward runs to the anchor and forms
-no parameter gradient. The hooks exist for the duration of one pass (:meth:`ChunkPass.install`,
-:meth:`ChunkPass.remove`).
+no parameter gradient. A call keeps its input as the layer's weight gradient reads it: rounded to bf16 where the
+layer ran in bfloat16 (:class:`~opake_torch.layerwise.precision.Bf16Inputs`). The hooks exist for the duration of
+one pass (:meth:`ChunkPass.install`, :meth:`ChunkPass.remove`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from opake_torch.layerwise.dense import add_dense
 from opake_torch.layerwise.experts import Routing, replace_forward, tapped_experts_forward
 from opake_torch.layerwise.ghost import InputGrams, ghost_norms
 from opake_torch.layerwise.gradients import Gradients
+from opake_torch.layerwise.precision import Bf16Inputs
 from opake_torch.layerwise.uses import DEPTHWISE, ELEMENTWISE, ParameterUses, Watched
 
 __all__ = ["ChunkPass"]
@@ -97,6 +99,7 @@ class ChunkPass:
         self.calls: list[Call] = []
         self.written: set[str] = set()  # instantiated names the backward has written (their buffers held zeros)
         self.grams = InputGrams(out.m)
+        self.bf16 = Bf16Inputs()
         self.modes: list[_BroadcastTap | ParameterUses] = []  # the taps of the attention and scope calls in progress
         self.scopes: dict[nn.Module, list[Watched]] = {}  # the modules during whose calls parameters are followed
         self.handles: list[Any] = []
@@ -141,6 +144,7 @@ class ChunkPass:
     def record(self, call: Call, grad: torch.Tensor) -> None:
         """Runs inside the backward: instantiated gradients are formed at once and the layer's tensors freed."""
         out = self.out
+        self.bf16.release()  # the backward has begun: the forward's calls hold what they keep
         call.grad = grad.detach()
         for attr, name in call.names.items():
             if name in out.ghost:
@@ -158,7 +162,7 @@ class ChunkPass:
         m = self.out.m
         kind, attrs = self.layers[module]
         if kind == "router":  # flattened tokens [m * T, d] in, (logits, scores, experts) out
-            return self.router_hook(module, attrs, inputs[0].detach(), output[0])
+            return self.router_hook(module, attrs, inputs[0], output[0])
         x = inputs[0].detach()
         # tokens flattened to rows [m * T, d], example-major (MoE blocks' shared experts, the gated norm's heads)
         rows = kind != "embedding" and x.dim() == 2 and x.shape[0] % m == 0
@@ -175,7 +179,8 @@ class ChunkPass:
                 f"{m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
             )
         gate = inputs[1].detach() if kind == "gated_rms_norm" else None
-        return self.tap(Call(kind, module, attrs, x, positions, gate=gate), output)
+        kept = x if kind == "embedding" else self.bf16.keep(kind, inputs[0], output)
+        return self.tap(Call(kind, module, attrs, kept, positions, gate=gate), output)
 
     def register(self, call: Call) -> None:
         self.calls.append(call)
@@ -204,7 +209,7 @@ class ChunkPass:
                 f"a {type(module).__name__} router runs on {x.shape[0]} rows, not a multiple of the batch of "
                 f"{m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
             )
-        call = Call("linear", module, attrs, x, positions)
+        call = Call("linear", module, attrs, self.bf16.keep("linear", x, logits), positions)
         self.register(call)
         logits.register_hook(lambda grad: self.record(call, grad))
         return None
@@ -232,7 +237,7 @@ class ChunkPass:
                 f"a {type(module).__name__} layer runs on {x.shape[0]} rows, not a multiple of the batch of "
                 f"{m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
             )
-        call = Call("experts", module, names, x.detach(), positions, routing=routing,
+        call = Call("experts", module, names, self.bf16.keep("experts", x, y), positions, routing=routing,
                     transposed=bool(module.is_transposed))  # fmt: skip
         tapped = self.tap(call, y)
         return y if tapped is None else tapped
@@ -263,7 +268,8 @@ class ChunkPass:
     def on_use(self, kind: str, module: nn.Module, names: dict[str, str], value: torch.Tensor, x: Any) -> torch.Tensor:
         """One use of parameters followed by :class:`ParameterUses`: ``value`` tapped (``x``: a conv's input)."""
         grad = torch.is_grad_enabled()  # else a checkpointed layer's forward: its recompute is tapped
-        call = Call(kind, module, names, x if grad else None, 1 if x is None else x.shape[-1])
+        kept = self.bf16.keep(kind, x, value) if grad and x is not None else None
+        call = Call(kind, module, names, kept, 1 if x is None else x.shape[-1])
         self.calls.append(call)
         return _Tap.apply(value, self.anchor, lambda g: self.record(call, g)) if grad else value
 

@@ -8,20 +8,24 @@ bounds that rounding, and the ghost norms of those layers carry it as a margin
 bound. A linear layer that ran in bfloat16 (bf16 weights or bf16 autocast: its output gradient is bf16) has the
 weight gradient ``g^T bf16(a)``, a product of bf16 factors: its norms are taken from the bf16-rounded input
 (:func:`input_factor`) and its clipped sum runs on bf16 tensor cores with float32 accumulation
-(:func:`add_bf16_product`).
+(:func:`add_bf16_product`). The engine keeps such a layer's input rounded from the start (:class:`Bf16Inputs`): half
+the bytes of a float32 input, and the same factor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from opake_torch.layerwise.calls import Call, by_example, cast
+from opake_torch.layerwise.calls import Call, by_example, cast, same_tensor
+from opake_torch.layerwise.uses import DEPTHWISE
 
 __all__ = [
+    "Bf16Inputs",
     "add_bf16_product",
     "bf16_factors",
     "bf16_parts",
@@ -91,9 +95,49 @@ def bf16_factors(call: Call) -> bool:
 
 def input_factor(call: Call, m: int) -> torch.Tensor:
     """``[m, T, in]``: the input the call's weight gradient multiplies (rounded to bf16 where the layer ran in bf16,
-    as its forward rounded it)."""
+    as its forward rounded it; the hooks keep such an input rounded already, :class:`Bf16Inputs`)."""
     x = by_example(call.inputs, m)
     return cast(x, torch.bfloat16) if bf16_factors(call) else x
+
+
+_MATMUL_KINDS = ("linear", "conv1d", "experts", DEPTHWISE)  # weight gradient: output gradient times input
+
+
+class Bf16Inputs:
+    """The inputs the engine keeps of the layer calls that ran in bfloat16, rounded to bf16 when they are recorded.
+
+    A call of a linear, Conv1D, experts or depthwise-conv layer whose output is bf16 (bf16 weights or bf16
+    autocast) multiplied its input rounded to bf16: its weight gradient is ``g^T bf16(a)``, and its norms and sums
+    read that factor (:func:`input_factor`, :func:`~opake_torch.layerwise.uses.add_conv_gradient`). Under autocast
+    its input is often float32 (a normalized residual stream): kept rounded, it holds 2 bytes a number instead of 4,
+    and the factor is the same (rounding is idempotent). The layers whose gradient reads the float32 input (the
+    norms) keep it as it is.
+
+    The calls that read one tensor (q, k and v; gate and up) keep one rounded copy: the last copy made serves the
+    next call whose input is that tensor, unchanged (same storage, layout and version, its source still alive).
+    """
+
+    def __init__(self) -> None:
+        self._source: weakref.ref[torch.Tensor] | None = None
+        self._version = -1
+        self._rounded: torch.Tensor | None = None
+
+    def keep(self, kind: str, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """What a call of ``kind`` with input ``x`` and output ``output`` keeps of ``x`` (detached): rounded to bf16
+        where the call ran in bfloat16 (its output, hence its output gradient, is bf16) on a float32 input, else
+        ``x`` itself."""
+        if kind not in _MATMUL_KINDS or output.dtype != torch.bfloat16 or x.dtype != torch.float32:
+            return x.detach()
+        source = self._source() if self._source is not None else None
+        if source is None or self._version != x._version or same_tensor(source) != same_tensor(x):
+            self._rounded = None  # the previous copy lives on only in the calls that keep it
+            self._source, self._version = weakref.ref(x), x._version
+            self._rounded = x.detach().to(torch.bfloat16)
+        return self._rounded
+
+    def release(self) -> None:
+        """Drop the last copy (the calls that keep it still do)."""
+        self._source = self._rounded = None
 
 
 def bf16_parts(x: torch.Tensor) -> torch.Tensor:
@@ -102,11 +146,20 @@ def bf16_parts(x: torch.Tensor) -> torch.Tensor:
     remainders shrink by ``2^-8`` at least, so three parts hold a 24-bit float32 significand. Exact for ``|x| >=
     2^-110``; below, the last part loses the bits under ``2^-133`` (bf16's smallest subnormal). Products with a bf16
     factor accumulate in float32 as ``x``'s would."""
-    high = x.to(torch.bfloat16)
-    rest = x - high.float()
-    mid = rest.to(torch.bfloat16)
-    low = (rest - mid.float()).to(torch.bfloat16)
-    return torch.cat([high, mid, low], dim=-1)
+    return _split(x.clone())
+
+
+def _split(rest: torch.Tensor) -> torch.Tensor:
+    """:func:`bf16_parts` of ``rest``, which it overwrites with the remainders: the parts are written in place,
+    so that no more than ``rest`` and the parts (10 bytes a number) are alive at once."""
+    d = rest.shape[-1]
+    parts = torch.empty(*rest.shape[:-1], 3 * d, dtype=torch.bfloat16, device=rest.device)
+    for k in range(3):
+        part = parts[..., k * d : (k + 1) * d]
+        part.copy_(rest)
+        if k < 2:
+            rest.sub_(part)  # exact: the bf16 part is a float32 number
+    return parts
 
 
 def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -128,13 +181,14 @@ def add_bf16_product(call: Call, drop: torch.Tensor, scale: torch.Tensor, total:
     ``fl32(scale_i g_it)`` in three exact bf16 parts times the bf16 input, one matmul, then the parts' three
     products added, smallest first. ``drop`` (``[m, 1, 1]``) masks the examples with scale 0. So the contribution of
     every example is the float32 one: three bf16 tensor-core products in place of one float32 matmul without tensor
-    cores (:func:`bf16_parts`)."""
+    cores (:func:`bf16_parts`). Temporaries: the scaled factor (4 bytes a number of the output gradient) and its
+    parts (6), then the ``[3, out, in]`` products."""
     m, out = scale.shape[0], call.grad.shape[-1]
-    g = torch.where(drop, 0.0, cast(by_example(call.grad, m), torch.float32) * scale)
-    parts = bf16_parts(g).reshape(-1, 3 * out)
+    g = by_example(call.grad, m)
+    parts = _split((g * scale).masked_fill_(drop, 0.0)).reshape(-1, 3 * out)  # bf16 times float32: float32
     a = torch.where(drop, 0.0, input_factor(call, m)).reshape(m * g.shape[1], -1)
     if call.kind == "linear":
         high, mid, low = _mm_float32(parts.T, a).view(3, out, -1).unbind(0)
     else:  # conv1d: weight [in, out]
         high, mid, low = _mm_float32(a.T, parts).view(-1, 3, out).unbind(1)
-    total.add_(high + (mid + low))
+    total.add_(mid.add_(low).add_(high))
