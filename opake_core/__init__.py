@@ -6,7 +6,8 @@ The names a researcher composes with are importable from here (``from opake_core
 * single concepts, by name: the composed steps (``dp_sgd``, ``dp_ftrl``, ``dp_step``), per-example clipping
   (``clipped_grad``, ``clipped_fun``, the rules ``auto_s`` and ``adaptive``, the ``Engine`` seam), the Gaussian
   mechanisms (``gaussian_noise``, ``mf_gaussian_noise``), the typed trees (``Clipped``, ``Noised``, ``per_group``),
-  the one-run audits of a trained model (``one_run_audit``, ``fdp_audit``) and the errors;
+  a rank's part of a sharded tree (``Shard``), the one-run audits of a trained model (``one_run_audit``,
+  ``fdp_audit``) and the errors;
 * families, by module, whose ``__all__`` is their face: ``accounting`` (processes, ``epsilon`` / ``delta``,
   calibration, the ledger), ``sampling`` (the samplers), ``mf`` (the DP-FTRL strategies), ``optim`` (optimizers and
   schedules), ``plan`` (sampler, mechanism and accountant chosen together), ``random`` (keys) and ``testing`` (the
@@ -67,6 +68,7 @@ _CONCEPTS = {
     ),
     "opake_core.noise": ("add_gaussian_noise", "gaussian_noise", "mf_gaussian_noise"),
     "opake_core.tree": ("Clipped", "Noised", "PerGroup", "per_group"),
+    "opake_core.sharding": ("Shard",),
     "opake_core.auditing": ("fdp_audit", "one_run_audit"),
     "opake_core.errors": tuple(errors.__all__),
 }

@@ -23,6 +23,10 @@ as **one** Gaussian release with multiplier ``z``: ``sigma_k = z sqrt(Delta_k (D
 (:func:`~opake_core.moments.paired_noise_std`), drawn from ``fold_in(key, PAIRED_STREAMS[k], t, i)``; it returns a
 :class:`~opake_core.moments.NoisedMoments` and the same state as a single stream. The accountant is unchanged.
 :func:`paired_mf_gaussian_noise` is the DP-FTRL counterpart, one strategy per stream.
+
+Sharded trees (FSDP2): given a :class:`~opake_core.sharding.Shard`, every mechanism here noises one rank's rows of
+the clipped sum with exactly those coordinates of the one-process draw (``random.normal_tree_shard``), so the ranks
+together add one Gaussian (or one correlated stream) per coordinate, equal to one process's noise bit for bit.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from opake_core.mf.streaming import (
     noise_std_for,
 )
 from opake_core.moments import ClippedMoments, NoisedMoments, paired_scale
+from opake_core.sharding import Shard
 from opake_core.tree import Clipped, Noised, PerGroup
 
 __all__ = [
@@ -73,6 +78,7 @@ def gaussian_noise(
     noise_multiplier: float,
     key: random.Key,
     compute_dtype: torch.dtype | str = torch.float32,
+    shard: Shard | None = None,
 ) -> tuple[NoiseFn, GaussianNoiseState]:
     """The DP-SGD Gaussian mechanism as a ``(noise_fn, state)`` pair.
 
@@ -86,6 +92,10 @@ def gaussian_noise(
     multiplier ``z``, ``sigma_k = z sqrt(Delta_k (Delta_1 + Delta_2))`` (per group: every (stream, group) pair is a
     group of the allocation), streams ``PAIRED_STREAMS``; account it exactly like a single stream.
 
+    With ``shard`` (a :class:`~opake_core.sharding.Shard`, this rank's rows of the global tree), ``noise_fn`` takes
+    the rank's part of the clipped sum (leaves of ``shard.local_shapes``) and adds exactly those coordinates of the
+    one-process noise: the ranks' outputs put together are the one-process output bit for bit.
+
     Example: the noise on a zero tree of sensitivity 0.1 with multiplier 2 has standard deviation 0.2, and a saved
     state replays the same noise.
 
@@ -98,6 +108,16 @@ def gaussian_noise(
         >>> again, _ = noise_fn(Clipped({"w": torch.zeros(100_000)}, sensitivity=0.1), state)
         >>> torch.equal(again.value["w"], noised.value["w"]), after.step
         (True, 1)
+
+    Sharded over two ranks, the noise of each rank's rows is its part of the one-process noise.
+
+        >>> from opake_core import Shard
+        >>> def rank_noise(rank):
+        ...     shard = Shard.rows([(100_000,)], rank=rank, world_size=2)
+        ...     fn, first = gaussian_noise(noise_multiplier=2.0, key=random.key(0), shard=shard)
+        ...     return fn(Clipped({"w": torch.zeros(50_000)}, sensitivity=0.1), first)[0].value["w"]
+        >>> torch.equal(torch.cat([rank_noise(0), rank_noise(1)]), noised.value["w"])
+        True
     """
     options = {
         "n_steps": None,
@@ -105,6 +125,7 @@ def gaussian_noise(
         "key": key,
         "name": "gaussian_noise",
         "compute_dtype": compute_dtype,
+        "shard": shard,
     }
     plain_fn, state = matrix_mechanism(None, identity(), stream=STREAM, **options)
     first_fn, _ = matrix_mechanism(None, identity(), stream=PAIRED_STREAMS[0], **options)
@@ -128,6 +149,7 @@ def add_gaussian_noise(
     key: random.Key,
     step: int,
     compute_dtype: torch.dtype | str = torch.float32,
+    shard: Shard | None = None,
 ) -> Noised:
     """The noise :func:`gaussian_noise` adds at step ``step``, as a pure function of its inputs.
 
@@ -137,6 +159,7 @@ def add_gaussian_noise(
         key: the noise key; the draw depends only on ``(key, step)``.
         step: the step counter (int >= 0).
         compute_dtype: dtype the noise is drawn and added in; the result has this dtype.
+        shard: this rank's part of a sharded tree, as in :func:`gaussian_noise`.
 
     Returns:
         A :class:`~opake_core.tree.Noised` tree with the same sensitivity and the noise standard deviation used.
@@ -153,7 +176,9 @@ def add_gaussian_noise(
         >>> torch.equal(direct.value["w"], noised.value["w"])
         True
     """
-    noise_fn, state = gaussian_noise(noise_multiplier=noise_multiplier, key=key, compute_dtype=compute_dtype)
+    noise_fn, state = gaussian_noise(
+        noise_multiplier=noise_multiplier, key=key, compute_dtype=compute_dtype, shard=shard
+    )
     noised, _ = noise_fn(clipped, GaussianNoiseState(state.key, validate.integer("step", step, minimum=0)))
     return noised
 
@@ -196,6 +221,7 @@ def paired_mf_gaussian_noise(
     compute_dtype: torch.dtype | str = torch.float32,
     participation: Participation = SINGLE,
     state_dtype: torch.dtype | str | None = None,
+    shard: Shard | None = None,
 ) -> tuple[Callable[..., tuple[NoisedMoments, Any]], tuple[GaussianNoiseState, GaussianNoiseState]]:
     """DP-FTRL noise for private second moments: each stream of a :class:`~opake_core.moments.ClippedMoments` gets
     its own correlated noise, the pair is one Gaussian release with multiplier ``z``.
@@ -233,6 +259,8 @@ def paired_mf_gaussian_noise(
         compute_dtype: dtype of the outputs.
         participation: the pattern each ``s_k`` is computed for.
         state_dtype: dtype of the buffers (see :func:`~opake_core.mf.streaming.matrix_mechanism`).
+        shard: this rank's part of a sharded tree (see :func:`~opake_core.mf.streaming.matrix_mechanism`); the
+            template and both streams' buffers then hold the local pieces.
 
     Returns:
         ``(noise_fn, state)`` with ``noise_fn(moments, state) -> (NoisedMoments, state)``.
@@ -260,6 +288,7 @@ def paired_mf_gaussian_noise(
         "participation": participation,
         "state_dtype": state_dtype,
         "name": "paired_mf_gaussian_noise",
+        "shard": shard,
     }
     with torch.profiler.record_function("opake::paired_mf_gaussian_noise_init"):
         first_fn, first_state = matrix_mechanism(template, concrete[0], stream=streaming.STREAM, **options)

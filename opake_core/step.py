@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import optree
 import optree.dataclasses
 import torch
 
@@ -37,6 +38,7 @@ from opake_core.mf.participation import SINGLE, Participation
 from opake_core.moments import ClippedMoments, NoisedMoments
 from opake_core.noise import NoiseFn, gaussian_noise, paired_mf_gaussian_noise
 from opake_core.optim import apply_updates
+from opake_core.sharding import Shard
 from opake_core.tree import NAMESPACE, Clipped, Noised, PerGroup
 
 __all__ = ["DPState", "StepMetrics", "dp_ftrl", "dp_sgd", "dp_step", "rekeyed", "unkeyed"]
@@ -119,6 +121,7 @@ def dp_step(
     clipping_key: random.Key | None = None,
     has_aux: bool = False,
     second_moment: bool = False,
+    sum_like: Any = None,
 ) -> tuple[StepFn, DPState]:
     """A composed DP step as ``(step_fn, dp_state)``: clip, sum, noise with any privatizer, update.
 
@@ -148,6 +151,13 @@ def dp_step(
             (``gaussian_noise`` noises it as one release) and the optimizer must take the noised pair
             (:func:`~opake_core.optim.private_moments.private_moments_adam`). Refused with a noise-variance
             bias-corrected optimizer (``noise_bias_correction=True``): the two are alternatives.
+        sum_like: the tree in which the clipped sum is formed before ``reduce``, with the structure of ``params``
+            (default: ``params`` itself). It is what ``loss_fn`` gets as its parameters; the optimizer still gets
+            ``params``. For parameters sharded over ranks (FSDP2), ``params`` and the optimizer state hold this
+            rank's rows, ``sum_like`` stands for the global shapes (zero-stride stand-ins such as
+            ``torch.zeros((), dtype=..., device=...).expand(shape)``, whose values the loss does not read), and
+            ``reduce`` reduce-scatters the full-size sum to this rank's rows; noise that rank's rows with a sharded
+            privatizer (``gaussian_noise(..., shard=...)``).
 
     Returns:
         ``step_fn(params, opt_state, dp_state, batch) -> (params, opt_state, dp_state, metrics)`` where ``batch`` is
@@ -182,6 +192,7 @@ def dp_step(
         )
     if second_moment:
         _check_moments_optimizer(optimizer, "second_moment=True")
+    sum_structure = None if sum_like is None else _sum_structure(sum_like)
     grad_fn, clip_state = clipped_grad(
         loss_fn,
         clipping_norm=clipping,
@@ -203,8 +214,15 @@ def dp_step(
             raise InputTypeError(f"step_fn expects the DPState its factory returned, got {type(dp_state).__name__}.")
         if not isinstance(batch, tuple):
             raise InputTypeError(f"batch must be a tuple of per-example tensors, got {type(batch).__name__}.")
+        if sum_structure is not None and optree.tree_structure(params) != sum_structure:
+            raise InputTypeError(
+                f"sum_like must have the tree structure of params: sum_like is {sum_structure}, params is "
+                f"{optree.tree_structure(params)}; build sum_like from the same parameter tree."
+            )
         with torch.profiler.record_function("opake::dp_step"):
-            (clipped, *aux, diagnostics), clip = grad_fn(params, *batch, state=dp_state.clip)
+            (clipped, *aux, diagnostics), clip = grad_fn(
+                params if sum_like is None else sum_like, *batch, state=dp_state.clip
+            )
             noised, noise = noise_fn(_reduced(reduce, clipped), dp_state.noise)
             if isinstance(noised, NoisedMoments):
                 _check_moments_optimizer(optimizer, f"the noise mechanism's {type(noised).__name__} output")
@@ -223,6 +241,37 @@ def dp_step(
         return params, opt_state, DPState(dp_state.step + 1, clip, noise), metrics
 
     return step_fn, DPState(0, clip_state, noise_state)
+
+
+def _sum_structure(sum_like: Any) -> Any:
+    """The tree structure of ``sum_like``, checked to be a non-empty tree of floating-point tensors."""
+    leaves, structure = optree.tree_flatten(sum_like)
+    if not leaves or not all(isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in leaves):
+        raise InputTypeError(
+            f"sum_like must be a tree of floating-point tensors with the structure of params, got {sum_like!r:.80}."
+        )
+    return structure
+
+
+def _check_sharded(shard: Shard | None, step_options: dict[str, Any], name: str) -> None:
+    """A sharded step forms the clipped sum in the global shapes (``sum_like``) and reduces it to the shard's rows."""
+    if shard is None:
+        return
+    if not isinstance(shard, Shard):
+        raise InputTypeError(f"{name}'s shard must be an opake_core.Shard or None, got {type(shard).__name__}.")
+    sum_like = step_options.get("sum_like")
+    shapes = None if sum_like is None else tuple(tuple(getattr(x, "shape", ())) for x in optree.tree_leaves(sum_like))
+    if shapes != shard.shapes:
+        raise ConfigurationError(
+            f"{name} with shard= forms the clipped sum in the global shapes {shard.shapes}, got sum_like with leaf "
+            f"shapes {shapes}; pass sum_like= a tree of the global shapes (zero-stride stand-ins, "
+            "torch.zeros((), dtype=..., device=...).expand(shape)) in the leaf order of params."
+        )
+    if step_options.get("reduce") is None and shard.local_shapes != shard.shapes:
+        raise ConfigurationError(
+            f"{name} with shard= needs reduce= to bring the full-size clipped sum to this rank's rows (a "
+            "reduce-scatter across ranks); without it the rank's noise and update would not fit its parameters."
+        )
 
 
 def _check_moments_optimizer(optimizer: Any, what: str) -> None:
@@ -266,6 +315,7 @@ def dp_sgd(
     noise_multiplier: float,
     key: random.Key,
     compute_dtype: torch.dtype | str = torch.float32,
+    shard: Shard | None = None,
     **step_options: Any,
 ) -> tuple[StepFn, DPState]:
     """DP-SGD: :func:`dp_step` with the Gaussian mechanism of :func:`~opake_core.noise.gaussian_noise`.
@@ -277,8 +327,12 @@ def dp_sgd(
         noise_multiplier: ``z``; the noise std is ``z * clipping_norm / expected_batch_size``. 0 = non-private.
         key: the run's noise key, kept in ``dp_state``: the noise of step ``t`` depends only on ``(key, t)``.
         compute_dtype: dtype the noise is drawn and added in.
+        shard: parameters sharded over ranks (FSDP2): this rank's :class:`~opake_core.sharding.Shard`; ``params``
+            hold its rows, ``sum_like`` (required then, of the shard's global shapes) and ``reduce`` (a
+            reduce-scatter to the rank's rows) are passed to :func:`dp_step`, and the rank draws exactly its rows
+            of the one-process noise.
         **step_options: the other arguments of :func:`dp_step` (``optimizer``, ``expected_batch_size``, and
-            optionally ``microbatch_size``, ``engine``, ``reduce``, ``reduce_count``).
+            optionally ``microbatch_size``, ``engine``, ``reduce``, ``reduce_count``, ``sum_like``).
 
     Example: what a step adds to the clipped update is Gaussian noise of standard deviation
     ``lr * noise_multiplier * clipping_norm / expected_batch_size``.
@@ -297,7 +351,8 @@ def dp_sgd(
         >>> metrics.noise_std, round(noise.std().item(), 2)
         (0.125, 0.12)
     """
-    noise = gaussian_noise(noise_multiplier=noise_multiplier, key=key, compute_dtype=compute_dtype)
+    _check_sharded(shard, step_options, "dp_sgd")
+    noise = gaussian_noise(noise_multiplier=noise_multiplier, key=key, compute_dtype=compute_dtype, shard=shard)
     count_key = random.fold_in(key, ADAPTIVE_STREAM) if isinstance(clipping_norm, AdaptiveRule) else None
     return dp_step(loss_fn, clipping=clipping_norm, noise=noise, clipping_key=count_key, **step_options)
 
@@ -314,6 +369,7 @@ def dp_ftrl(
     compute_dtype: torch.dtype | str = torch.float32,
     participation: Participation = SINGLE,
     second_moment_strategy: Any = None,
+    shard: Shard | None = None,
     **step_options: Any,
 ) -> tuple[StepFn, DPState]:
     """DP-FTRL: :func:`dp_step` with the correlated noise of :func:`~opake_core.mf.mf_gaussian_noise`.
@@ -338,8 +394,10 @@ def dp_ftrl(
             stream's own correlated noise (:func:`~opake_core.noise.paired_mf_gaussian_noise`; the same strategy as
             ``strategy`` keeps ``mf_process(strategy, ...)`` valid for every sampler). Required then, refused
             otherwise.
+        shard: parameters sharded over ranks (FSDP2), as in :func:`dp_sgd`; ``params`` then holds this rank's
+            rows, and so do the strategy's buffers: the streaming memory is sharded with the parameters.
         **step_options: the other arguments of :func:`dp_step` (``optimizer``, ``expected_batch_size``, and
-            optionally ``microbatch_size``, ``engine``, ``reduce``, ``second_moment``).
+            optionally ``microbatch_size``, ``engine``, ``reduce``, ``second_moment``, ``sum_like``).
 
     Example: BandMF with 2 bands over a horizon of 4 steps (to be sampled and accounted with cyclic Poisson sampling
     over 2 groups, see :func:`~opake_core.accounting.mf_process`); a fifth step is refused.
@@ -378,12 +436,14 @@ def dp_ftrl(
             "dp_ftrl got second_moment_strategy= without second_moment=True; pass second_moment=True to release "
             "private second moments, or drop second_moment_strategy."
         )
+    _check_sharded(shard, step_options, "dp_ftrl")
     noise_options = {
         "n_steps": n_steps,
         "noise_multiplier": noise_multiplier,
         "key": key,
         "compute_dtype": compute_dtype,
         "participation": participation,
+        "shard": shard,
     }
     if second_moment:
         noise = paired_mf_gaussian_noise(

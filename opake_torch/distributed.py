@@ -53,6 +53,7 @@ __all__ = [
     "init_process_group",
     "is_distributed",
     "local_sampler_state",
+    "max_over_ranks",
     "reduce_mean",
     "sum_gradients",
 ]
@@ -162,6 +163,17 @@ def all_ok(ok: bool, what: str) -> None:
         raise StateError(f"{what} failed on another rank; aborting this rank too (see that rank's error).")
 
 
+def max_over_ranks(value: int) -> int:
+    """The largest of the ranks' ``value`` (the value itself when not distributed)."""
+    if not is_distributed():
+        return value
+    out = torch.tensor([value], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        out = out.cuda()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return int(out.item())
+
+
 def _fingerprint(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -229,6 +241,9 @@ def broadcast_params(params: dict[str, torch.Tensor]) -> None:
 def local_sampler_state(saved: Any, fresh: SamplerState) -> SamplerState:
     """Rank 0's saved sampler state made this rank's: the same step, the config checked up to the ``rank`` entry."""
     state = SamplerState.from_json(saved) if isinstance(saved, dict) else saved
+    world = lambda config: dict(config).get("world_size")  # noqa: E731
+    if world(state.config) != world(fresh.config):  # a new segment on another world size: this sampler, same step
+        return SamplerState(state.step, fresh.config)
     strip = lambda config: tuple(item for item in config if item[0] != "rank")  # noqa: E731
     if strip(state.config) != strip(fresh.config):
         raise StateError(

@@ -33,6 +33,10 @@ default the compute dtype, widened to float32 for half-precision compute when th
 The key lives in the state. Each call returns a new state and never writes into the old one, so a saved state resumes
 the identical noise sequence. Reported ``noise_std``: the per-coordinate standard deviation of the noise actually added
 at this step, ``sigma * ||row_t(C^-1)||`` (what DP-AdamBC subtracts), not the scale of ``z``.
+
+Sharded trees (FSDP2): with ``shard=`` (a :class:`~opake_core.sharding.Shard`) a rank noises its own rows only, with
+``z_t``'s coordinates of those rows (``random.normal_tree_shard``); ``C^-1`` acts coordinate by coordinate, so its
+buffers hold the rank's rows too, and the ranks together release exactly the one-process noise.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from opake_core.mf._base import StreamPlan
 from opake_core.mf.participation import SINGLE, Participation, SingleParticipation
 from opake_core.mf.sensitivity import sensitivity
 from opake_core.mf.strategies import optimize
+from opake_core.sharding import Shard
 from opake_core.tree import NAMESPACE, Clipped, Noised, PerGroup, effective
 
 __all__ = [
@@ -188,6 +193,7 @@ def matrix_mechanism(
     compute_dtype: torch.dtype | str = torch.float32,
     participation: Participation = SINGLE,
     state_dtype: torch.dtype | str | None = None,
+    shard: Shard | None = None,
 ) -> tuple[NoiseFn, GaussianNoiseState]:
     """The streamed Gaussian matrix mechanism as a ``(noise_fn, state)`` pair (see the module docstring).
 
@@ -204,17 +210,29 @@ def matrix_mechanism(
         compute_dtype: dtype of the output (fp16, bf16, fp32, fp64).
         participation: the pattern ``sens(C)`` is computed for.
         state_dtype: dtype of the buffers and of the draws; ``None`` for the default above.
+        shard: this rank's part of a tree sharded over ranks (:class:`~opake_core.sharding.Shard`, the global shapes
+            of the clipped tree): ``noise_fn`` then takes the clipped sum of the rank's own rows (leaves of
+            ``shard.local_shapes``, on one device) and adds exactly those coordinates of the one-process noise, so
+            the ranks' outputs put together equal the one-process output bit for bit; the template (and so the
+            buffers) has the local shapes. ``None``: the whole tree.
 
     Raises:
-        InputTypeError: a non-Clipped input, a wrong key or state, ``n_steps`` not an int.
+        InputTypeError: a non-Clipped input, a wrong key or state, ``n_steps`` not an int, a ``shard`` that is not a
+            ``Shard``.
         ConfigurationError: ``n_steps < 1``, a bad multiplier or dtype, a strategy that does not fit the horizon,
-            a step past the horizon, a sensitivity that changes under a horizon, an infinite sensitivity with noise.
+            a step past the horizon, a sensitivity that changes under a horizon, an infinite sensitivity with noise,
+            a tree or template whose leaves do not have the shard's local shapes.
     """
     if n_steps is not None:
         validate.integer("n_steps", n_steps, minimum=1)
     z = validate.noise_multiplier("noise_multiplier", noise_multiplier)
     if not isinstance(key, random.Key):
         raise InputTypeError(f"{name} needs key=opake_core.random.key(seed), got {type(key).__name__}.")
+    if shard is not None and not isinstance(shard, Shard):
+        raise InputTypeError(
+            f"{name}'s shard must be an opake_core.Shard (such as Shard.rows(shapes, rank=..., world_size=...)) or "
+            f"None, got {type(shard).__name__}."
+        )
     dtype = _dtype("compute_dtype", compute_dtype)
     horizon = 1 if n_steps is None else n_steps
     concrete = optimize(strategy, horizon, participation=participation)
@@ -237,6 +255,7 @@ def matrix_mechanism(
     buffers: tuple[tuple[torch.Tensor, ...], ...] = ()
     if template is not None or plan.num_buffers:
         leaves, treedef = _template_leaves(name, template)
+        _check_local(name, "template", leaves, shard)
         buffers = tuple(
             tuple(torch.zeros(leaf.shape, dtype=draw_dtype, device=leaf.device) for leaf in leaves)
             for _ in range(plan.num_buffers)
@@ -266,6 +285,7 @@ def matrix_mechanism(
         values, tree = optree.tree_flatten(clipped.value)
         if treedef is not None and tree != treedef:
             raise InputTypeError(f"the clipped tree {tree} does not match the template {treedef}.")
+        _check_local(name, "clipped tree", values, shard)
         std = noise_std_for(clipped.sensitivity, scale)
         stds = std.leaf_values() if isinstance(std, PerGroup) else [std] * len(values)
         if len(stds) != len(values):
@@ -287,7 +307,7 @@ def matrix_mechanism(
             if scale == 0:
                 out, new_buffers = [v.to(dtype) for v in values], state.buffers
             else:
-                draws = random.normal_tree(random.fold_in(state.key, stream, t), values, dtype=draw_dtype)
+                draws = _draw(random.fold_in(state.key, stream, t), values, shard, draw_dtype)
                 xs, per_buffer = [], [[] for _ in range(plan.num_buffers)]
                 for i, draw in enumerate(draws):
                     x, leaf_buffers = _advance(plan, draw, [b[i] for b in state.buffers])
@@ -302,6 +322,35 @@ def matrix_mechanism(
         return noised, GaussianNoiseState(state.key, t + 1, new_buffers, latched)
 
     return noise_fn, GaussianNoiseState(key, 0, buffers, None)
+
+
+def _draw(k: random.Key, values: list[torch.Tensor], shard: Shard | None, dtype: torch.dtype) -> list[torch.Tensor]:
+    """``random.normal_tree(k, values)``, or with a shard the shard's coordinates of the one-process draw (the whole
+    tree on one device), shaped like the local ``values``."""
+    if shard is None:
+        return random.normal_tree(k, values, dtype=dtype)
+    device = values[0].device if values else torch.device("cpu")
+    draws = random.normal_tree_shard(k, shard.shapes, shard.ranges, dtype=dtype, device=device)
+    return [draw.view(value.shape) for draw, value in zip(draws, values, strict=True)]
+
+
+def _check_local(name: str, what: str, leaves: list[torch.Tensor], shard: Shard | None) -> None:
+    """A sharded mechanism's leaves are the shard's local pieces, all on one device (one rank's)."""
+    if shard is None:
+        return
+    shapes = tuple(tuple(leaf.shape) for leaf in leaves)
+    if shapes != shard.local_shapes:
+        raise ConfigurationError(
+            f"{name} was built for a shard whose local leaf shapes are {shard.local_shapes}, but the {what} has "
+            f"leaves of shapes {shapes}; pass this rank's local pieces (reduce-scatter the clipped sum to the "
+            "shard's rows), or build the shard from the global shapes of this tree."
+        )
+    devices = {leaf.device for leaf in leaves}
+    if len(devices) > 1:
+        raise ConfigurationError(
+            f"{name} with a shard draws one rank's noise on one device, but the {what} spans "
+            f"{sorted(map(str, devices))}; place the rank's pieces on its own device."
+        )
 
 
 def _template_leaves(name: str, template: Any) -> tuple[list[torch.Tensor], Any]:
@@ -322,6 +371,7 @@ def mf_gaussian_noise(
     compute_dtype: torch.dtype | str = torch.float32,
     participation: Participation = SINGLE,
     state_dtype: torch.dtype | str | None = None,
+    shard: Shard | None = None,
 ) -> tuple[NoiseFn, GaussianNoiseState]:
     """DP-FTRL's correlated Gaussian noise as a ``(noise_fn, state)`` pair: :func:`matrix_mechanism` over a declared
     horizon on the stream ``STREAM``.
@@ -337,6 +387,8 @@ def mf_gaussian_noise(
         compute_dtype: as in :func:`matrix_mechanism`.
         participation: as in :func:`matrix_mechanism`.
         state_dtype: as in :func:`matrix_mechanism`.
+        shard: as in :func:`matrix_mechanism`: this rank's part of a sharded tree; ``template`` then holds the local
+            pieces, and so do the buffers (the strategy's memory is sharded with the parameters).
 
     Returns:
         ``(noise_fn, state)`` with ``noise_fn(clipped, state) -> (Noised, state)``.
@@ -368,6 +420,7 @@ def mf_gaussian_noise(
         "participation": participation,
         "state_dtype": state_dtype,
         "name": "mf_gaussian_noise",
+        "shard": shard,
     }
     with torch.profiler.record_function("opake::mf_gaussian_noise_init"):
         return matrix_mechanism(template, strategy, stream=STREAM, **options)

@@ -55,8 +55,8 @@ HONOURED = (
     "save_on_each_node", "save_total_limit", "save_safetensors", "push_to_hub", "hub_token", "hub_private_repo",
     "hub_model_id", "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "ignore_data_skip",
     "restore_callback_states_from_checkpoint", "seed", "data_seed", "use_cpu", "dataloader_num_workers",
-    "dataloader_pin_memory", "remove_unused_columns", "label_names", "ddp_backend", "ddp_timeout",
-    "resume_from_checkpoint", "local_rank", "do_train", "do_eval", "do_predict",
+    "dataloader_pin_memory", "remove_unused_columns", "label_names", "ddp_backend", "ddp_timeout", "fsdp",
+    "fsdp_config", "resume_from_checkpoint", "local_rank", "do_train", "do_eval", "do_predict",
 )  # fmt: skip
 
 ALIASES = {
@@ -138,8 +138,9 @@ INERT: dict[str, tuple[Any, str]] = {
 
 _BF16 = "use bf16=True (native bf16 autocast, no loss scaler)"
 _FP16 = "fp16 loss scaling adds a per-example unscale before clipping, and fp16 is not a supported precision"
-_SHARDING = "parameter/gradient sharding is incompatible with vmap per-example gradients"
+_SHARDING = "DeepSpeed's and Accelerate's engines shard gradients that per-example clipping must see first"
 _TORCHRUN = "use the built-in DDP (torchrun)"
+_FSDP = "use fsdp='full_shard' under torchrun (PyTorch's FSDP2), or the built-in DDP"
 # name -> (the Hugging Face default, why a non-default value is refused, what to do instead)
 REFUSED: dict[str, tuple[Any, str, str]] = {
     "gradient_accumulation_steps": (
@@ -178,10 +179,8 @@ REFUSED: dict[str, tuple[Any, str, str]] = {
         "NEFTune adds data-dependent embedding noise that the privacy accountant does not model",
         "remove it; the DP noise is the only noise the guarantee accounts for",
     ),
-    "deepspeed": (None, _SHARDING, _TORCHRUN),
-    "fsdp": (None, _SHARDING, _TORCHRUN),
-    "fsdp_config": (None, _SHARDING, _TORCHRUN),
-    "parallelism_config": (None, _SHARDING, _TORCHRUN),
+    "deepspeed": (None, _SHARDING, _FSDP),
+    "parallelism_config": (None, _SHARDING, _FSDP),
     "accelerator_config": (
         None,
         "the trainer drives DDP itself; Accelerate's batch dispatch would bypass the DP sampler",

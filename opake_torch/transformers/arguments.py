@@ -55,7 +55,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from opake_core.errors import ConfigurationError, InputTypeError, PrivacyBudgetError
-from opake_torch import limits
+from opake_torch import limits, sharded
 from opake_torch.transformers import _command_line as cli
 from opake_torch.transformers import _from_hf as hf
 from opake_torch.transformers import _parsing as p
@@ -253,6 +253,10 @@ class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceN
     local_rank: int = field(default=-1, metadata=cli.carrier(*hf.REFUSED, *hf.INERT))
     ddp_backend: str | None = None
     ddp_timeout: int = 1800
+    # Hugging Face's options (a string, a list or True; annotated str for HfArgumentParser); canonical: "auto_wrap
+    # full_shard" or ""
+    fsdp: str | None = field(default="", metadata=_option("fsdp", loose=True))
+    fsdp_config: dict[str, Any] | str | None = None  # a dict or a JSON file; canonical: the supported keys
     average_tokens_across_devices: bool = True
     # hub
     push_to_hub: bool = False
@@ -431,6 +435,10 @@ class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceN
             p.check_limit(self.local_rank, "LOCAL_RANK", self._limits["local_rank"])
         if self.ddp_backend is not None:
             self.ddp_backend = p.as_choice(self.ddp_backend, "ddp_backend", p.DDP_BACKENDS)
+        self.fsdp = " ".join(sharded.parse_fsdp(self.fsdp))
+        self.fsdp_config = sharded.parse_fsdp_config(self.fsdp_config)
+        if self.fsdp_config and not self.fsdp:
+            raise ConfigurationError(f"fsdp_config={self.fsdp_config!r} is set but fsdp is not; set fsdp='full_shard'.")
 
     def _resolve_tf32(self) -> None:
         """Hugging Face's meaning: ``True``/``False`` switch TF32 matmuls and convolutions on/off for the process

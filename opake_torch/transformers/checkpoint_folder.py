@@ -134,7 +134,8 @@ def require_resumable(folder: Path) -> None:
             "loaded, since unpickling a file can run code. Start a new run (from these weights, if they cost no "
             "privacy), or resume it with the version that wrote it."
         )
-    needed = [DP_STATE, DP_TENSORS, DP_OPTIMIZER, TRAINER_STATE]
+    sharded = any(folder.glob("dp_state-00000-of-*.safetensors"))  # the ranks' files of a sharded run
+    needed = [DP_STATE, TRAINER_STATE] if sharded else [DP_STATE, DP_TENSORS, DP_OPTIMIZER, TRAINER_STATE]
     missing = [name for name in needed if not (folder / name).is_file()]
     if missing:
         raise CheckpointError(
@@ -205,7 +206,8 @@ _MANIFEST = {
     "dataset": (dict,),
     "checksum": (dict,),
 }
-_OPTIONAL = {"router_release": (dict,)}  # present only for a run with the MoE router release
+# present only for a run with the MoE router release, and for a sharded (FSDP2) run (.sharded_state)
+_OPTIONAL = {"router_release": (dict,), "shards": (dict,)}
 
 
 def write_state(
@@ -216,16 +218,19 @@ def write_state(
     opt_state: Any,
     rng_state: Any,
     router_state: Any = None,
+    sharded: bool = False,
 ) -> None:
     """Write the DP state files into ``folder``, last of the checkpoint's files: the tensors as safetensors, then
     ``dp_state.json`` with the SHA-256 of every other file of the folder (weights, states, records), sealed with
     the checksum of its own content (:func:`seal`). ``router_state``: the MoE router release's state (without its
-    key), with the step state."""
+    key), with the step state. ``sharded``: the ranks' files are in ``folder`` already (:mod:`.sharded_state`),
+    and the manifest's ``shards`` entry says how to read them; no whole-state files are written."""
     tree = {"step_state": step_state, "torch_rng_state": rng_state}
     if router_state is not None:
         tree["router_state"] = router_state
-    save_tree(folder / DP_TENSORS, tree)
-    save_tree(folder / DP_OPTIMIZER, opt_state)
+    if not sharded:
+        save_tree(folder / DP_TENSORS, tree)
+        save_tree(folder / DP_OPTIMIZER, opt_state)
     files = {path.name: sha256(path) for path in sorted(folder.iterdir()) if path.is_file()}
     write_json(folder / DP_STATE, seal({**manifest, "format": FORMAT, "files": files}))
 

@@ -260,7 +260,7 @@ def step_factory(
 ) -> Callable[[int | None], tuple[Any, Any]]:
     """``make_step(microbatch_size) -> (step_fn, dp_state)``: the plan's core step on ``engine``, with the noise
     key ``key``. Under DDP the clipped sums, normalized by the cluster's expected batch, are summed across ranks and
-    noised once (``topology.reduce``)."""
+    noised once (``topology.reduce``); under FSDP2 they are reduce-scattered and each rank noises its own rows."""
     common = {
         "optimizer": optimizer,
         "clipping_norm": clipping,
@@ -272,6 +272,8 @@ def step_factory(
         "reduce": topology.reduce,
         "has_aux": has_aux,  # loss_fn returns (loss, per-example log values): they reach metrics.aux
     }
+    if topology.is_sharded:  # FSDP2: the sum formed in the global shapes, reduce-scattered, noised on the rank's rows
+        common.update(sum_like=topology.sum_like, shard=topology.layout)
 
     def make_step(microbatch_size: int | None) -> tuple[Any, Any]:
         if plan.strategy is None:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import optree
 import torch
 from torch import nn
 
@@ -27,7 +28,7 @@ from opake_core.errors import CheckpointError, ConfigurationError, OpakeError, P
 from opake_core.sampling.state import SamplerState
 from opake_core.step import rekeyed
 from opake_torch.transformers import checkpoint_folder as ckpt
-from opake_torch.transformers import routers
+from opake_torch.transformers import routers, sharded_state
 from opake_torch.transformers.fingerprint import DatasetFingerprint, dataset_fingerprint
 from opake_torch.transformers.keys import RunKeys, next_keys
 from opake_torch.transformers.privacy import PrivacyPlan, build_plan, check_next_segment, resolve_delta
@@ -82,6 +83,7 @@ def resume(
     if saved is not None:
         ledger = saved_ledger(saved, folder)
     unchanged = saved is not None and saved["configuration"] == ckpt.configuration(args)
+    unchanged = unchanged and saved["world_size"] == args.privacy.world_size  # other ranks draw other batches
     data = dataset_fingerprint(dataset, columns)  # one pass: what a resume compares
     same_data = resumed_data(args, saved, folder, data)
     plan = planned(args, len(dataset), ledger, saved=saved, folder=folder, continued=unchanged and same_data)
@@ -261,13 +263,17 @@ def restore(folder: Path, saved: dict[str, Any], run: Run, *, args: Any, model: 
     """Load the checkpoint's tensors, weights and trainer state (``run.restored``) into ``run``, after checking that
     its step counters agree (CheckpointError otherwise)."""
     router = run.router_state
-    step_state, run.opt_state, rng_state, router_state = ckpt.read_tensors(
-        folder,
-        step_template=run.dp_state,
-        opt_template=run.opt_state,
-        device=args.device,
-        router_template=None if router is None else routers.unkeyed(router),
-    )
+    if "shards" in saved:  # a sharded run's files, read on this run's layout (parameters included)
+        step_tree, run.opt_state = read_sharded(folder, saved["shards"], run, args=args, topology=topology)
+        step_state, rng_state, router_state = step_tree["step_state"], step_tree["torch_rng_state"], None
+    else:
+        step_state, run.opt_state, rng_state, router_state = ckpt.read_tensors(
+            folder,
+            step_template=run.dp_state,
+            opt_template=run.opt_state,
+            device=args.device,
+            router_template=None if router is None else routers.unkeyed(router),
+        )
     try:
         loaded = DPTrainerState.load_from_json(str(folder / ckpt.TRAINER_STATE))
     except (OSError, ValueError, TypeError) as exc:
@@ -285,13 +291,28 @@ def restore(folder: Path, saved: dict[str, Any], run: Run, *, args: Any, model: 
             f"{folder}: the step counters disagree ({counters}; {run.ledger.releases} releases in the ledger), "
             "so the checkpoint was edited or assembled from different runs. Resume from another checkpoint."
         )
-    run.params = restore_weights(model, folder, args.device, set(run.params))
+    if "shards" in saved:
+        run.params = step_tree["params"]
+        copy_into(model, run.params)
+    else:
+        run.params = restore_weights(model, folder, args.device, set(run.params))
     run.dp_state = rekeyed(step_state, run.dp_state)  # the keys of this segment (saved unkeyed)
     if router_state is not None:
         run.router_state = routers.rekeyed(router_state, router)
     torch.set_rng_state(rng_state)
     run.sampler_state = topology.sampler_state(sampler, run.sampler_state)
     run.restored = loaded
+
+
+def read_sharded(folder: Path, shards: Any, run: Run, *, args: Any, topology: Any) -> tuple[dict[str, Any], Any]:
+    """``(step tree, optimizer state)`` of a sharded checkpoint for this run's layout: its own files on the same
+    world size, the rows put together and cut again on another (or whole, in one process)."""
+    names = [path[0] for path in optree.tree_paths(dict.fromkeys(run.params, 0))]
+    template = {"params": run.params, "step_state": run.dp_state, "torch_rng_state": torch.get_rng_state()}
+    return sharded_state.read(
+        folder, shards, templates=(template, run.opt_state), shard=getattr(topology, "layout", None), names=names,
+        rank=args.process_index, world_size=args.world_size, device=args.device,
+    )  # fmt: skip
 
 
 def check_router_resume(saved: dict[str, Any] | None, folder: Path | None, settings: dict[str, Any] | None) -> None:
@@ -318,15 +339,16 @@ def saved_ledger(saved: dict[str, Any], folder: Path | None) -> accounting.Ledge
 
 
 def check_same_run(args: Any, saved: dict[str, Any], plan: PrivacyPlan, folder: Path | None) -> None:
-    """Refuse a resume whose world size changed, or a horizon resume whose mechanism, horizon, multiplier, rate or
-    clipping changed: a horizon is accounted as a whole and its noise is correlated across steps."""
+    """Refuse a horizon resume whose world size, mechanism, horizon, multiplier, rate or clipping changed: a horizon
+    is accounted as a whole and its noise is correlated across steps. (A per-step run resumed on another world size
+    continues as a new segment, with new keys.)"""
+    if not plan.horizon:
+        return
     if saved["world_size"] != args.privacy.world_size:
         raise CheckpointError(
             f"{folder} was written with world size {saved['world_size']}, this run has {args.privacy.world_size}: "
-            "per-rank sampling and accounting depend on it. Resume with the same number of processes."
+            "a horizon run's cyclic sampling partitions the data by rank. Resume with the same number of processes."
         )
-    if not plan.horizon:
-        return
     changed = {k: (saved[k], v) for k, v in mechanism_fields(args, plan).items() if saved[k] != v}
     if changed:
         raise CheckpointError(

@@ -21,7 +21,7 @@ from opake_core import accounting
 from opake_core.step import unkeyed
 from opake_torch.state_files import write_json
 from opake_torch.transformers import checkpoint_folder as ckpt
-from opake_torch.transformers import routers
+from opake_torch.transformers import routers, sharded_state
 from opake_torch.transformers.privacy import PrivacyPlan, resume_fields
 from opake_torch.transformers.run_state import Run, ledger_result
 
@@ -37,11 +37,13 @@ __all__ = [
 
 
 def copy_into(model: nn.Module, params: dict[str, torch.Tensor]) -> None:
-    """The trainable parameters ``params`` copied into ``model`` (which the step functions never modify)."""
+    """The trainable parameters ``params`` copied into ``model`` (which the step functions never modify); under FSDP2
+    ``params`` are this rank's rows, copied into the module's shards (the next forward gathers them)."""
     with torch.no_grad():
         own = dict(model.named_parameters())
         for name, value in params.items():
-            own[name].copy_(value)
+            target = own[name]
+            (target.to_local() if hasattr(target, "to_local") else target).copy_(value)
 
 
 def save(
@@ -58,21 +60,30 @@ def save(
     folder = Path(args.output_dir) / f"{ckpt.PREFIX}-{state.global_step}"
     copy_into(model, run.params)
     update_best(args, state, folder, metrics)
+    whole = topology.full_state(model)  # FSDP2: gathered from the shards on every rank
+    shards = None
+    if topology.is_sharded and not args.save_only_model:  # every rank writes its rows, sealed by the writer below
+        shards = topology.stage_state(sharded_state.staging(args.output_dir, folder), run)
 
     def write(tmp: Path) -> None:
-        save_weights(model, processing_class, tmp, safe=args.save_safetensors)
+        save_weights(model, processing_class, tmp, safe=args.save_safetensors, state_dict=whole)
         if run.plan.accounted:
             write_accountant(tmp, args, run.plan, run.ledger)
         state.save_to_json(str(tmp / ckpt.TRAINER_STATE))
         (tmp / ckpt.TRAINING_ARGS).write_text(json.dumps(args.to_dict(), indent=2, default=str))
         if not args.save_only_model:
+            manifest = _manifest(args, state.global_step, run)
+            if shards is not None:
+                sharded_state.unstage(sharded_state.staging(args.output_dir, folder), tmp, args.world_size)
+                manifest["shards"] = shards
             ckpt.write_state(
                 tmp,
-                _manifest(args, state.global_step, run),
+                manifest,
                 step_state=unkeyed(run.dp_state),  # the keys are stored in dp_state.json only
                 opt_state=run.opt_state,
                 rng_state=torch.get_rng_state(),
                 router_state=None if run.router_state is None else routers.unkeyed(run.router_state),
+                sharded=shards is not None,
             )
 
     def write_and_rotate() -> None:
@@ -126,10 +137,22 @@ def update_best(args: Any, state: Any, folder: Path, metrics: dict[str, float] |
         state.best_model_checkpoint = str(folder)
 
 
-def save_weights(model: nn.Module, processing_class: Any, folder: Path, *, safe: bool = True) -> None:
-    """The model (``save_pretrained``, or ``model.safetensors``) and the tokenizer, into ``folder``."""
+def save_weights(
+    model: nn.Module,
+    processing_class: Any,
+    folder: Path,
+    *,
+    safe: bool = True,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """The model (``save_pretrained``, or ``model.safetensors``) and the tokenizer, into ``folder``; ``state_dict``:
+    the whole model's tensors when its own are shards (FSDP2)."""
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained(folder, safe_serialization=safe)
+        model.save_pretrained(folder, safe_serialization=safe, state_dict=state_dict)
+    elif state_dict is not None:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(folder / "model.safetensors"))
     else:
         from safetensors.torch import save_model
 

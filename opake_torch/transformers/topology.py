@@ -1,9 +1,11 @@
-"""Where a trainer runs: one process, or DDP ranks under torchrun. Everything that differs lives here.
+"""Where a trainer runs: one process, DDP ranks or FSDP2 ranks under torchrun. Everything that differs lives here.
 
 :class:`SingleProcess` makes every cross-rank operation the identity; :class:`DataParallel` implements them on
 ``torch.distributed`` (:mod:`opake_torch.distributed`): rank 0's weights and keys on every rank, the cross-rank SUM of
 the clipped sums (and of adaptive clipping's counts) before the one noise draw, checks that the ranks agree, and one
-writer for checkpoints whose failure stops every rank. :func:`topology` picks one from the arguments.
+writer for checkpoints whose failure stops every rank. :class:`ShardedDataParallel` shards the model with FSDP2
+(:mod:`opake_torch.sharded`): the clipped sums are reduce-scattered, each rank noises and updates its own rows.
+:func:`topology` picks one from the arguments.
 """
 
 from __future__ import annotations
@@ -11,20 +13,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 
+from opake_core.clipping.microbatching import batch_size
 from opake_core.errors import ConfigurationError
 from opake_core.random import Key
 from opake_core.sampling.state import SamplerState
-from opake_torch import distributed
+from opake_core.step import unkeyed
+from opake_torch import distributed, sharded
+from opake_torch.transformers import sharded_state
+from opake_torch.transformers.saving import copy_into
 
-__all__ = ["DataParallel", "SingleProcess", "topology"]
+__all__ = ["DataParallel", "ShardedDataParallel", "SingleProcess", "topology"]
 
 
 class SingleProcess:
     """One process: collectives are the identity."""
 
     is_distributed = False
+    is_sharded = False  # the trainable parameters are this rank's rows (FSDP2)
     reduce: Callable[..., Any] | None = None  # the cross-rank sum of the clipped sums (none here)
     reduce_count: Callable[..., Any] | None = None  # the cross-rank sum of adaptive clipping's counts
 
@@ -40,6 +48,18 @@ class SingleProcess:
 
     def check_params(self, params: dict[str, torch.Tensor]) -> None:
         """StateError when the ranks' parameters diverged."""
+
+    def full_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict where the model is sharded (a collective: every rank calls it), else None
+        (the model's own parameters are whole)."""
+        return None
+
+    def lockstep(
+        self, step_fn: Callable[..., Any], model: torch.nn.Module, *, microbatch: int, idle: Callable[[], Any]
+    ) -> Callable[..., Any]:
+        """The step of a run on this topology: here ``step_fn`` itself (the model reads its parameters at saves and
+        at the end)."""
+        return step_fn
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of a logged value over ranks."""
@@ -91,6 +111,86 @@ class DataParallel(SingleProcess):
         return distributed.local_sampler_state(saved, fresh)  # rank 0 wrote it; each rank keeps its own sampler
 
 
+class ShardedDataParallel(DataParallel):
+    """FSDP2 ranks under torchrun: the model sharded at the first ``train()``, after the checks that run on the
+    whole model (:meth:`shard`); then the clipped sums are reduce-scattered and each rank noises its own rows."""
+
+    is_sharded = True
+
+    def __init__(self, args: Any) -> None:
+        unsupported = {  # attribute -> (what the user set, why)
+            "torch_compile": ("torch_compile=True", "the compiled pass is not verified on sharded weights"),
+            "cuda_graphs": ("cuda_graphs > 0", "a capture would hold one rank's gathered weights"),
+            "router_release": ("router_aux_loss_coef > 0", "the MoE router release is not verified on shards"),
+        }
+        for name, (what, why) in unsupported.items():
+            if getattr(args, name):
+                raise ConfigurationError(f"{what} is not supported with fsdp yet: {why}. Turn it off, or drop fsdp.")
+        self.options, self.config, self.device = args.fsdp.split(), args.fsdp_config, args.device
+        self.layout: Any = None  # this rank's opake_core.sharding.Shard once the model is sharded
+        self.sum_like: dict[str, torch.Tensor] | None = None  # the global shapes, for the full-size clipped sum
+
+    @property
+    def model_sharded(self) -> bool:
+        return self.layout is not None
+
+    def shard(self, model: torch.nn.Module, names: Any) -> dict[str, torch.Tensor]:
+        """Shard ``model`` (once) and return this rank's rows of the trainable ``names``."""
+        if self.layout is None:
+            sharded.shard_model(model, options=tuple(self.options), config=self.config, device=self.device)
+            for parameter in model.parameters():  # the engine differentiates the layers' outputs, never a weight
+                parameter.requires_grad_(False)
+            self.layout = sharded.shard_layout(model, names)
+            self.sum_like = sharded.stand_ins(model, names)
+            self.reduce = sharded.reduce_scatter(self.layout, distributed.get_world_size())
+        return sharded.local_params(model, names)
+
+    def check_params(self, params: dict[str, torch.Tensor]) -> None:
+        """Nothing to compare: each rank holds other rows."""
+
+    def full_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        return sharded.full_state_dict(model) if self.model_sharded else None
+
+    def stage_state(self, where: Any, run: Any) -> dict[str, Any]:
+        """Write this rank's rows of the run's state (parameters, step and RNG state, optimizer state) into
+        ``where`` and wait for every rank; returns the ``shards`` record of ``dp_state.json``."""
+        step_tree = {
+            "params": run.params,
+            "step_state": unkeyed(run.dp_state),
+            "torch_rng_state": torch.get_rng_state(),
+        }
+        rank, world = distributed.get_rank(), distributed.get_world_size()
+        try:
+            sharded_state.stage(where, rank=rank, world_size=world, step_tree=step_tree, opt_tree=run.opt_state)
+        except BaseException:
+            distributed.all_ok(False, "writing a rank's checkpoint files")
+            raise
+        distributed.all_ok(True, "writing a rank's checkpoint files")
+        names = [path[0] for path in optree.tree_paths(dict.fromkeys(run.params, 0))]
+        owners = {
+            "dp_state": sharded_state.layout(step_tree, names),
+            "dp_optimizer": sharded_state.layout(run.opt_state, names),
+        }
+        return {"world_size": world, "layout": owners}
+
+    def lockstep(
+        self, step_fn: Callable[..., Any], model: torch.nn.Module, *, microbatch: int, idle: Callable[[], Any]
+    ) -> Callable[..., Any]:
+        """The step of a sharded run: every rank runs as many forward and backward passes as the rank with the most
+        chunks (FSDP2 gathers the weights inside each pass, so the ranks' passes must pair up), the missing ones as
+        ``idle()`` passes whose result is dropped; then the new rows go into the module's shards."""
+
+        def step(params: Any, opt_state: Any, dp_state: Any, batch: tuple[Any, ...]) -> Any:
+            chunks = -(-batch_size(batch) // microbatch)
+            for _ in range(distributed.max_over_ranks(chunks) - chunks):
+                idle()
+            outputs = step_fn(params, opt_state, dp_state, batch)
+            copy_into(model, outputs[0])  # the new rows into the shards the next forward gathers
+            return outputs
+
+        return step
+
+
 def topology(args: Any) -> SingleProcess:
     """The topology of a run: DDP under torchrun (``WORLD_SIZE > 1``, the process group initialized here), else one
     process; refuses what DDP cannot synchronize."""
@@ -114,4 +214,4 @@ def topology(args: Any) -> SingleProcess:
             f"the process group rank {distributed.get_rank()} differs from RANK={args.process_index}; launch with "
             "torchrun, whose RANK is the process group rank."
         )
-    return DataParallel()
+    return ShardedDataParallel(args) if args.fsdp else DataParallel()

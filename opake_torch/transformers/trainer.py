@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 from transformers.trainer_callback import TrainerControl
@@ -241,7 +242,8 @@ class DPTrainer(HFSurface, DataLoaders):
         engine that passed the checks before any budget is spent (:mod:`.preflight`)."""
         args, router, metrics = self.args, self._router, self._example_metrics is not None
         geometry = None if router is None else router.geometry
-        if self._layerwise is not None and len(self.train_dataset):  # checked once per train() on two examples
+        checked = getattr(self.topology, "model_sharded", False)  # FSDP2: checked on the whole model, before sharding
+        if self._layerwise is not None and len(self.train_dataset) and not checked:  # once per train(), two examples
             check_loss = self._loss_fn()
             if router is not None:  # the loss with its surrogate, at the uniform load k / E
                 with_router = self._loss_fn(router=True)
@@ -251,10 +253,13 @@ class DPTrainer(HFSurface, DataLoaders):
         # runs as equal chunks
         microbatch = args.microbatch_size or max(1, math.ceil(plan.expected_batch_size / args.world_size))
         loss_fn = self._loss_fn(with_metrics=metrics, router=router is not None)
-        self._layerwise = preflight.independent_engine(  # the neighbour test, before any budget is spent
-            self, self._layerwise, loss_fn=loss_fn, has_aux=metrics or router is not None, geometry=geometry,
-            microbatch=microbatch, own_loss=self._own_loss,
-        )  # fmt: skip
+        if not checked:
+            self._layerwise = preflight.independent_engine(  # the neighbour test, before any budget is spent
+                self, self._layerwise, loss_fn=loss_fn, has_aux=metrics or router is not None, geometry=geometry,
+                microbatch=microbatch, own_loss=self._own_loss,
+            )  # fmt: skip
+        if self.topology.is_sharded:
+            self._shard()
         release = None if router is None else router.release(
             noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.expected_batch_size, noise_key=keys.noise
         )  # fmt: skip
@@ -279,12 +284,35 @@ class DPTrainer(HFSurface, DataLoaders):
         if args.cuda_graphs:  # a failed capture hands over to the step without captures and their dead rows
             eager = factory(engine=engines.engine(args, self._layerwise, None, microbatch=microbatch))
             step_fn = EagerAfterFailedCapture(step_fn, lambda: eager(microbatch)[0], lambda: self.chunk_graphs)
+        if self.topology.is_sharded:  # every rank runs as many passes as the busiest one
+            idle_batch = self.fetch_batch(self.train_dataset, np.arange(1))
+            idle = lambda: self._layerwise(None, (self.topology.sum_like, idle_batch), (1,))  # noqa: E731
+            step_fn = self.topology.lockstep(step_fn, self.model, microbatch=microbatch, idle=idle)
         return Run.start(
             plan, keys, ledger, params=self._params, opt_state=optimizer.init(self._params), dp_state=dp_state,
             schedule=build_schedule(args, plan.total_steps), device=args.device, step=step_fn, optimizer=optimizer,
             example_metrics=self._example_metrics() if metrics else None,
             router=None if release is None else (router, *release),
         )  # fmt: skip
+
+    def _shard(self) -> None:
+        """FSDP2: shard the model (once, after the checks on the whole model); the trainable parameters become this
+        rank's rows and the model runs as a module (its FSDP hooks gather the weights), not from ``params``."""
+        if self._layerwise is None:
+            raise ConfigurationError(
+                "fsdp needs the layerwise per-example gradients engine, which this run cannot use (see the log for the "
+                "reason): vmap(grad) differentiates the whole model per example and cannot run on sharded weights. "
+                "Drop fsdp and launch as DDP under torchrun, or make the model's trainable layers served by the "
+                "layerwise engine (per_example_gradients='layerwise' says which are not)."
+            )
+        if self.args.optim == "adafactor":
+            raise ConfigurationError(
+                "optim='adafactor' factors its second moment over a weight's rows and columns, which a rank sharding "
+                "the rows does not see whole; under fsdp use an elementwise optimizer (adamw, adam, sgd, lion...)."
+            )
+        self._params = self.topology.shard(self.model, self._params)
+        self._apply = lambda params, frozen, *args, **kwargs: self.model(*args, **kwargs)
+        self._fused_head = None  # reads the head weight from the parameters, which are rows here
 
     def _check_data(self, dataset: Any, name: str, *, training: bool) -> None:
         """Refuse a row the loss cannot take and a model output it cannot read (:func:`.preflight.check_data`);
@@ -401,10 +429,13 @@ class DPTrainer(HFSurface, DataLoaders):
         """
         folder = Path(output_dir or self.args.output_dir)
         saving.copy_into(self.model, self._params)
+        whole = self.topology.full_state(self.model)  # FSDP2: gathered from the shards on every rank
         if not self.args.should_save:  # DDP: one writer (per node with save_on_each_node)
             return folder
         folder.mkdir(parents=True, exist_ok=True)
-        saving.save_weights(self.model, self.processing_class, folder, safe=self.args.save_safetensors)
+        saving.save_weights(
+            self.model, self.processing_class, folder, safe=self.args.save_safetensors, state_dict=whole
+        )
         plan = self.privacy_plan
         if plan is not None and plan.accounted:
             saving.write_accountant(folder, self.args, plan, self.ledger)

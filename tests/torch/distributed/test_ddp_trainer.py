@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _launch import launch
 
 from opake_core import sampling
-from opake_core.errors import CheckpointError, ConfigurationError, StateError
+from opake_core.errors import ConfigurationError, StateError
 from opake_core.sampling.state import SamplerState
 from opake_torch import distributed
 from opake_torch.transformers import DPTrainer, TrainingArguments
@@ -159,12 +159,16 @@ def test_resumed_sampler_state_keeps_this_ranks_configuration():
         distributed.local_sampler_state(saved, other.init())
 
 
-def test_ddp_resume_is_identical_and_another_world_size_is_refused(tmp_path):
+def test_ddp_resume_is_identical_and_another_world_size_is_a_new_segment(tmp_path):
+    """On the same world size the resume is bit-exact. One process resuming the 2-rank checkpoint draws other
+    batches, so it continues with new keys: the saved steps stay charged and the new ones are composed after them."""
     ranks = launch("resume", tmp_path, timeout=170, DDP_TEST_BATCH=str(PER_DEVICE))
     for rank in ranks:
         for name, value in rank["full"].items():
             assert torch.equal(value, rank["resumed"][name]), name
         assert rank["epsilons"][0] == rank["epsilons"][1]
     single = DPTrainer(tiny_model("llama"), _args(tmp_path), train_dataset=DATA)
-    with pytest.raises(CheckpointError, match="world size 2"):
-        single.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-3"))
+    output = single.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-3"))
+    assert single.state.global_step == STEPS and single.ledger.releases == STEPS
+    assert output.metrics["privacy_epsilon"] == ledger_result(single.ledger, single.privacy_plan.delta).value
+    assert not all(torch.equal(v, ranks[0]["full"][k]) for k, v in single.model.named_parameters())  # new keys

@@ -268,7 +268,7 @@ def test_rules(kwargs, error, phrase):
     "name",
     [
         "gradient_accumulation_steps", "fp16", "fp16_full_eval", "group_by_length", "length_column_name",
-        "dataloader_drop_last", "deepspeed", "fsdp", "fsdp_config", "accelerator_config", "parallelism_config",
+        "dataloader_drop_last", "deepspeed", "accelerator_config", "parallelism_config",
         "tpu_num_cores", "mp_parameters", "half_precision_backend", "fp16_backend", "batch_eval_metrics",
     ],
 )  # fmt: skip

@@ -113,7 +113,7 @@ def test_overrides_win(hf, hf_kwargs, overrides, attr, expected):
 
 REFUSED = [
     ({"fp16": True}, "fp16=True cannot be converted: fp16 loss scaling"),
-    ({"fsdp": "full_shard"}, "fsdp=.*sharding"),
+    ({"fsdp": "hybrid_shard"}, "hybrid sharding.*not supported yet"),
     ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha=5.0.*accountant"),
     ({"optim": "adamw_8bit"}, "optim='adamw_8bit'.*torchopt"),
     ({"optim": "paged_adamw_32bit"}, "optim='paged_adamw_32bit'.*torchopt"),

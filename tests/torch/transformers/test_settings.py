@@ -94,13 +94,26 @@ def test_the_resume_comparison_uses_exactly_the_privacy_settings():
 
 
 def test_another_world_size_is_another_privacy_setting(monkeypatch):
-    args = TrainingArguments(**FIXED)
-    saved = {"world_size": 1, **privacy.resume_fields(args, privacy.build_plan(args, 40))}
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    ddp = TrainingArguments(**FIXED)
-    assert ddp.privacy.world_size == 2 and ddp.privacy.train_batch_size == 8 and ddp.privacy != args.privacy
-    with pytest.raises(CheckpointError, match="world size 1, this run has 2"):
-        resume.check_same_run(SimpleNamespace(privacy=ddp.privacy), saved, None, Path("checkpoint-2"))
+    """A per-step run may resume on another world size (as a new segment, :func:`resume.resume`); a horizon run,
+    whose cyclic sampling partitions the data by rank, may not."""
+    horizon = {
+        "privacy_noise_mechanism": "mf_band",
+        "sampling_mode": "cyclic_poisson",
+        "privacy_noise_mechanism_kwargs": {"bands": 2},
+    }
+    for extra, refused in (({}, False), (horizon, True)):
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+        args = TrainingArguments(**FIXED, **extra)
+        plan = privacy.build_plan(args, 40)
+        saved = {"world_size": 1, **privacy.resume_fields(args, plan)}
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        ddp = SimpleNamespace(privacy=TrainingArguments(**FIXED, **extra).privacy)
+        assert ddp.privacy.world_size == 2 and ddp.privacy.train_batch_size == 8 and ddp.privacy != args.privacy
+        if refused:
+            with pytest.raises(CheckpointError, match="world size 1, this run has 2"):
+                resume.check_same_run(ddp, saved, plan, Path("checkpoint-2"))
+        else:
+            resume.check_same_run(ddp, saved, plan, Path("checkpoint-2"))
 
 
 def test_assigning_a_field_rebuilds_its_settings_or_refuses():
