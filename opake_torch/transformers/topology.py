@@ -54,12 +54,12 @@ class SingleProcess:
         (the model's own parameters are whole)."""
         return None
 
-    def lockstep(
+    def model_step(
         self, step_fn: Callable[..., Any], model: torch.nn.Module, *, microbatch: int, idle: Callable[[], Any]
     ) -> Callable[..., Any]:
-        """The step of a run on this topology: here ``step_fn`` itself (the model reads its parameters at saves and
-        at the end)."""
-        return step_fn
+        """The step of a run on this topology: ``step_fn``, whose new parameters are written into the model's own
+        tensors, which the run then holds (:func:`in_model`): one copy of the weights, not two."""
+        return in_model(step_fn, model)
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of a logged value over ranks."""
@@ -173,22 +173,33 @@ class ShardedDataParallel(DataParallel):
         }
         return {"world_size": world, "layout": owners}
 
-    def lockstep(
+    def model_step(
         self, step_fn: Callable[..., Any], model: torch.nn.Module, *, microbatch: int, idle: Callable[[], Any]
     ) -> Callable[..., Any]:
         """The step of a sharded run: every rank runs as many forward and backward passes as the rank with the most
         chunks (FSDP2 gathers the weights inside each pass, so the ranks' passes must pair up), the missing ones as
-        ``idle()`` passes whose result is dropped; then the new rows go into the module's shards."""
+        ``idle()`` passes whose result is dropped; then the new rows go into the module's shards, which the next
+        forward gathers."""
 
-        def step(params: Any, opt_state: Any, dp_state: Any, batch: tuple[Any, ...]) -> Any:
+        def lockstep(params: Any, opt_state: Any, dp_state: Any, batch: tuple[Any, ...]) -> Any:
             chunks = -(-batch_size(batch) // microbatch)
             for _ in range(distributed.max_over_ranks(chunks) - chunks):
                 idle()
-            outputs = step_fn(params, opt_state, dp_state, batch)
-            copy_into(model, outputs[0])  # the new rows into the shards the next forward gathers
-            return outputs
+            return step_fn(params, opt_state, dp_state, batch)
 
-        return step
+        return in_model(lockstep, model)
+
+
+def in_model(step_fn: Callable[..., Any], model: torch.nn.Module) -> Callable[..., Any]:
+    """``step_fn`` whose new parameters are copied into the model's own tensors (this rank's rows under FSDP2); the
+    step returns those tensors, so the next step starts from them and the previous values are freed."""
+
+    def step(*inputs: Any) -> Any:
+        params, *rest = step_fn(*inputs)
+        copy_into(model, params)
+        return (sharded.local_params(model, params), *rest)
+
+    return step
 
 
 def topology(args: Any) -> SingleProcess:

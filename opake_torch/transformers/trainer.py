@@ -284,10 +284,12 @@ class DPTrainer(HFSurface, DataLoaders):
         if args.cuda_graphs:  # a failed capture hands over to the step without captures and their dead rows
             eager = factory(engine=engines.engine(args, self._layerwise, None, microbatch=microbatch))
             step_fn = EagerAfterFailedCapture(step_fn, lambda: eager(microbatch)[0], lambda: self.chunk_graphs)
-        if self.topology.is_sharded:  # every rank runs as many passes as the busiest one
+        idle = None
+        if self.topology.is_sharded:  # every rank runs as many passes as the busiest one, idle ones on one row
             idle_batch = self.fetch_batch(self.train_dataset, np.arange(1))
             idle = lambda: self._layerwise(None, (self.topology.sum_like, idle_batch), (1,))  # noqa: E731
-            step_fn = self.topology.lockstep(step_fn, self.model, microbatch=microbatch, idle=idle)
+        if not args.auto_find_microbatch_size:  # (whose retries rebuild the step; one process only)
+            step_fn = self.topology.model_step(step_fn, self.model, microbatch=microbatch, idle=idle)
         return Run.start(
             plan, keys, ledger, params=self._params, opt_state=optimizer.init(self._params), dp_state=dp_state,
             schedule=build_schedule(args, plan.total_steps), device=args.device, step=step_fn, optimizer=optimizer,
@@ -450,6 +452,8 @@ class DPTrainer(HFSurface, DataLoaders):
         params = self._params
         if _run is not None:  # during training: the model shows the run's current weights (schedule-free: x)
             params = _run.optimizer.eval_params(_run.opt_state, _run.params)
+            if params is not _run.params:  # the model's tensors, which the run holds, are about to show others
+                _run.params = {name: value.clone() for name, value in _run.params.items()}
             saving.copy_into(self.model, params)
         output = self._prediction_loop(eval_dataset or self.eval_dataset, metric_key_prefix, params)
         self.log(output.metrics)
@@ -498,8 +502,8 @@ class DPTrainer(HFSurface, DataLoaders):
     @property
     def trainable_params(self) -> dict[str, torch.Tensor]:
         """The trainable parameters ``{name: tensor}``: during ``train()``, those the next step starts from (what a
-        callback's ``on_step_begin`` reads is the iterate before that step; the model's own tensors are written at
-        saves and at the end); otherwise the trained ones. Read them, do not modify them."""
+        callback's ``on_step_begin`` reads is the iterate before that step: the model's own tensors, which each step
+        writes); otherwise the trained ones. Read them, do not modify them."""
         return self._live.params if self._live is not None else self._params
 
     @property
