@@ -5,8 +5,7 @@
 #   benchmarks/multi_gpu.sh parity      # the distributed tests as they are (torchrun, Gloo, CPU): FSDP2 and DDP
 #   benchmarks/multi_gpu.sh nccl-smoke  # the tiny model through DPTrainer and Trainer with fsdp on every GPU (NCCL)
 #   benchmarks/multi_gpu.sh table-1b    # Llama-style 1.1B full fine-tune on 2 GPUs: Trainer, DPTrainer, Opacus
-#   benchmarks/multi_gpu.sh table-8b    # Llama-3-8B-shaped full fine-tune on 8 GPUs: the same modes (the dp row
-#                                       # stops at the checks before sharding until they fit one GPU: ~213 GiB)
+#   benchmarks/multi_gpu.sh table-8b    # Llama-3-8B-shaped full fine-tune on 8 GPUs: the same modes
 #   benchmarks/multi_gpu.sh dry-run     # no GPU needed: benchmarks/fsdp_e2e.py --dry-run on 2 CPU processes (Gloo)
 #
 # Every table row is one torchrun of benchmarks/fsdp_e2e.py with one mode (a failing mode, OOM included, stops only

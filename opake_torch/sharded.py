@@ -37,6 +37,7 @@ from opake_core.tree import Clipped, Noised
 __all__ = [
     "FSDP_CONFIG_KEYS",
     "FSDP_OPTIONS",
+    "check_layerwise",
     "full_state_dict",
     "local_params",
     "parse_fsdp",
@@ -250,6 +251,84 @@ def reduce_scatter(shard: Shard, world_size: int) -> Callable[[Clipped], Clipped
         return Clipped(optree.tree_unflatten(treedef, out), clipped.sensitivity)
 
     return reduce
+
+
+def check_layerwise(
+    layerwise: Any,
+    loss_fn: Callable[..., torch.Tensor],
+    batch: Any,
+    *,
+    model: nn.Module,
+    sum_like: dict[str, torch.Tensor],
+    shard: Shard,
+    rtol: float,
+) -> float:
+    """The layerwise engine against ``grad`` of the per-example loss ``loss_fn(params, example)`` on a sharded model,
+    example by example on ``batch`` (a few examples, the same on every rank); returns the largest relative error.
+
+    The reference is plain autograd through the FSDP module, one example at a time: the weights gathered as in
+    training, the gradient reduce-scattered (each rank gets its rows, averaged over ranks that all ran the same
+    example). The engine's gradient of example ``i`` is its clipped sum with weight 1 on row ``i`` and 0 on the others,
+    from the batched pass, formed in the global shapes (``sum_like``), of which each rank compares its rows. The
+    squared differences are summed over ranks, so every rank reaches the same verdict. Memory: one full-size sum, as in
+    a step, and this rank's rows of one gradient. ConfigurationError, as
+    :meth:`~opake_torch.layerwise.LayerwiseGradients.check`, beyond ``rtol``."""
+    from opake_core.clipping.microbatching import batch_size
+    from opake_core.clipping.rules import accumulators
+
+    ordered = [path[0] for path in optree.tree_paths(dict.fromkeys(sum_like, 0))]
+    own = dict(model.named_parameters())
+    trainable = [own[name] for name in ordered]
+    m = batch_size((batch,))
+    training = model.training
+    model.eval()  # no dropout: both passes see the same function
+    try:
+        reference = []
+        try:
+            for parameter in trainable:
+                parameter.requires_grad_(True)
+            for i in range(m):
+                with torch.enable_grad():
+                    loss_fn(sum_like, optree.tree_map(lambda x, i=i: x[i], batch)).backward()
+                reference.append([_grad_rows(p) for p in trainable])
+                for parameter in trainable:
+                    parameter.grad = None
+        finally:
+            for parameter in trainable:
+                parameter.grad = None
+                parameter.requires_grad_(False)
+        squares = torch.zeros(2, m, dtype=torch.float64)  # [difference, reference] squared, per example
+        for i in range(m):
+            grads, _ = layerwise(None, (sum_like, batch), (1,))
+            sums = accumulators(optree.tree_leaves(sum_like))
+            one = torch.zeros(1, m, dtype=torch.float64, device=sums[0].device)
+            one[0, i] = 1.0
+            grads.add_scaled({dtype: one.to(dtype).expand(len(sums), m) for dtype in {s.dtype for s in sums}}, sums)
+            for total, (start, stop), ref in zip(sums, shard.ranges, reference[i], strict=True):
+                ours = total.reshape(-1)[start:stop].double()
+                squares[0, i] += (ours - ref).square().sum().cpu()
+                squares[1, i] += ref.square().sum().cpu()
+            del grads, sums
+    finally:
+        model.train(training)
+    if dist.get_backend() == "nccl":
+        squares = squares.cuda()
+    dist.all_reduce(squares, op=dist.ReduceOp.SUM)
+    worst = (squares[0].sqrt() / squares[1].sqrt().clamp(min=1e-30)).max().item()
+    if not worst <= rtol:
+        raise ConfigurationError(  # no number: the check may run on private records, and messages reach logs
+            f"layerwise per-example gradients differ from grad of the per-example loss by more than rtol={rtol} "
+            "(relative) on the sharded model: a parameter is used outside a supported layer, or examples interact in "
+            "the batched pass. Drop fsdp and use per_example_gradients='vmap' for this model."
+        )
+    return worst
+
+
+def _grad_rows(parameter: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of ``parameter``'s gradient, flat, in float64 (zeros where the loss did not reach it)."""
+    if parameter.grad is None:
+        return torch.zeros(_local(parameter).numel(), dtype=torch.float64, device=_local(parameter).device)
+    return _local(parameter.grad).double().reshape(-1)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

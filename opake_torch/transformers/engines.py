@@ -96,15 +96,19 @@ def verified(
     params: dict[str, torch.Tensor],
     loss_fn: Callable[..., torch.Tensor],
     batch: dict[str, torch.Tensor],
+    check: Callable[..., float] | None = None,
 ) -> LayerwiseGradients | None:
     """``layerwise`` after comparing it with ``grad`` of the per-example loss ``loss_fn`` on ``batch`` (two training
     examples, cut to their first :data:`CHECK_POSITIONS` positions: the check runs without dropout, hence without
-    checkpointing, and must fit where a step does). On a mismatch, or any error of the layerwise pass, ``'auto'``
-    falls back to ``vmap(grad)`` (returns None) with a warning and ``'layerwise'`` raises."""
+    checkpointing, and must fit where a step does). ``check(layerwise, params, loss_fn, batch, rtol=)``: how to
+    compare (default :meth:`~opake_torch.layerwise.LayerwiseGradients.check`; FSDP2 passes the sharded one). On a
+    mismatch, or any error of the layerwise pass, ``'auto'`` falls back to ``vmap(grad)`` (returns None) with a
+    warning and ``'layerwise'`` raises."""
     if layerwise is None:
         return None
+    check = check or (lambda engine, *rest, rtol: engine.check(*rest, rtol=rtol))
     try:
-        layerwise.check(params, loss_fn, _first_positions(batch), rtol=5e-2 if _low_precision(args, model) else 1e-2)
+        check(layerwise, params, loss_fn, _first_positions(batch), rtol=5e-2 if _low_precision(args, model) else 1e-2)
     except Exception as exc:  # a mismatch, or a model the batched pass cannot run: auto falls back
         if args.per_example_gradients == "layerwise":
             raise

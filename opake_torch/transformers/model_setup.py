@@ -139,7 +139,8 @@ def prepare_model(model: nn.Module, args: Any, topology: Any) -> tuple[nn.Module
     if args.gradient_checkpointing:
         enable_vmap_checkpointing(model)
     check_memory_knobs(model, args)
-    model = model.to(args.device)
+    if not topology.is_sharded:  # FSDP2 moves each rank's rows to the device as it shards the model
+        model = model.to(args.device)
     topology.broadcast_params(dict(model.named_parameters()))
     kernels_config = dict(args.performance_kernels_config or {})
     if args.per_example_gradients != "vmap" and kernels_config.get("lora", True):

@@ -51,10 +51,11 @@ def verified_engine(trainer: Any, layerwise: Any, *, loss_fn: Callable[..., torc
     examples; None: ``'auto'`` fell back to vmap (:func:`.engines.verified`)."""
     dataset = trainer.train_dataset
     batch = _with_uniform_load(trainer.fetch_batch(dataset, np.arange(min(2, len(dataset)))), geometry)
+    topology = trainer.topology
     with routing(trainer.model, geometry):
         return engines.verified(
-            layerwise, args=trainer.args, model=trainer.model, params=trainer.trainable_params, loss_fn=loss_fn,
-            batch=batch,
+            layerwise, args=trainer.args, model=trainer.model, params=topology.engine_params(trainer.trainable_params),
+            loss_fn=loss_fn, batch=batch, check=topology.layerwise_check(trainer.model),
         )  # fmt: skip
 
 
@@ -81,7 +82,8 @@ def independent_engine(
     sample = coupling.neighbour_rows(dataset, read, empty=own_loss and trainer.data_collator is None)
     with routing(trainer.model, geometry):
         return engines.independent(
-            layerwise, args=trainer.args, model=trainer.model, params=trainer.trainable_params, batch_of=batch_of,
+            layerwise, args=trainer.args, model=trainer.model,
+            params=trainer.topology.engine_params(trainer.trainable_params), batch_of=batch_of,
             loss_fn=loss_fn, has_aux=has_aux, sample=sample, microbatch=microbatch,
         )  # fmt: skip
 

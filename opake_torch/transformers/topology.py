@@ -49,6 +49,15 @@ class SingleProcess:
     def check_params(self, params: dict[str, torch.Tensor]) -> None:
         """StateError when the ranks' parameters diverged."""
 
+    def engine_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The parameters the per-example engine forms gradients in: ``params`` (under FSDP2: stand-ins of their
+        global shapes)."""
+        return params
+
+    def layerwise_check(self, model: torch.nn.Module) -> Callable[..., float] | None:
+        """How the layerwise engine is compared with ``grad`` before a run (None: its own check)."""
+        return None
+
     def full_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """The whole model's state dict where the model is sharded (a collective: every rank calls it), else None
         (the model's own parameters are whole)."""
@@ -112,8 +121,9 @@ class DataParallel(SingleProcess):
 
 
 class ShardedDataParallel(DataParallel):
-    """FSDP2 ranks under torchrun: the model sharded at the first ``train()``, after the checks that run on the
-    whole model (:meth:`shard`); then the clipped sums are reduce-scattered and each rank noises its own rows."""
+    """FSDP2 ranks under torchrun: the model sharded when the trainer is built (:meth:`shard`), before it reaches
+    the device, so that it never has to fit one; the checks before a run compare the engine with ``grad`` on the
+    sharded model, the clipped sums are reduce-scattered and each rank noises its own rows."""
 
     is_sharded = True
 
@@ -147,6 +157,22 @@ class ShardedDataParallel(DataParallel):
 
     def check_params(self, params: dict[str, torch.Tensor]) -> None:
         """Nothing to compare: each rank holds other rows."""
+
+    def broadcast_params(self, params: dict[str, torch.Tensor]) -> None:
+        """The whole model is on every rank before it is sharded, where it may not fit one device: its weights are
+        compared (a checksum per rank), not sent."""
+        distributed.check_params_synchronized(params)
+
+    def engine_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.sum_like
+
+    def layerwise_check(self, model: torch.nn.Module) -> Callable[..., float] | None:
+        def check(layerwise: Any, params: Any, loss_fn: Callable[..., Any], batch: Any, *, rtol: float) -> float:
+            return sharded.check_layerwise(
+                layerwise, loss_fn, batch, model=model, sum_like=self.sum_like, shard=self.layout, rtol=rtol
+            )
+
+        return check
 
     def full_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         return sharded.full_state_dict(model) if self.model_sharded else None

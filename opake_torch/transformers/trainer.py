@@ -168,6 +168,8 @@ class DPTrainer(HFSurface, DataLoaders):
         metrics = self._example_metrics is not None
         batched, reasons = batched_loss(self, self._router, with_metrics=metrics, unbatched=unbatched)
         self._layerwise = engines.layerwise_engine(self.model, self._params, args, batched, reasons=reasons)
+        if self.topology.is_sharded:  # FSDP2: sharded now, before the model reaches the device
+            self._shard()
         self.callback_handler = callback_handler(args, self.model, processing_class, callbacks)
         self.state = DPTrainerState(
             is_local_process_zero=args.local_process_index == 0, is_world_process_zero=args.process_index == 0
@@ -242,8 +244,7 @@ class DPTrainer(HFSurface, DataLoaders):
         engine that passed the checks before any budget is spent (:mod:`.preflight`)."""
         args, router, metrics = self.args, self._router, self._example_metrics is not None
         geometry = None if router is None else router.geometry
-        checked = getattr(self.topology, "model_sharded", False)  # FSDP2: checked on the whole model, before sharding
-        if self._layerwise is not None and len(self.train_dataset) and not checked:  # once per train(), two examples
+        if self._layerwise is not None and len(self.train_dataset):  # checked once per train() on two examples
             check_loss = self._loss_fn()
             if router is not None:  # the loss with its surrogate, at the uniform load k / E
                 with_router = self._loss_fn(router=True)
@@ -253,12 +254,11 @@ class DPTrainer(HFSurface, DataLoaders):
         # runs as equal chunks
         microbatch = args.microbatch_size or max(1, math.ceil(plan.expected_batch_size / args.world_size))
         loss_fn = self._loss_fn(with_metrics=metrics, router=router is not None)
-        if not checked:
-            self._layerwise = preflight.independent_engine(  # the neighbour test, before any budget is spent
-                self, self._layerwise, loss_fn=loss_fn, has_aux=metrics or router is not None, geometry=geometry,
-                microbatch=microbatch, own_loss=self._own_loss,
-            )  # fmt: skip
-        if self.topology.is_sharded:
+        self._layerwise = preflight.independent_engine(  # the neighbour test, before any budget is spent
+            self, self._layerwise, loss_fn=loss_fn, has_aux=metrics or router is not None, geometry=geometry,
+            microbatch=microbatch, own_loss=self._own_loss,
+        )  # fmt: skip
+        if self.topology.is_sharded and self._layerwise is None:  # a check failed under 'auto': vmap cannot shard
             self._shard()
         release = None if router is None else router.release(
             noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.expected_batch_size, noise_key=keys.noise
@@ -298,8 +298,8 @@ class DPTrainer(HFSurface, DataLoaders):
         )  # fmt: skip
 
     def _shard(self) -> None:
-        """FSDP2: shard the model (once, after the checks on the whole model); the trainable parameters become this
-        rank's rows and the model runs as a module (its FSDP hooks gather the weights), not from ``params``."""
+        """FSDP2: shard the model (once); the trainable parameters become this rank's rows and the model runs as a
+        module (its FSDP hooks gather the weights), not from ``params``. Refuses what needs whole weights."""
         if self._layerwise is None:
             raise ConfigurationError(
                 "fsdp needs the layerwise per-example gradients engine, which this run cannot use (see the log for the "

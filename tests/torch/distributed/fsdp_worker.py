@@ -82,7 +82,7 @@ def train(out: Path, kind: str, mechanism: str, optim: str) -> dict:
 
 def checkpointed(out: Path, *, kill_at: int | None = None, resume: str | None = None, steps: int = STEPS) -> dict:
     """A full fine-tune with AdamW saving every 2 steps into ``out``; ``kill_at``: rank 1 dies at the start of that
-    step; ``resume``: a checkpoint folder (or "latest") to continue. Returns the whole trained parameters and the
+    step; ``resume``: a checkpoint folder to continue. Returns the whole trained parameters and the
     run's state on this rank just after the resume (before any step)."""
     from tiny_hf import token_data
     from transformers import TrainerCallback
@@ -103,7 +103,7 @@ def checkpointed(out: Path, *, kill_at: int | None = None, resume: str | None = 
     args = trainer_args(out, "sgd", "adamw", fsdp="full_shard", save_strategy="steps", save_steps=2)
     args.max_steps = steps
     trainer = DPTrainer(model_of("full"), args, train_dataset=token_data(40), callbacks=[Watch()])
-    output = trainer.train(resume_from_checkpoint=True if resume == "latest" else resume)
+    output = trainer.train(resume_from_checkpoint=resume)
     layout = trainer.topology.layout
     return {
         "params": trainer.topology.full_state(trainer.model),
@@ -113,9 +113,34 @@ def checkpointed(out: Path, *, kill_at: int | None = None, resume: str | None = 
     }
 
 
+def sharded_check(out: Path, kind: str) -> dict:
+    """The check before a run on the sharded model: the layerwise engine against grad of the step's loss, and
+    against a loss that differs from the one the engine runs (1.5 times it), on the first two rows."""
+    import numpy as np
+    from tiny_hf import token_data
+
+    from opake_core.errors import ConfigurationError
+    from opake_torch.transformers import DPTrainer
+
+    rows = token_data(40)
+    trainer = DPTrainer(model_of(kind), trainer_args(out, "sgd", "sgd", fsdp="full_shard"), train_dataset=rows)
+    batch = trainer.fetch_batch(rows, np.arange(2))
+    check = trainer.topology.layerwise_check(trainer.model)
+    loss = trainer._loss_fn()
+    right = check(trainer._layerwise, None, loss, batch, rtol=1e-4)
+    try:
+        check(trainer._layerwise, None, lambda p, example: 1.5 * loss(p, example), batch, rtol=1e-4)
+        wrong = None
+    except ConfigurationError as exc:
+        wrong = str(exc)
+    return {"right": right, "wrong": wrong, "sharded": type(next(trainer.model.parameters())).__name__}
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
-    if mode == "checkpointed":
+    if mode.startswith("check_"):
+        result = sharded_check(out / "run", mode.removeprefix("check_"))
+    elif mode == "checkpointed":
         result = checkpointed(out / "run")
     elif mode == "killed":
         result = checkpointed(out / "run", kill_at=3)

@@ -25,6 +25,7 @@ from fsdp_worker import model_of, nbytes, trainer_args
 from opake_core import sampling
 from opake_core.sampling.state import SamplerState
 from opake_torch.transformers import DPTrainer
+from opake_torch.transformers.checkpoint_folder import latest_checkpoint
 from opake_torch.transformers.run_state import ledger_result
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
@@ -141,7 +142,8 @@ def test_fsdp_save_kill_resume_is_bit_exact(tmp_path):
     assert killed.returncode != 0 and time.monotonic() - begin < 120
     run = tmp_path / "killed" / "run"
     assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-2"]
-    resumed = launch("resume:latest", tmp_path / "resumed", 300, worker=WORKER, FSDP_TEST_RUN=str(run))
+    latest = latest_checkpoint(run)  # named, so that a relaunch after a teardown abort resumes the same one
+    resumed = launch(f"resume:{latest}", tmp_path / "resumed", 300, worker=WORKER, FSDP_TEST_RUN=str(run))
     assert resumed[0]["started"]["step"] == 2
     for name, value in whole[0]["params"].items():
         assert torch.equal(resumed[0]["params"][name], value), name
@@ -185,3 +187,16 @@ def test_fsdp_checkpoint_loads_on_other_world_sizes(tmp_path, monkeypatch):
     # a new segment (other ranks, other batches: new keys) whose step is charged after the two saved ones
     assert trainer.state.global_step == 3 and trainer.ledger.releases == 3
     assert output.metrics["privacy_epsilon"] == ledger_result(trainer.ledger, trainer.privacy_plan.delta).value
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_the_check_before_a_run_compares_on_the_sharded_model(tmp_path, kind):
+    """The model is sharded when the trainer is built (it never has to fit one device); the engine is then compared
+    with autograd through the FSDP module, each rank its rows: equal within float rounding for the step's loss, and
+    refused on every rank for another loss (the reference 1.5 times the engine's gradient)."""
+    ranks = launch(f"check_{kind}", tmp_path, 300, worker=WORKER)
+    for rank in ranks:
+        assert rank["sharded"] == "DTensor"
+        assert rank["right"] < 1e-5
+        assert rank["wrong"] is not None and "differ from grad of the per-example loss" in rank["wrong"]
+    assert ranks[0]["right"] == ranks[1]["right"]  # summed over ranks: one verdict
