@@ -224,14 +224,18 @@ def dp_step(
                 params if sum_like is None else sum_like, *batch, state=dp_state.clip
             )
             noised, noise = noise_fn(_reduced(reduce, clipped), dp_state.noise)
+            del clipped  # each model-sized tree is let go once used, before the next one is formed (peak memory)
             if isinstance(noised, NoisedMoments):
                 _check_moments_optimizer(optimizer, f"the noise mechanism's {type(noised).__name__} output")
+            noise_std = noised.noise_std
             updates, opt_state = optimizer.update(noised, opt_state, params=params)
+            del noised
             params = apply_updates(params, updates)
+            del updates
         losses = diagnostics.losses
         metrics = StepMetrics(
             step=dp_state.step,
-            noise_std=noised.noise_std,
+            noise_std=noise_std,
             batch_size=diagnostics.batch_size,
             loss=losses.mean() if losses.numel() else torch.zeros((), device=losses.device),
             clip_rate=diagnostics.clip_rate,

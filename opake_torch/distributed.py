@@ -21,7 +21,8 @@ One logical step on ``W`` ranks:
   batch. Cyclic Poisson (BandMF) takes the same ``world_size``/``rank`` options, with its own per-rank shards and
   streams. :func:`local_sampler_state` makes rank 0's saved sampler state this rank's on resume.
 
-This module is the only place the adapter touches ``torch.distributed``; the core stays free of it.
+This module and :mod:`opake_torch.sharded` (FSDP2) are where the adapter touches ``torch.distributed``; the core stays
+free of it.
 """
 
 from __future__ import annotations
