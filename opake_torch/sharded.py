@@ -39,6 +39,7 @@ __all__ = [
     "FSDP_OPTIONS",
     "check_layerwise",
     "full_state_dict",
+    "leaf_names",
     "local_params",
     "parse_fsdp",
     "parse_fsdp_config",
@@ -210,7 +211,7 @@ def shard_layout(model: nn.Module, names: Any) -> Shard:
     """This rank's :class:`~opake_core.sharding.Shard` of the trainable parameters (in ``optree`` order), checked
     against the shards FSDP2 actually holds."""
     own = dict(model.named_parameters())
-    ordered = [path[0] for path in optree.tree_paths(dict.fromkeys(names, 0))]
+    ordered = leaf_names(names)
     shapes = [tuple(own[name].shape) for name in ordered]
     shard = Shard.rows(shapes, rank=dist.get_rank(), world_size=dist.get_world_size())
     for name, expected in zip(ordered, shard.local_shapes, strict=True):
@@ -236,21 +237,35 @@ def reduce_scatter(shard: Shard, world_size: int) -> Callable[[Clipped], Clipped
         out: list[torch.Tensor | None] = [None] * len(leaves)
         for dtype in sorted({leaf.dtype for leaf in leaves}, key=str):
             members = [i for i, leaf in enumerate(leaves) if leaf.dtype == dtype]
-            blocks = []
-            for i in members:
-                leaf = leaves[i].reshape(max(1, leaves[i].shape[0] if leaves[i].dim() else 1), -1)
-                padded = leaf.new_zeros(chunks[i] * world_size, leaf.shape[1])
-                padded[: leaf.shape[0]] = leaf
-                blocks.append(padded.view(world_size, -1))
-            stacked = torch.cat(blocks, dim=1)  # [W, this dtype's padded rows of a rank]
+            widths = [chunks[i] * math.prod(shard.shapes[i][1:]) for i in members]  # a rank's padded rows, flat
+            stacked = leaves[members[0]].new_zeros(world_size, sum(widths))  # [W, this dtype's rows of a rank]
+            for i, block in zip(members, stacked.split(widths, dim=1), strict=True):
+                _scatter_rows(leaves[i], block.view(world_size, chunks[i], -1))
             mine = stacked.new_empty(stacked.shape[1])
-            dist.reduce_scatter_tensor(mine, stacked.reshape(-1))
-            for i, piece in zip(members, mine.split([b.shape[1] for b in blocks]), strict=True):
+            dist.reduce_scatter_tensor(mine, stacked.view(-1))
+            for i, piece in zip(members, mine.split(widths), strict=True):
                 start, stop = shard.ranges[i]
                 out[i] = piece[: stop - start].view(shard.local_shapes[i])
         return Clipped(optree.tree_unflatten(treedef, out), clipped.sensitivity)
 
     return reduce
+
+
+def _scatter_rows(leaf: torch.Tensor, block: torch.Tensor) -> None:
+    """Copy ``leaf``'s dim-0 rows into ``block`` ``[W, chunk, row]`` (zeros past the last row), rank by rank, without
+    a padded copy of the leaf."""
+    rows = leaf.reshape(leaf.shape[0] if leaf.dim() else 1, -1)
+    chunk = block.shape[1]
+    whole = rows.shape[0] // chunk
+    block[:whole] = rows[: whole * chunk].view(whole, chunk, -1)
+    if rows.shape[0] > whole * chunk:
+        block[whole, : rows.shape[0] - whole * chunk] = rows[whole * chunk :]
+
+
+def leaf_names(names: Any) -> list[str]:
+    """The trainable ``names`` in ``optree``'s leaf order of a ``{name: tensor}`` tree (the order of a
+    :class:`~opake_core.sharding.Shard`'s leaves)."""
+    return [path[0] for path in optree.tree_paths(dict.fromkeys(names, 0))]
 
 
 def check_layerwise(
@@ -276,7 +291,7 @@ def check_layerwise(
     from opake_core.clipping.microbatching import batch_size
     from opake_core.clipping.rules import accumulators
 
-    ordered = [path[0] for path in optree.tree_paths(dict.fromkeys(sum_like, 0))]
+    ordered = leaf_names(sum_like)
     own = dict(model.named_parameters())
     trainable = [own[name] for name in ordered]
     m = batch_size((batch,))

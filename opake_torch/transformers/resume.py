@@ -19,7 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import optree
 import torch
 from torch import nn
 
@@ -27,6 +26,7 @@ from opake_core import accounting
 from opake_core.errors import CheckpointError, ConfigurationError, OpakeError, PrivacyBudgetError
 from opake_core.sampling.state import SamplerState
 from opake_core.step import rekeyed
+from opake_torch import sharded
 from opake_torch.transformers import checkpoint_folder as ckpt
 from opake_torch.transformers import routers, sharded_state
 from opake_torch.transformers.fingerprint import DatasetFingerprint, dataset_fingerprint
@@ -307,7 +307,7 @@ def restore(folder: Path, saved: dict[str, Any], run: Run, *, args: Any, model: 
 def read_sharded(folder: Path, shards: Any, run: Run, *, args: Any, topology: Any) -> tuple[dict[str, Any], Any]:
     """``(step tree, optimizer state)`` of a sharded checkpoint for this run's layout: its own files on the same
     world size, the rows put together and cut again on another (or whole, in one process)."""
-    names = [path[0] for path in optree.tree_paths(dict.fromkeys(run.params, 0))]
+    names = sharded.leaf_names(run.params)
     template = {"params": run.params, "step_state": run.dp_state, "torch_rng_state": torch.get_rng_state()}
     return sharded_state.read(
         folder, shards, templates=(template, run.opt_state), shard=getattr(topology, "layout", None), names=names,

@@ -85,6 +85,8 @@ def _check_shards(folder: Path, shards: Any) -> tuple[int, dict[str, list[str | 
         raise CheckpointError(f"{folder}/dp_state.json has an invalid 'shards' entry: {exc!r}") from None
     if world < 1:
         raise CheckpointError(f"{folder}/dp_state.json records a world size of {world}.")
+    if not all(owner is None or isinstance(owner, str) for stem in owners for owner in owners[stem]):
+        raise CheckpointError(f"{folder}/dp_state.json: its 'shards' layout names a parameter by something else.")
     return world, owners
 
 

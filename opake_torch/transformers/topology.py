@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 
 from opake_core.clipping.microbatching import batch_size
@@ -23,7 +22,6 @@ from opake_core.sampling.state import SamplerState
 from opake_core.step import unkeyed
 from opake_torch import distributed, sharded
 from opake_torch.transformers import sharded_state
-from opake_torch.transformers.saving import copy_into
 
 __all__ = ["DataParallel", "ShardedDataParallel", "SingleProcess", "topology"]
 
@@ -192,7 +190,7 @@ class ShardedDataParallel(DataParallel):
             distributed.all_ok(False, "writing a rank's checkpoint files")
             raise
         distributed.all_ok(True, "writing a rank's checkpoint files")
-        names = [path[0] for path in optree.tree_paths(dict.fromkeys(run.params, 0))]
+        names = sharded.leaf_names(run.params)
         owners = {
             "dp_state": sharded_state.layout(step_tree, names),
             "dp_optimizer": sharded_state.layout(run.opt_state, names),
@@ -218,12 +216,17 @@ class ShardedDataParallel(DataParallel):
 
 def in_model(step_fn: Callable[..., Any], model: torch.nn.Module) -> Callable[..., Any]:
     """``step_fn`` whose new parameters are copied into the model's own tensors (this rank's rows under FSDP2); the
-    step returns those tensors, so the next step starts from them and the previous values are freed."""
+    step returns those tensors, so the next step starts from them and the previous values are freed. The model's
+    tensors are looked up at the first step, not at every one."""
+    own: dict[str, torch.Tensor] = {}
 
     def step(*inputs: Any) -> Any:
         params, *rest = step_fn(*inputs)
-        copy_into(model, params)
-        return (sharded.local_params(model, params), *rest)
+        if not own:
+            own.update(sharded.local_params(model, params))
+        with torch.no_grad():
+            torch._foreach_copy_([own[name] for name in params], list(params.values()))
+        return (dict(own), *rest)
 
     return step
 

@@ -136,9 +136,35 @@ def sharded_check(out: Path, kind: str) -> dict:
     return {"right": right, "wrong": wrong, "sharded": type(next(trainer.model.parameters())).__name__}
 
 
+REDUCE_SHAPES = [(5, 3), (7,), (2, 2, 2), (1, 4), (), (9, 2)]
+
+
+def reduce_leaves(rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s full-size clipped sum for the reduce-scatter test (the last leaf in float64)."""
+    gen = torch.Generator().manual_seed(rank)
+    dtypes = [torch.float32] * (len(REDUCE_SHAPES) - 1) + [torch.float64]
+    return [torch.randn(shape, generator=gen, dtype=dtype) for shape, dtype in zip(REDUCE_SHAPES, dtypes, strict=True)]
+
+
+def sharded_reduce() -> dict:
+    """The sharded step's reduce on leaves whose rows do not split evenly (short and empty ranks, a 0-d leaf)."""
+    from opake_core import Shard
+    from opake_core.tree import Clipped
+    from opake_torch import sharded
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shard = Shard.rows(REDUCE_SHAPES, rank=rank, world_size=world)
+    tree = dict(zip("abcdef", reduce_leaves(rank), strict=True))
+    out = sharded.reduce_scatter(shard, world)(Clipped(tree, 1.0))
+    return {"value": out.value, "sensitivity": out.sensitivity, "ranges": shard.ranges}
+
+
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
-    if mode.startswith("check_"):
+    if mode == "reduce":
+        result = sharded_reduce()
+    elif mode.startswith("check_"):
         result = sharded_check(out / "run", mode.removeprefix("check_"))
     elif mode == "checkpointed":
         result = checkpointed(out / "run")

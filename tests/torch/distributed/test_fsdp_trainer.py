@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM, TrainerCallback
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _launch import launch
-from fsdp_worker import model_of, nbytes, trainer_args
+from fsdp_worker import model_of, nbytes, reduce_leaves, trainer_args
 
 from opake_core import sampling
 from opake_core.sampling.state import SamplerState
@@ -200,3 +200,17 @@ def test_the_check_before_a_run_compares_on_the_sharded_model(tmp_path, kind):
         assert rank["right"] < 1e-5
         assert rank["wrong"] is not None and "differ from grad of the per-example loss" in rank["wrong"]
     assert ranks[0]["right"] == ranks[1]["right"]  # summed over ranks: one verdict
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_reduce_scatter_gives_each_rank_the_sum_of_its_rows(tmp_path, world):
+    """Uneven rows (5 over 3 or 4 ranks: short and empty ranks), a 0-d leaf and two dtypes: each rank receives
+    exactly its rows of the ranks' summed clipped sums, in float64 where the leaf is."""
+    ranks = launch("reduce", tmp_path, 120, worker=WORKER, ranks=world)
+    total = [sum(parts) for parts in zip(*(reduce_leaves(r) for r in range(world)), strict=True)]
+    for rank in ranks:
+        for leaf, expected, (start, stop) in zip(rank["value"].values(), total, rank["ranges"], strict=True):
+            assert leaf.dtype == expected.dtype
+            torch.testing.assert_close(leaf.reshape(-1), expected.reshape(-1)[start:stop], rtol=1e-6, atol=1e-6)
+        assert rank["sensitivity"] == 1.0
+    assert sum(leaf.numel() for rank in ranks for leaf in rank["value"].values()) == sum(t.numel() for t in total)
