@@ -292,6 +292,7 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
             learning_rate=LR,
             max_steps=clock.max_steps,
             privacy_noise_multiplier=NOISE_MULTIPLIER,
+            privacy_noise_seed=opts.privacy_seed,
             use_cpu=opts.device.type == "cpu",
             **workload.trainer_args,
             **extra,
@@ -426,7 +427,8 @@ def child_command(opts: argparse.Namespace, workload: Workload, mode: str, resul
     command = [sys.executable, str(Path(__file__).resolve()), "--child", str(result)]
     command += ["--workloads", workload.name, "--modes", mode, "--device", str(opts.device), "--seq", str(workload.seq)]
     command += ["--steps", str(opts.steps), "--warmup", str(opts.warmup), "--profile-steps", str(opts.profile_steps)]
-    return command + ["--tiny"] * opts.tiny + ["--tf32"] * opts.tf32
+    seed = [] if opts.privacy_seed is None else ["--privacy-seed", str(opts.privacy_seed)]
+    return command + ["--tiny"] * opts.tiny + ["--tf32"] * opts.tf32 + seed
 
 
 def child_environment() -> dict[str, str]:
@@ -571,6 +573,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=1800.0, help="rows not started after this are skipped")
     parser.add_argument("--row-timeout-s", type=float, default=600.0, help="kill a row's subprocess after this")
     parser.add_argument("--tf32", action="store_true", help="TF32 matmuls on both sides (default off, as in PyTorch)")
+    parser.add_argument(
+        "--privacy-seed",
+        type=int,
+        help="diagnostic: the private rows' keys from this seed (privacy_noise_seed), so that two commits draw the "
+        "same Poisson batches; the noise is then public (default: secret keys, as users run)",
+    )
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: measure one row, write it here
     opts = parser.parse_args(argv)
     suite = SUITES["smoke" if opts.tiny else "gpu"]
@@ -613,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": opts.steps,
         "warmup": opts.warmup,
         "tf32": opts.tf32,
+        "privacy_seed": opts.privacy_seed,
         "sampling_rate": SAMPLING_RATE,
         "noise_multiplier": NOISE_MULTIPLIER,
         "learning_rate": LR,

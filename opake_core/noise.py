@@ -79,6 +79,7 @@ def gaussian_noise(
     key: random.Key,
     compute_dtype: torch.dtype | str = torch.float32,
     shard: Shard | None = None,
+    inplace: bool = False,
 ) -> tuple[NoiseFn, GaussianNoiseState]:
     """The DP-SGD Gaussian mechanism as a ``(noise_fn, state)`` pair.
 
@@ -95,6 +96,9 @@ def gaussian_noise(
     With ``shard`` (a :class:`~opake_core.sharding.Shard`, this rank's rows of the global tree), ``noise_fn`` takes
     the rank's part of the clipped sum (leaves of ``shard.local_shapes``) and adds exactly those coordinates of the
     one-process noise: the ranks' outputs put together are the one-process output bit for bit.
+
+    With ``inplace=True`` the noise is added into the clipped tree's own tensors (for a caller that gives it up, such
+    as :func:`~opake_core.dp_step` with ``donate=True``); the values are the same.
 
     Example: the noise on a zero tree of sensitivity 0.1 with multiplier 2 has standard deviation 0.2, and a saved
     state replays the same noise.
@@ -127,7 +131,7 @@ def gaussian_noise(
         "compute_dtype": compute_dtype,
         "shard": shard,
     }
-    plain_fn, state = matrix_mechanism(None, identity(), stream=STREAM, **options)
+    plain_fn, state = matrix_mechanism(None, identity(), stream=STREAM, inplace=inplace, **options)
     first_fn, _ = matrix_mechanism(None, identity(), stream=PAIRED_STREAMS[0], **options)
     second_fn, _ = matrix_mechanism(None, identity(), stream=PAIRED_STREAMS[1], **options)
     z = validate.noise_multiplier("noise_multiplier", noise_multiplier)

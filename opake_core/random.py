@@ -26,14 +26,16 @@ import hashlib
 import math
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from opake_core import validate
 from opake_core.errors import ConfigurationError, InputTypeError
+from opake_core.tree import size_groups
 
 __all__ = [
     "IMPLS",
@@ -46,6 +48,7 @@ __all__ = [
     "normal_many",
     "normal_slice",
     "normal_tree",
+    "normal_tree_groups",
     "normal_tree_shard",
     "numpy_generator",
     "random_key",
@@ -357,6 +360,44 @@ def normal_tree(k: Key, tensors: Sequence[torch.Tensor], *, dtype: torch.dtype) 
         for i, piece in zip(indices, flat.split(sizes), strict=True):
             out[i] = piece.view(tensors[i].shape)
     return out
+
+
+def normal_tree_groups(
+    k: Key, tensors: Sequence[torch.Tensor], *, dtype: torch.dtype, group_numel: int
+) -> Iterator[tuple[list[int], list[torch.Tensor]]]:
+    """:func:`normal_tree`'s draws one group of leaves at a time: ``(indices, draws)`` for consecutive leaves of one
+    device holding at most ``group_numel`` values together (a larger leaf alone), ``draws[j]`` equal bit for bit to
+    ``normal_tree(k, tensors, dtype=dtype)[indices[j]]``. Only one group's draw is in memory at a time: noise for a
+    model of P values needs ``group_numel`` values of scratch, not P.
+
+    Example: three leaves in groups of at most 4 values are the pieces of the one draw.
+
+        >>> import torch
+        >>> from opake_core import random
+        >>> k, leaves = random.key(0), [torch.zeros(3), torch.zeros(2), torch.zeros(2)]
+        >>> whole = random.normal_tree(k, leaves, dtype=torch.float32)
+        >>> groups = list(random.normal_tree_groups(k, leaves, dtype=torch.float32, group_numel=4))
+        >>> [indices for indices, _ in groups]
+        [[0], [1, 2]]
+        >>> all(torch.equal(d, whole[i]) for indices, draws in groups for i, d in zip(indices, draws))
+        True
+    """
+    _check_key(k, "normal_tree_groups")
+    _check_dtype(dtype)
+    group_numel = validate.integer("group_numel", group_numel, minimum=1)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(i)
+    for d, (device, indices) in enumerate(by_device.items()):
+        sizes = [tensors[i].numel() for i in indices]
+        total, device_key, start = sum(sizes), fold_in(k, d), 0
+        for group in size_groups(sizes, group_numel):
+            stop = start + sum(sizes[j] for j in group)
+            flat = _normal_ranges(device_key, total, [(start, stop)], dtype=dtype, device=device)[0]
+            pieces = flat.split([sizes[j] for j in group])
+            shapes = [tensors[indices[j]].shape for j in group]
+            yield [indices[j] for j in group], [p.view(shape) for p, shape in zip(pieces, shapes, strict=True)]
+            start = stop
 
 
 def normal_tree_shard(

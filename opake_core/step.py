@@ -39,7 +39,7 @@ from opake_core.moments import ClippedMoments, NoisedMoments
 from opake_core.noise import NoiseFn, gaussian_noise, paired_mf_gaussian_noise
 from opake_core.optim import apply_updates
 from opake_core.sharding import Shard
-from opake_core.tree import NAMESPACE, Clipped, Noised, PerGroup
+from opake_core.tree import NAMESPACE, Clipped, Noised, PerGroup, writable
 
 __all__ = ["DPState", "StepMetrics", "dp_ftrl", "dp_sgd", "dp_step", "rekeyed", "unkeyed"]
 
@@ -122,6 +122,7 @@ def dp_step(
     has_aux: bool = False,
     second_moment: bool = False,
     sum_like: Any = None,
+    donate: bool = False,
 ) -> tuple[StepFn, DPState]:
     """A composed DP step as ``(step_fn, dp_state)``: clip, sum, noise with any privatizer, update.
 
@@ -158,6 +159,12 @@ def dp_step(
             ``torch.zeros((), dtype=..., device=...).expand(shape)``, whose values the loss does not read), and
             ``reduce`` reduce-scatters the full-size sum to this rank's rows; noise that rank's rows with a sharded
             privatizer (``gaussian_noise(..., shard=...)``).
+        donate: the caller gives up ``params`` and ``opt_state`` at every call (as JAX's ``donate_argnums``): the new
+            parameters are written into the old ones' tensors and, for an optimizer built ``in_place`` (Adam, AdamW,
+            SGD, momentum), the new state into the old state's and the updates into the noised sum's. The values are
+            the same bits; the step then allocates no model-sized tree beyond the clipped sum (with a privatizer
+            built ``inplace=True`` the noise goes into that sum too). The caller must not read the inputs after the
+            call, and a call that raises may leave them partly updated.
 
     Returns:
         ``step_fn(params, opt_state, dp_state, batch) -> (params, opt_state, dp_state, metrics)`` where ``batch`` is
@@ -193,6 +200,7 @@ def dp_step(
     if second_moment:
         _check_moments_optimizer(optimizer, "second_moment=True")
     sum_structure = None if sum_like is None else _sum_structure(sum_like)
+    in_place = donate and getattr(optimizer, "in_place", False)  # an optimizer that honours update(inplace=True)
     grad_fn, clip_state = clipped_grad(
         loss_fn,
         clipping_norm=clipping,
@@ -228,9 +236,13 @@ def dp_step(
             if isinstance(noised, NoisedMoments):
                 _check_moments_optimizer(optimizer, f"the noise mechanism's {type(noised).__name__} output")
             noise_std = noised.noise_std
-            updates, opt_state = optimizer.update(noised, opt_state, params=params)
+            if in_place and isinstance(noised, Noised) and all(writable(optree.tree_leaves(noised.value))):
+                # the noised sum is the step's own (unless a privatizer returned a stand-in it cannot overwrite)
+                updates, opt_state = optimizer.update(noised, opt_state, params=params, inplace=True)
+            else:
+                updates, opt_state = optimizer.update(noised, opt_state, params=params)
             del noised
-            params = apply_updates(params, updates)
+            params = apply_updates(params, updates, inplace=donate)
             del updates
         losses = diagnostics.losses
         metrics = StepMetrics(
@@ -320,6 +332,7 @@ def dp_sgd(
     key: random.Key,
     compute_dtype: torch.dtype | str = torch.float32,
     shard: Shard | None = None,
+    donate: bool = False,
     **step_options: Any,
 ) -> tuple[StepFn, DPState]:
     """DP-SGD: :func:`dp_step` with the Gaussian mechanism of :func:`~opake_core.noise.gaussian_noise`.
@@ -335,6 +348,7 @@ def dp_sgd(
             hold its rows, ``sum_like`` (required then, of the shard's global shapes) and ``reduce`` (a
             reduce-scatter to the rank's rows) are passed to :func:`dp_step`, and the rank draws exactly its rows
             of the one-process noise.
+        donate: as in :func:`dp_step`; the noise is then added into the clipped sum's tensors too.
         **step_options: the other arguments of :func:`dp_step` (``optimizer``, ``expected_batch_size``, and
             optionally ``microbatch_size``, ``engine``, ``reduce``, ``reduce_count``, ``sum_like``).
 
@@ -356,9 +370,11 @@ def dp_sgd(
         (0.125, 0.12)
     """
     _check_sharded(shard, step_options, "dp_sgd")
-    noise = gaussian_noise(noise_multiplier=noise_multiplier, key=key, compute_dtype=compute_dtype, shard=shard)
+    noise = gaussian_noise(
+        noise_multiplier=noise_multiplier, key=key, compute_dtype=compute_dtype, shard=shard, inplace=donate
+    )
     count_key = random.fold_in(key, ADAPTIVE_STREAM) if isinstance(clipping_norm, AdaptiveRule) else None
-    return dp_step(loss_fn, clipping=clipping_norm, noise=noise, clipping_key=count_key, **step_options)
+    return dp_step(loss_fn, clipping=clipping_norm, noise=noise, clipping_key=count_key, donate=donate, **step_options)
 
 
 def dp_ftrl(
@@ -374,6 +390,7 @@ def dp_ftrl(
     participation: Participation = SINGLE,
     second_moment_strategy: Any = None,
     shard: Shard | None = None,
+    donate: bool = False,
     **step_options: Any,
 ) -> tuple[StepFn, DPState]:
     """DP-FTRL: :func:`dp_step` with the correlated noise of :func:`~opake_core.mf.mf_gaussian_noise`.
@@ -400,6 +417,7 @@ def dp_ftrl(
             otherwise.
         shard: parameters sharded over ranks (FSDP2), as in :func:`dp_sgd`; ``params`` then holds this rank's
             rows, and so do the strategy's buffers: the streaming memory is sharded with the parameters.
+        donate: as in :func:`dp_sgd`.
         **step_options: the other arguments of :func:`dp_step` (``optimizer``, ``expected_batch_size``, and
             optionally ``microbatch_size``, ``engine``, ``reduce``, ``second_moment``, ``sum_like``).
 
@@ -454,8 +472,8 @@ def dp_ftrl(
             params, strategy, second_moment_strategy=second_moment_strategy, **noise_options
         )
     else:
-        noise = mf_gaussian_noise(params, strategy, **noise_options)
-    step_fn, dp_state = dp_step(loss_fn, clipping=clipping_norm, noise=noise, **step_options)
+        noise = mf_gaussian_noise(params, strategy, inplace=donate, **noise_options)
+    step_fn, dp_state = dp_step(loss_fn, clipping=clipping_norm, noise=noise, donate=donate, **step_options)
 
     def within_horizon(
         params: Any, opt_state: Any, dp_state: DPState, batch: tuple[torch.Tensor, ...]

@@ -41,6 +41,37 @@ FALLBACK = "fallback"
 NAMESPACE = "opake"
 
 
+def size_groups(sizes: list[int], limit: int) -> list[list[int]]:
+    """The indices of ``sizes`` (leaves' element counts) in consecutive groups whose sizes sum to at most ``limit``
+    (a larger one alone): the unit in which model-sized work is done a part at a time."""
+    groups: list[list[int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if not groups or used + size > limit:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += size
+    return groups
+
+
+def writable(leaves: list[torch.Tensor]) -> list[bool]:
+    """Which leaves an in-place operation may write: contiguous (no zero-stride stand-in), non-empty, and sharing no
+    memory with another leaf of the list (writing one would change the other's value)."""
+    spans = []
+    for i, leaf in enumerate(leaves):
+        if leaf.numel():
+            extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(leaf.shape, leaf.stride(), strict=True))
+            spans.append((leaf.data_ptr(), leaf.data_ptr() + extent * leaf.element_size(), i))
+    shared, end, owner = set(), -1, -1
+    for start, stop, i in sorted(spans):
+        if start < end:
+            shared |= {i, owner}
+        if stop > end:
+            end, owner = stop, i
+    return [leaf.is_contiguous() and leaf.numel() > 0 and i not in shared for i, leaf in enumerate(leaves)]
+
+
 def leaf_paths(tree: Any) -> list[str]:
     """The dotted path of every leaf of ``tree``, in optree's flattening order."""
     paths, _, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False)

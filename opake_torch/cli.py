@@ -86,8 +86,8 @@ def _sampling_arguments(parser: argparse.ArgumentParser, *, steps_known: bool = 
         "--mc-samples",
         type=number(100, MAX_MC_DRAWS, integer=True),
         default=None,
-        help="Monte Carlo samples per direction, for k_out_of_t (default 1e6) and DP-FTRL with balls_in_bins or "
-        "b_min_sep (default ceil(4 log(2G/beta) / delta))",
+        help="Monte Carlo samples per direction: for k_out_of_t, use the Monte Carlo estimator instead of the "
+        "numerical PLD; for DP-FTRL with balls_in_bins or b_min_sep (default ceil(4 log(2G/beta) / delta))",
     )
     real = number(None, None)
     mech = parser.add_argument_group("mechanism")
@@ -107,9 +107,7 @@ def _sampling_arguments(parser: argparse.ArgumentParser, *, steps_known: bool = 
         action="store_true",
         help="accept a --delta >= 1/N (refused by default: at that delta one record may leak in the clear)",
     )
-    priv.add_argument(
-        "--accountant", choices=("pld", "rdp"), default=None, help="default pld (monte_carlo for k_out_of_t)"
-    )
+    priv.add_argument("--accountant", choices=("pld", "rdp"), default=None, help="default pld")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE", type=writable_path, help="write epsilon against steps to a PNG")
 
@@ -201,8 +199,8 @@ def _mc_samples(args: argparse.Namespace, delta: float) -> int | None:
         return None
     if args.mc_samples is not None:
         return args.mc_samples
-    if args.sampler == "k_out_of_t" or args.mechanism == "mf_identity":  # random allocation
-        return acc.MonteCarlo().num_samples
+    if args.sampler == "k_out_of_t" or args.mechanism == "mf_identity":  # random allocation: numerical PLD
+        return None
     return default_monte_carlo(delta).num_samples  # DP-FTRL: enough for a certified floor of delta / 4
 
 
@@ -215,8 +213,10 @@ def _query(args: argparse.Namespace, steps: int, delta: float) -> dict[str, Any]
             f"(more than {MAX_MC_DRAWS:.0e}, minutes to hours): give fewer --steps, a smaller --mc-samples (a looser "
             "bound at small delta), or a larger --delta."
         )
-    if args.sampler == "k_out_of_t" or args.mc_samples is not None:
+    if args.mc_samples is not None:
         extra["monte_carlo"] = acc.MonteCarlo(num_samples=samples)
+        if args.accountant is None and (args.sampler == "k_out_of_t" or args.mechanism == "mf_identity"):
+            extra["accountant"] = "monte_carlo"  # random allocation: the estimator, on request
     return extra
 
 

@@ -50,11 +50,17 @@ from opake_core.optim.adadelta import AdadeltaState
 from opake_core.optim.adafactor import FactoredRmsState
 from opake_core.optim.adagrad import AdagradState
 from opake_core.optim.ademamix import AdEMAMixState
-from opake_core.optim.bias_correction import BiasCorrectedAdamState
+from opake_core.optim.bias_correction import (
+    BiasCorrectedAdagradState,
+    BiasCorrectedAdamState,
+    BiasCorrectedRMSpropState,
+    NoiseVarianceState,
+)
 from opake_core.optim.lion import LionState
 from opake_core.optim.radam import RAdamState
 from opake_core.optim.rmsprop import RMSpropState
-from opake_core.optim.schedule_free import ScheduleFreeState
+from opake_core.optim.schedule_free import ScheduleFreeState, ScheduleFreeWrapState
+from opake_core.optim.stable_adamw import StableAdamState
 from opake_core.router_release import RouterState
 from opake_core.step import DPState
 from opake_core.tree import PerGroup
@@ -74,6 +80,10 @@ _CLASSES: dict[str, type] = {
     "opake.RouterState": RouterState,
     "opake.AdamState": AdamState,
     "opake.BiasCorrectedAdamState": BiasCorrectedAdamState,
+    "opake.BiasCorrectedRMSpropState": BiasCorrectedRMSpropState,
+    "opake.BiasCorrectedAdagradState": BiasCorrectedAdagradState,
+    "opake.StableAdamState": StableAdamState,
+    "opake.NoiseVarianceState": NoiseVarianceState,
     "opake.FactoredRmsState": FactoredRmsState,
     "opake.LearningRateState": LearningRateState,
     "opake.LionState": LionState,
@@ -83,6 +93,7 @@ _CLASSES: dict[str, type] = {
     "opake.RAdamState": RAdamState,
     "opake.AdadeltaState": AdadeltaState,
     "opake.ScheduleFreeState": ScheduleFreeState,
+    "opake.ScheduleFreeWrapState": ScheduleFreeWrapState,
     "torchopt.TraceState": TraceState,
     "torchopt.EmptyState": EmptyState,
 }

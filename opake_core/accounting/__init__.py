@@ -13,6 +13,7 @@ from opake_core.accounting.calibration import (
     calibrate_steps,
     stop_step,
 )
+from opake_core.accounting.fdp import advantage, bayes_risk, beta
 from opake_core.accounting.ledger import Ledger
 from opake_core.accounting.mf import COMPATIBLE_SAMPLERS, MFProcess, mf_process, sampler_participation
 from opake_core.accounting.mf_monte_carlo import BallsInBinsMF, BMinSepMF
@@ -64,6 +65,9 @@ __all__ = [
     "TruncatedPoisson",
     "WithoutReplacement",
     "adaptive_clipping",
+    "advantage",
+    "bayes_risk",
+    "beta",
     "calibrate_noise_multiplier",
     "calibrate_steps",
     "check_delta",

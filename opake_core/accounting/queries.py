@@ -1,11 +1,14 @@
 """Epsilon at delta and delta at epsilon for a process, with the accountant that answered.
 
-* ``"pld"`` (the default): dp-accounting's ``PLDAccountant``, pessimistic, discretization 1e-4 (see below).
-* ``"rdp"``: dp-accounting's ``RdpAccountant`` with its default orders (looser; no truncated Poisson).
-* ``"monte_carlo"``: the estimators of :mod:`opake_core.accounting.random_allocation` and
-  :mod:`opake_core.accounting.mf_monte_carlo`, the only accountants for processes with a random-allocation part and
-  for the Monte Carlo DP-FTRL processes (chosen automatically for them when ``accountant=None``; the latter may
-  answer ``"analytic_gaussian"``, their exact unamplified bound, when it is smaller).
+* ``"pld"`` (the default): dp-accounting's ``PLDAccountant``, pessimistic, discretization 1e-4 (see below), with
+  random allocation (k-out-of-t, balls-in-bins with ``C = I``) from the numerical PLD of
+  :mod:`opake_core.accounting.allocation_pld`.
+* ``"rdp"``: dp-accounting's ``RdpAccountant`` with its default orders (looser; no truncated Poisson, no random
+  allocation).
+* ``"monte_carlo"``: the estimators of :mod:`opake_core.accounting.random_allocation` (on request, for processes with
+  a random-allocation part; ``monte_carlo=`` settings need it named) and :mod:`opake_core.accounting.mf_monte_carlo`,
+  the only accountant for the Monte Carlo DP-FTRL processes (chosen automatically for them when ``accountant=None``;
+  they may answer ``"analytic_gaussian"``, their exact unamplified bound, when it is smaller).
 
 One surface for every process: ``epsilon`` and ``delta`` dispatch on the process, DP-SGD and DP-FTRL alike.
 
@@ -35,11 +38,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import dp_accounting
-from dp_accounting import pld, rdp
+from dp_accounting import rdp
 
 from opake_core import validate
 from opake_core.accounting import mf_monte_carlo as _mf_mc
 from opake_core.accounting import random_allocation as _ra
+from opake_core.accounting.allocation_pld import AllocationPLDAccountant
 from opake_core.accounting.mf_monte_carlo import MonteCarloMF
 from opake_core.accounting.processes import (
     Compose,
@@ -88,11 +92,12 @@ class Result:
         return self.value
 
 
-def _resolve(process: Process, accountant: str | None) -> str:
-    needs_mc = isinstance(process, MonteCarloMF) or contains_random_allocation(process)
+def _resolve(process: Process, accountant: str | None, monte_carlo: object = None) -> str:
+    only_mc = isinstance(process, MonteCarloMF)
+    allocation = not only_mc and contains_random_allocation(process)
     fixed_size = contains_without_replacement(process)
     if accountant is None:
-        return "monte_carlo" if needs_mc else "rdp" if fixed_size else "pld"
+        accountant = "monte_carlo" if only_mc else "rdp" if fixed_size else "pld"
     if fixed_size and accountant != "rdp":
         raise ConfigurationError(
             f"sampling without replacement is accounted by RDP only (Wang, Balle and Kasiviswanathan 2019; "
@@ -100,16 +105,27 @@ def _resolve(process: Process, accountant: str | None) -> str:
         )
     if accountant not in ACCOUNTANTS:
         raise ConfigurationError(f"accountant must be one of {ACCOUNTANTS} or None, got {accountant!r}.")
-    if needs_mc and accountant != "monte_carlo":
+    if only_mc and accountant != "monte_carlo":
         raise ConfigurationError(
-            f"a {type(process).__name__} process (random allocation, or DP-FTRL with balls-in-bins or b-min-sep "
-            f"sampling) is accounted by Monte Carlo only, not {accountant!r}: dp-accounting has no event for it. Use "
-            "accountant='monte_carlo' or None."
+            f"a {type(process).__name__} process (DP-FTRL with balls-in-bins or b-min-sep sampling) is accounted by "
+            f"Monte Carlo only, not {accountant!r}: dp-accounting has no event for it. Use accountant='monte_carlo' "
+            "or None."
         )
-    if not needs_mc and accountant == "monte_carlo":
+    if allocation and accountant == "rdp":
+        raise ConfigurationError(
+            "a random allocation (k-out-of-t, balls-in-bins) is accounted by its numerical PLD (accountant='pld', the "
+            "default) or by Monte Carlo (accountant='monte_carlo'), not 'rdp'."
+        )
+    if accountant == "monte_carlo" and not (only_mc or allocation):
         raise ConfigurationError(
             "accountant='monte_carlo' is only for random-allocation and Monte Carlo DP-FTRL processes; use 'pld' "
             "(exact, the default)."
+        )
+    if monte_carlo is not None and accountant != "monte_carlo":
+        raise ConfigurationError(
+            f"monte_carlo settings were given but the {accountant!r} accountant answers (random allocations are "
+            "accounted by their numerical PLD by default); pass accountant='monte_carlo' to use the Monte Carlo "
+            "estimator, or drop the settings."
         )
     return accountant
 
@@ -220,7 +236,7 @@ def _composed(
     if name == "rdp":
         accountant = rdp.RdpAccountant(neighboring_relation=relation)
     else:
-        accountant = pld.PLDAccountant(relation, value_discretization_interval=discretization)
+        accountant = AllocationPLDAccountant(relation, value_discretization_interval=discretization)
     if not accountant.supports(event):
         raise ConfigurationError(
             f"the {name!r} accountant cannot account {process!r} under adjacency {adjacency!r}; "
@@ -258,7 +274,7 @@ def epsilon(
         True
     """
     target = validate.delta("delta", delta)
-    name = _resolve(process, accountant)
+    name = _resolve(process, accountant, monte_carlo)
     if isinstance(process, MonteCarloMF):
         return Result(*_mf_mc.epsilon(process, delta=target, config=monte_carlo))
     if is_nonprivate(process):
@@ -292,7 +308,7 @@ def delta(
         True
     """
     target = validate.epsilon("epsilon", epsilon)
-    name = _resolve(process, accountant)
+    name = _resolve(process, accountant, monte_carlo)
     if isinstance(process, MonteCarloMF):
         return Result(*_mf_mc.delta(process, epsilon=target, config=monte_carlo))
     if is_nonprivate(process):

@@ -1,6 +1,7 @@
 """Monte Carlo accounting of random allocation, with a pessimistic confidence bound.
 
-dp-accounting 0.6.0 has no random-allocation event, so this module estimates it directly.
+The default accountant of random allocation is its numerical PLD (:mod:`opake_core.accounting.allocation_pld`);
+this estimator answers on request (``accountant="monte_carlo"``) and serves as an independent check of it.
 
 Notation: ``t`` steps in an allocation, ``sigma`` the noise multiplier, ``N`` samples per direction, ``beta``
 the failure probability, ``h`` the epsilon grid step.
@@ -52,7 +53,8 @@ class MonteCarlo:
         >>> from opake_core import accounting
         >>> once_in_ten = accounting.random_allocation(accounting.gaussian(1.0), 10)
         >>> few, more = (accounting.MonteCarlo(num_samples=n, failure_probability=1e-3) for n in (5_000, 50_000))
-        >>> eps = lambda config: accounting.epsilon(once_in_ten, delta=0.05, monte_carlo=config).value
+        >>> eps = lambda config: accounting.epsilon(once_in_ten, delta=0.05, accountant="monte_carlo",
+        ...                                         monte_carlo=config).value
         >>> eps(more) < eps(few)
         True
     """

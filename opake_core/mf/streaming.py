@@ -42,7 +42,7 @@ buffers hold the rank's rows too, and the ranks together release exactly the one
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -57,7 +57,7 @@ from opake_core.mf.participation import SINGLE, Participation, SingleParticipati
 from opake_core.mf.sensitivity import sensitivity
 from opake_core.mf.strategies import optimize
 from opake_core.sharding import Shard
-from opake_core.tree import NAMESPACE, Clipped, Noised, PerGroup, effective
+from opake_core.tree import NAMESPACE, Clipped, Noised, PerGroup, effective, size_groups, writable
 
 __all__ = [
     "SECOND_MOMENT_STREAM",
@@ -148,17 +148,22 @@ def _advance(plan: StreamPlan, z: torch.Tensor, buffers: list[torch.Tensor]) -> 
 
 
 def _add_scaled(
-    values: list[torch.Tensor], noise: list[torch.Tensor], stds: list[float], dtype: torch.dtype
+    values: list[torch.Tensor], noise: list[torch.Tensor], stds: list[float], dtype: torch.dtype, inplace: bool
 ) -> list[torch.Tensor]:
-    """``[v + std * x]`` in ``dtype``, new tensors: one fused launch per distinct std (per group)."""
+    """``[v + std * x]`` in ``dtype``: one fused launch per distinct std (per group); new tensors, or with ``inplace``
+    written into the values that can take them (dtype ``dtype``, dense, none sharing memory; the same bits)."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(values)
-    by_std: dict[float, list[int]] = {}
+    into = writable(values) if inplace else [False] * len(values)
+    by_std: dict[tuple[float, bool], list[int]] = {}
     for i, std in enumerate(stds):
-        by_std.setdefault(std, []).append(i)
-    for std, indices in by_std.items():
-        sums = torch._foreach_add(
-            [_in(values[i], dtype) for i in indices], [_in(noise[i], dtype) for i in indices], alpha=std
-        )
+        by_std.setdefault((std, into[i] and values[i].dtype == dtype), []).append(i)
+    for (std, in_place), indices in by_std.items():
+        noise_in = [_in(noise[i], dtype) for i in indices]
+        if in_place:
+            torch._foreach_add_([values[i] for i in indices], noise_in, alpha=std)
+            sums = [values[i] for i in indices]
+        else:
+            sums = torch._foreach_add([_in(values[i], dtype) for i in indices], noise_in, alpha=std)
         for i, total in zip(indices, sums, strict=True):
             out[i] = total
     return out
@@ -194,6 +199,7 @@ def matrix_mechanism(
     participation: Participation = SINGLE,
     state_dtype: torch.dtype | str | None = None,
     shard: Shard | None = None,
+    inplace: bool = False,
 ) -> tuple[NoiseFn, GaussianNoiseState]:
     """The streamed Gaussian matrix mechanism as a ``(noise_fn, state)`` pair (see the module docstring).
 
@@ -215,6 +221,10 @@ def matrix_mechanism(
             ``shard.local_shapes``, on one device) and adds exactly those coordinates of the one-process noise, so
             the ranks' outputs put together equal the one-process output bit for bit; the template (and so the
             buffers) has the local shapes. ``None``: the whole tree.
+        inplace: ``noise_fn`` adds the noise into the clipped tree's own tensors where they have ``compute_dtype``
+            (the same bits): for a caller that gives the clipped tree up, such as :func:`~opake_core.dp_step` with
+            ``donate=True``. The noise is drawn a group of leaves at a time either way, so the only scratch is one
+            group's draw (:data:`GROUP_NUMEL` values).
 
     Raises:
         InputTypeError: a non-Clipped input, a wrong key or state, ``n_steps`` not an int, a ``shard`` that is not a
@@ -306,15 +316,20 @@ def matrix_mechanism(
         with torch.profiler.record_function(f"opake::{name}"), torch.no_grad():
             if scale == 0:
                 out, new_buffers = [v.to(dtype) for v in values], state.buffers
-            else:
-                draws = _draw(random.fold_in(state.key, stream, t), values, shard, draw_dtype)
-                xs, per_buffer = [], [[] for _ in range(plan.num_buffers)]
-                for i, draw in enumerate(draws):
-                    x, leaf_buffers = _advance(plan, draw, [b[i] for b in state.buffers])
-                    for j, b in enumerate(leaf_buffers):
-                        per_buffer[j].append(b)
-                    xs.append(x)
-                out = _add_scaled(values, xs, stds, dtype)
+            else:  # one group of leaves at a time: a group's draw is the only scratch of model size's order
+                out = [torch.empty(0)] * len(values)
+                per_buffer: list[list[torch.Tensor]] = [[] for _ in range(plan.num_buffers)]
+                for group, draws in _draw_groups(random.fold_in(state.key, stream, t), values, shard, draw_dtype):
+                    xs = []
+                    for i, draw in zip(group, draws, strict=True):
+                        x, leaf_buffers = _advance(plan, draw, [b[i] for b in state.buffers])
+                        for j, b in enumerate(leaf_buffers):
+                            per_buffer[j].append(b)
+                        xs.append(x)
+                    added = _add_scaled([values[i] for i in group], xs, [stds[i] for i in group], dtype, inplace)
+                    for i, total in zip(group, added, strict=True):
+                        out[i] = total
+                    del draws, xs
                 new_buffers = tuple(tuple(b) for b in per_buffer)
         latched = clipped.sensitivity if n_steps is not None else None
         reported = noise_std_for(clipped.sensitivity, scale * row)
@@ -324,14 +339,23 @@ def matrix_mechanism(
     return noise_fn, GaussianNoiseState(key, 0, buffers, None)
 
 
-def _draw(k: random.Key, values: list[torch.Tensor], shard: Shard | None, dtype: torch.dtype) -> list[torch.Tensor]:
-    """``random.normal_tree(k, values)``, or with a shard the shard's coordinates of the one-process draw (the whole
-    tree on one device), shaped like the local ``values``."""
+GROUP_NUMEL = 2**26
+"""Values (256 MB in float32) per group of leaves whose noise is drawn at once."""
+
+
+def _draw_groups(
+    k: random.Key, values: list[torch.Tensor], shard: Shard | None, dtype: torch.dtype
+) -> Iterator[tuple[list[int], list[torch.Tensor]]]:
+    """``(indices, draws)`` group by group: ``random.normal_tree(k, values)``'s draws, or with a shard the shard's
+    coordinates of the one-process draw (the whole tree on one device) shaped like the local ``values``."""
     if shard is None:
-        return random.normal_tree(k, values, dtype=dtype)
+        yield from random.normal_tree_groups(k, values, dtype=dtype, group_numel=GROUP_NUMEL)
+        return
     device = values[0].device if values else torch.device("cpu")
-    draws = random.normal_tree_shard(k, shard.shapes, shard.ranges, dtype=dtype, device=device)
-    return [draw.view(value.shape) for draw, value in zip(draws, values, strict=True)]
+    for group in size_groups([v.numel() for v in values], GROUP_NUMEL):
+        ranges = [shard.ranges[i] if group[0] <= i <= group[-1] else (0, 0) for i in range(len(values))]
+        draws = random.normal_tree_shard(k, shard.shapes, ranges, dtype=dtype, device=device)
+        yield group, [draws[i].view(values[i].shape) for i in group]
 
 
 def _check_local(name: str, what: str, leaves: list[torch.Tensor], shard: Shard | None) -> None:
@@ -372,6 +396,7 @@ def mf_gaussian_noise(
     participation: Participation = SINGLE,
     state_dtype: torch.dtype | str | None = None,
     shard: Shard | None = None,
+    inplace: bool = False,
 ) -> tuple[NoiseFn, GaussianNoiseState]:
     """DP-FTRL's correlated Gaussian noise as a ``(noise_fn, state)`` pair: :func:`matrix_mechanism` over a declared
     horizon on the stream ``STREAM``.
@@ -389,6 +414,7 @@ def mf_gaussian_noise(
         state_dtype: as in :func:`matrix_mechanism`.
         shard: as in :func:`matrix_mechanism`: this rank's part of a sharded tree; ``template`` then holds the local
             pieces, and so do the buffers (the strategy's memory is sharded with the parameters).
+        inplace: as in :func:`matrix_mechanism`: the noise is added into the clipped tree's tensors.
 
     Returns:
         ``(noise_fn, state)`` with ``noise_fn(clipped, state) -> (Noised, state)``.
@@ -421,6 +447,7 @@ def mf_gaussian_noise(
         "state_dtype": state_dtype,
         "name": "mf_gaussian_noise",
         "shard": shard,
+        "inplace": inplace,
     }
     with torch.profiler.record_function("opake::mf_gaussian_noise_init"):
         return matrix_mechanism(template, strategy, stream=STREAM, **options)

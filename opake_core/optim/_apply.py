@@ -1,4 +1,4 @@
-"""Adding updates to parameters, out of place."""
+"""Adding updates to parameters: out of place, or into the parameters' own tensors."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from opake_core.errors import InputTypeError
 from opake_core.tree import Clipped
 
 
-def apply_updates(params: Any, updates: Any) -> Any:
+def apply_updates(params: Any, updates: Any, *, inplace: bool = False) -> Any:
     """``params + updates`` leaf by leaf (one multi-tensor add): a new tree; neither input is modified.
 
     ``updates`` is what an optimizer's ``update`` returned (a plain tree shaped like ``params``), never
-    gradients.
+    gradients. With ``inplace=True`` the sums are written into the parameters' own tensors (the same bits where
+    each update has its parameter's dtype; out of place otherwise) and ``params`` is returned.
 
     Example:
 
@@ -37,4 +38,8 @@ def apply_updates(params: Any, updates: Any) -> Any:
         steps, update_treedef = optree.tree_flatten(updates)
         if update_treedef != treedef:
             raise InputTypeError(f"updates {update_treedef} do not match the parameters' structure {treedef}.")
+        if inplace and all(p.dtype == u.dtype for p, u in zip(leaves, steps, strict=True)):
+            with torch.no_grad():  # parameters may be autograd leaves
+                torch._foreach_add_(leaves, steps)
+            return params
         return optree.tree_unflatten(treedef, torch._foreach_add(leaves, steps))

@@ -57,6 +57,10 @@ class Optimizer:
         noise_aware: pass each leaf's noise standard deviation to ``transform.update`` (0 for a plain tree).
         eval_fn: ``(state, params) -> weights`` for an optimizer whose trained parameters are not the weights
             to evaluate and publish (schedule-free: the averaged iterate ``x``); None for every other optimizer.
+        in_place: ``transform`` honours ``inplace=True``: every transform in it writes the new state into the old
+            state's tensors and the updates into its input updates' tensors, with the bits of the out-of-place
+            computation, and returns no tensor of its state as updates. Other optimizers run out of place whatever
+            :meth:`update` is asked.
     """
 
     name: str
@@ -65,21 +69,25 @@ class Optimizer:
     needs_params: bool = False
     noise_aware: bool = False
     eval_fn: Any = None
+    in_place: bool = False
 
     def init(self, params: Any) -> Any:
         """The initial state for a tree of parameter tensors (moments shaped like the parameters)."""
         with record_function(f"opake::optim.{self.name}.init"):
             return self.transform.init(params)
 
-    def update(self, updates: Any, state: Any, *, params: Any = None) -> tuple[Any, Any]:
+    def update(self, updates: Any, state: Any, *, params: Any = None, inplace: bool = False) -> tuple[Any, Any]:
         """Transform noised gradients into parameter updates (to be added to the parameters).
 
         Args:
             updates: a :class:`~opake_core.tree.Noised` tree of gradients; a plain tree of tensors only when
                 built with ``non_private=True``.
-            state: the state from :meth:`init` or the previous ``update``; never modified.
+            state: the state from :meth:`init` or the previous ``update``; never modified unless ``inplace``.
             params: the current parameters (same tree as the gradients); needed for weight decay and by
                 adafactor.
+            inplace: the caller gives up ``updates`` and ``state`` (neither is read after the call): an optimizer
+                built ``in_place`` writes the new state and the updates into their tensors instead of new ones
+                (same values; no model-sized allocation). Ignored by the others.
 
         Returns:
             ``(updates, new_state)``: a plain tree of tensors shaped like the gradients, and the next state.
@@ -98,7 +106,7 @@ class Optimizer:
             if self.noise_aware:
                 stds = leaf_noise_std(value, noise_std)
                 return self.transform.update(value, state, params=params, noise_std=stds)
-            return self.transform.update(value, state, params=params, inplace=False)
+            return self.transform.update(value, state, params=params, inplace=inplace and self.in_place)
 
     def eval_params(self, state: Any, params: Any) -> Any:
         """The weights to evaluate and publish, given the optimizer ``state`` and the trained ``params``.

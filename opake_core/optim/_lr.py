@@ -44,9 +44,9 @@ def lr_at(lr: LearningRate, step: int) -> float:
 def scale_by_neg_lr(lr: LearningRate) -> GradientTransformation:
     """Multiply every update by ``-lr`` (``-lr(count)`` for a schedule).
 
-    Unlike ``torchopt.transform.scale_by_schedule``, which keeps one counter per leaf on the leaf's device,
-    the counter lives on the host, so the schedule runs once per update as plain Python and never syncs the
-    device.
+    With ``inplace=True`` the updates' own tensors are scaled. Unlike ``torchopt.transform.scale_by_schedule``, which
+    keeps one counter per leaf on the leaf's device, the counter lives on the host, so the schedule runs once per
+    update as plain Python and never syncs the device.
     """
 
     def init_fn(params: object) -> LearningRateState:
@@ -55,7 +55,10 @@ def scale_by_neg_lr(lr: LearningRate) -> GradientTransformation:
     def update_fn(updates, state, *, params=None, inplace=False):
         rate = lr_at(lr, int(state.count))
         leaves, treedef = optree.tree_flatten(updates)
-        updates = optree.tree_unflatten(treedef, torch._foreach_mul(leaves, -rate))
+        if inplace:
+            torch._foreach_mul_(leaves, -rate)
+        else:
+            updates = optree.tree_unflatten(treedef, torch._foreach_mul(leaves, -rate))
         return updates, LearningRateState(count=state.count + 1)
 
     return GradientTransformation(init_fn, update_fn)

@@ -11,9 +11,9 @@ Per leaf and coordinate, at update ``t`` (from 1), with gradient ``g``:
 
 **DP: the accumulator sums the noise variance.** A noised gradient ``g = s_t + z_t`` with ``z_t ~ N(0, sigma^2)``
 adds ``sigma^2`` to ``E[s]`` at every update, so ``sqrt(s) >= sigma * sqrt(t)`` on average and the step shrinks
-like ``lr / (sigma * sqrt(t))`` whatever the signal: learning slows down and, over a long run, stalls. Plain
-Adagrad has no noise correction here; prefer an EMA-based optimizer (Adam, RMSprop) for long DP runs, or raise
-``lr`` accordingly.
+like ``lr / (sigma * sqrt(t))`` whatever the signal: learning slows down and, over a long run, stalls.
+``noise_bias_correction=True`` subtracts the summed noise variance ``Phi_t = sum_i sigma_i^2`` from ``s`` (the rule of
+:mod:`opake_core.optim.bias_correction`), which removes that drift.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from opake_core import validate
 from opake_core.optim._foreach import add_decayed_weights
 from opake_core.optim._guard import Optimizer
 from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
+from opake_core.optim.bias_correction import noise_aware_chain, scale_by_bias_corrected_adagrad
 
 __all__ = ["AdagradState", "adagrad", "scale_by_adagrad"]
 
@@ -76,6 +77,7 @@ def adagrad(
     initial_accumulator_value: float = 0.0,
     eps: float = 1e-10,
     *,
+    noise_bias_correction: bool = False,
     non_private: bool = False,
 ) -> Optimizer:
     """Adagrad: ``update = -lr / (1 + (t - 1) * lr_decay) * g / (sqrt(sum of g^2) + eps)``; equal to
@@ -89,6 +91,8 @@ def adagrad(
         initial_accumulator_value: the starting value of the sum of squared gradients (>= 0, gradient units
             squared).
         eps: added to the square root of the sum in the denominator (> 0), in gradient units.
+        noise_bias_correction: subtract the summed noise variance from the sum of squared gradients
+            (:mod:`opake_core.optim.bias_correction`).
         non_private: accept plain trees of tensors (an explicitly non-private run).
 
     Example: three updates (non-private here, to compare) match ``torch.optim.Adagrad``.
@@ -103,5 +107,10 @@ def adagrad(
     weight_decay = validate.non_negative("weight_decay", weight_decay)
     initial = validate.non_negative("initial_accumulator_value", initial_accumulator_value)
     eps = validate.positive("eps", eps)
+    needs_params = weight_decay > 0
+    if noise_bias_correction:
+        rescale = scale_by_bias_corrected_adagrad(eps, lr_decay, initial)
+        transform = noise_aware_chain(add_decayed_weights(weight_decay), rescale, scale_by_neg_lr(lr))
+        return Optimizer("adagrad", transform, non_private=non_private, needs_params=needs_params, noise_aware=True)
     transform = chain(add_decayed_weights(weight_decay), scale_by_adagrad(eps, lr_decay, initial), scale_by_neg_lr(lr))
-    return Optimizer("adagrad", transform, non_private=non_private, needs_params=weight_decay > 0)
+    return Optimizer("adagrad", transform, non_private=non_private, needs_params=needs_params)

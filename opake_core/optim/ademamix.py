@@ -19,7 +19,8 @@ The paper's schedulers warm up the slow EMA's weight and memory (without them ``
 
 The paper sets both warm-ups to the number of training steps for large ``b3``. Under DP noise the slow EMA
 averages the noise over about ``1 / (1 - b3)`` steps (10^4 for the default), so ``alpha * m2`` adds signal with
-little noise; the second moment ``nu`` absorbs the noise variance as Adam's does (no correction here).
+little noise; the second moment ``nu`` absorbs the noise variance as Adam's does, and ``noise_bias_correction=True``
+removes it (the rule of :mod:`opake_core.optim.bias_correction`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,15 @@ from torchopt.base import GradientTransformation
 from opake_core import validate
 from opake_core.optim._checks import betas as check_betas
 from opake_core.optim._foreach import add_decayed_weights
-from opake_core.optim._guard import Optimizer
+from opake_core.optim._guard import NoiseAwareTransformation, Optimizer
 from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
+from opake_core.optim.bias_correction import (
+    NoiseVarianceState,
+    noise_aware_chain,
+    noise_ema,
+    without_noise,
+    zero_noise,
+)
 
 __all__ = ["AdEMAMixState", "ademamix", "alpha_at", "beta3_at", "scale_by_ademamix"]
 
@@ -77,16 +85,29 @@ def beta3_at(t: int, b1: float, b3: float, t_beta3: int | None) -> float:
 
 
 def scale_by_ademamix(
-    b1: float, b2: float, b3: float, alpha: float, eps: float, *, t_alpha: int | None, t_beta3: int | None
-) -> GradientTransformation:
-    """``g -> (m1_hat + alpha(t) * m2) / (sqrt(nu_hat) + eps)`` (see the module docstring)."""
+    b1: float,
+    b2: float,
+    b3: float,
+    alpha: float,
+    eps: float,
+    *,
+    t_alpha: int | None,
+    t_beta3: int | None,
+    noise_bias_correction: bool = False,
+) -> GradientTransformation | NoiseAwareTransformation:
+    """``g -> (m1_hat + alpha(t) * m2) / (sqrt(nu_hat) + eps)`` (see the module docstring).
+
+    With ``noise_bias_correction`` a :class:`~opake_core.optim.bias_correction.NoiseAwareTransformation` whose state
+    is ``NoiseVarianceState(AdEMAMixState, phi)``: ``nu`` loses the EMA ``phi`` of ``sigma^2`` where ``nu - phi > 0``
+    (both un-normalized, as Adam's)."""
 
     def init_fn(params):
         leaves, treedef = optree.tree_flatten(params)
         zeros = lambda: optree.tree_unflatten(treedef, [torch.zeros_like(p) for p in leaves])  # noqa: E731
-        return AdEMAMixState(mu_fast=zeros(), mu_slow=zeros(), nu=zeros(), count=torch.zeros((), dtype=torch.int64))
+        state = AdEMAMixState(mu_fast=zeros(), mu_slow=zeros(), nu=zeros(), count=torch.zeros((), dtype=torch.int64))
+        return NoiseVarianceState(inner=state, phi=zero_noise(params)) if noise_bias_correction else state
 
-    def update_fn(updates, state, *, params=None, inplace=False):
+    def step(updates, state, phi):
         g, treedef = optree.tree_flatten(updates)
         count = state.count + 1
         t = int(count)
@@ -97,7 +118,8 @@ def scale_by_ademamix(
         torch._foreach_add_(mu_slow, g, alpha=1 - b3_t)
         nu = torch._foreach_mul(optree.tree_leaves(state.nu), b2)
         torch._foreach_addcmul_(nu, g, g, value=1 - b2)
-        denominator = torch._foreach_sqrt(nu)
+        second = nu if phi is None else [without_noise(v, float(f)) for v, f in zip(nu, phi, strict=True)]
+        denominator = torch._foreach_sqrt(second)
         torch._foreach_div_(denominator, math.sqrt(1 - b2**t))
         torch._foreach_add_(denominator, eps)
         numerator = torch._foreach_div(mu_fast, 1 - b1**t)
@@ -106,6 +128,18 @@ def scale_by_ademamix(
         unflatten = lambda leaves: optree.tree_unflatten(treedef, leaves)  # noqa: E731
         new_state = AdEMAMixState(mu_fast=unflatten(mu_fast), mu_slow=unflatten(mu_slow), nu=unflatten(nu), count=count)
         return unflatten(out), new_state
+
+    if noise_bias_correction:
+
+        def corrected_fn(updates, state, *, params=None, noise_std, inplace=False):
+            phi = noise_ema(state.phi, noise_std, b2)
+            out, inner = step(updates, state.inner, optree.tree_leaves(phi))
+            return out, NoiseVarianceState(inner=inner, phi=phi)
+
+        return NoiseAwareTransformation(init_fn, corrected_fn)
+
+    def update_fn(updates, state, *, params=None, inplace=False):
+        return step(updates, state, None)
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -119,6 +153,7 @@ def ademamix(
     *,
     t_alpha: int | None = None,
     t_beta3: int | None = None,
+    noise_bias_correction: bool = False,
     non_private: bool = False,
 ) -> Optimizer:
     """AdEMAMix: ``update = -lr * ((m1_hat + alpha(t) * m2) / (sqrt(nu_hat) + eps) + weight_decay * p)``.
@@ -131,6 +166,8 @@ def ademamix(
         weight_decay: decoupled decay coefficient (>= 0), multiplied by ``lr`` (AdamW's convention).
         t_alpha: warm-up of ``alpha`` in updates (int >= 1), or None for none.
         t_beta3: warm-up of ``b3`` in updates (int >= 1), or None for none.
+        noise_bias_correction: remove the EMA of the noise variance from ``nu``
+            (:mod:`opake_core.optim.bias_correction`).
         non_private: accept plain trees of tensors (an explicitly non-private run).
 
     Example: ``alpha = 0`` is AdamW (the slow EMA gets no weight).
@@ -156,9 +193,12 @@ def ademamix(
     weight_decay = validate.non_negative("weight_decay", weight_decay)
     t_alpha = None if t_alpha is None else validate.integer("t_alpha", t_alpha, minimum=1)
     t_beta3 = None if t_beta3 is None else validate.integer("t_beta3", t_beta3, minimum=1)
-    transform = chain(
-        scale_by_ademamix(b1, b2, b3, alpha, eps, t_alpha=t_alpha, t_beta3=t_beta3),
-        add_decayed_weights(weight_decay),
-        scale_by_neg_lr(lr),
+    rescale = scale_by_ademamix(
+        b1, b2, b3, alpha, eps, t_alpha=t_alpha, t_beta3=t_beta3, noise_bias_correction=noise_bias_correction
     )
-    return Optimizer("ademamix", transform, non_private=non_private, needs_params=weight_decay > 0)
+    parts = [rescale, add_decayed_weights(weight_decay), scale_by_neg_lr(lr)]
+    needs_params = weight_decay > 0
+    if noise_bias_correction:
+        transform = noise_aware_chain(*parts)
+        return Optimizer("ademamix", transform, non_private=non_private, needs_params=needs_params, noise_aware=True)
+    return Optimizer("ademamix", chain(*parts), non_private=non_private, needs_params=needs_params)

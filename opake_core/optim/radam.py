@@ -14,8 +14,8 @@ Per leaf and coordinate, at update ``t`` (from 1), with gradient ``g`` (moments 
 
 Without ``decoupled_weight_decay`` the decay is an L2 penalty added to ``g`` first, as in ``torch.optim.RAdam``.
 The first updates (``rho_t <= 5``: five of them for ``b2 = 0.999``) are SGD with momentum, in gradient units. Under
-DP noise ``v`` absorbs the noise variance as Adam's does (no correction here); the rectification ``r_t`` depends
-only on ``t``, not on the gradients.
+DP noise ``v`` absorbs the noise variance as Adam's does; ``noise_bias_correction=True`` removes it (the rule of
+:mod:`opake_core.optim.bias_correction`). The rectification ``r_t`` depends only on ``t``, not on the gradients.
 """
 
 from __future__ import annotations
@@ -31,8 +31,15 @@ from torchopt.base import GradientTransformation
 from opake_core import validate
 from opake_core.optim._checks import betas as check_betas
 from opake_core.optim._foreach import add_decayed_weights
-from opake_core.optim._guard import Optimizer
+from opake_core.optim._guard import NoiseAwareTransformation, Optimizer
 from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
+from opake_core.optim.bias_correction import (
+    NoiseVarianceState,
+    noise_aware_chain,
+    noise_ema,
+    without_noise,
+    zero_noise,
+)
 
 __all__ = ["RAdamState", "radam", "scale_by_radam"]
 
@@ -49,16 +56,24 @@ class RAdamState(NamedTuple):
     count: torch.Tensor
 
 
-def scale_by_radam(b1: float, b2: float, eps: float) -> GradientTransformation:
-    """``g -> r_t * m_hat * sqrt(1 - b2^t) / (sqrt(v) + eps)`` once ``rho_t > 5``, ``m_hat`` before."""
+def scale_by_radam(
+    b1: float, b2: float, eps: float, *, noise_bias_correction: bool = False
+) -> GradientTransformation | NoiseAwareTransformation:
+    """``g -> r_t * m_hat * sqrt(1 - b2^t) / (sqrt(v) + eps)`` once ``rho_t > 5``, ``m_hat`` before.
+
+    With ``noise_bias_correction`` a :class:`~opake_core.optim.bias_correction.NoiseAwareTransformation` whose state
+    is ``NoiseVarianceState(RAdamState, phi)``: ``v`` loses the EMA ``phi`` of ``sigma^2`` where ``v - phi > 0`` (both
+    un-normalized, so the difference carries the same ``1 - b2^t`` factor), and ``phi`` advances on every update,
+    the momentum-only ones included."""
     rho_inf = 2 / (1 - b2) - 1
 
     def init_fn(params):
         leaves, treedef = optree.tree_flatten(params)
         zeros = lambda: optree.tree_unflatten(treedef, [torch.zeros_like(p) for p in leaves])  # noqa: E731
-        return RAdamState(mu=zeros(), nu=zeros(), count=torch.zeros((), dtype=torch.int64))
+        state = RAdamState(mu=zeros(), nu=zeros(), count=torch.zeros((), dtype=torch.int64))
+        return NoiseVarianceState(inner=state, phi=zero_noise(params)) if noise_bias_correction else state
 
-    def update_fn(updates, state, *, params=None, inplace=False):
+    def step(updates, state, phi):
         g, treedef = optree.tree_flatten(updates)
         count = state.count + 1
         t = int(count)
@@ -70,12 +85,25 @@ def scale_by_radam(b1: float, b2: float, eps: float) -> GradientTransformation:
         rho_t = rho_inf - 2 * t * b2**t / correction2
         if rho_t > RECTIFICATION_THRESHOLD:
             rectification = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
-            denominator = torch._foreach_sqrt(nu)
+            second = nu if phi is None else [without_noise(v, float(f)) for v, f in zip(nu, phi, strict=True)]
+            denominator = torch._foreach_sqrt(second)
             torch._foreach_add_(denominator, eps)
             torch._foreach_div_(out, denominator)
             torch._foreach_mul_(out, rectification * math.sqrt(correction2))
         unflatten = lambda leaves: optree.tree_unflatten(treedef, leaves)  # noqa: E731
         return unflatten(out), RAdamState(mu=unflatten(mu), nu=unflatten(nu), count=count)
+
+    if noise_bias_correction:
+
+        def corrected_fn(updates, state, *, params=None, noise_std, inplace=False):
+            phi = noise_ema(state.phi, noise_std, b2)
+            out, inner = step(updates, state.inner, optree.tree_leaves(phi))
+            return out, NoiseVarianceState(inner=inner, phi=phi)
+
+        return NoiseAwareTransformation(init_fn, corrected_fn)
+
+    def update_fn(updates, state, *, params=None, inplace=False):
+        return step(updates, state, None)
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -87,6 +115,7 @@ def radam(
     weight_decay: float = 0.0,
     *,
     decoupled_weight_decay: bool = False,
+    noise_bias_correction: bool = False,
     non_private: bool = False,
 ) -> Optimizer:
     """RAdam: Adam with the variance of its adaptive learning rate rectified (SGD with momentum while
@@ -99,6 +128,8 @@ def radam(
         weight_decay: decay coefficient (>= 0): an L2 penalty added to the gradient, or with
             ``decoupled_weight_decay=True`` AdamW's decoupled decay ``-lr * weight_decay * p``.
         decoupled_weight_decay: decouple the weight decay from the gradient (as ``torch.optim.RAdam``).
+        noise_bias_correction: remove the EMA of the noise variance from ``v``
+            (:mod:`opake_core.optim.bias_correction`); the momentum-only first updates are unchanged.
         non_private: accept plain trees of tensors (an explicitly non-private run).
 
     Example: three updates (non-private here, to compare) match ``torch.optim.RAdam``.
@@ -113,6 +144,10 @@ def radam(
     eps = validate.positive("eps", eps)
     weight_decay = validate.non_negative("weight_decay", weight_decay)
     decay = add_decayed_weights(weight_decay)
-    parts = [scale_by_radam(b1, b2, eps), decay] if decoupled_weight_decay else [decay, scale_by_radam(b1, b2, eps)]
-    transform = chain(*parts, scale_by_neg_lr(lr))
-    return Optimizer("radam", transform, non_private=non_private, needs_params=weight_decay > 0)
+    rescale = scale_by_radam(b1, b2, eps, noise_bias_correction=noise_bias_correction)
+    parts = [rescale, decay] if decoupled_weight_decay else [decay, rescale]
+    needs_params = weight_decay > 0
+    if noise_bias_correction:
+        transform = noise_aware_chain(*parts, scale_by_neg_lr(lr))
+        return Optimizer("radam", transform, non_private=non_private, needs_params=needs_params, noise_aware=True)
+    return Optimizer("radam", chain(*parts, scale_by_neg_lr(lr)), non_private=non_private, needs_params=needs_params)

@@ -16,8 +16,9 @@ Per leaf and coordinate, at every update, with gradient ``g`` (all buffers zeros
 ``v`` is not bias-corrected (unlike Adam's), so the first updates are larger by up to ``1 / sqrt(1 - alpha)``.
 Under DP noise of standard deviation ``sigma`` (per coordinate), ``E[v] -> E[s^2] + sigma^2`` for a signal ``s``:
 where the noise dominates the denominator is about ``sigma`` and RMSprop behaves like SGD with learning rate
-``lr / sigma``. There is no noise correction here; the centered variant subtracts the squared mean of the
-gradients, not the noise variance.
+``lr / sigma``. ``noise_bias_correction=True`` removes the EMA of ``sigma^2`` from ``v`` (the rule of
+:mod:`opake_core.optim.bias_correction`). The centered variant subtracts the squared mean of the gradients, not the
+noise variance; the two are not combined (see :func:`rmsprop`).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from torchopt import chain
 from torchopt.base import GradientTransformation
 
 from opake_core import validate
+from opake_core.errors import ConfigurationError
 from opake_core.optim._foreach import add_decayed_weights
 from opake_core.optim._guard import Optimizer
 from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
+from opake_core.optim.bias_correction import noise_aware_chain, scale_by_bias_corrected_rms
 from opake_core.optim.sgd import trace
 
 __all__ = ["RMSpropState", "rmsprop", "scale_by_rms"]
@@ -85,6 +88,7 @@ def rmsprop(
     momentum: float = 0.0,
     *,
     centered: bool = False,
+    noise_bias_correction: bool = False,
     non_private: bool = False,
 ) -> Optimizer:
     """RMSprop: ``update = -lr * g / (sqrt(v) + eps)`` with ``v`` the EMA of ``g^2``; equal to
@@ -97,6 +101,8 @@ def rmsprop(
         weight_decay: L2 penalty coefficient (>= 0), added to the gradient like ``torch.optim.RMSprop``.
         momentum: momentum coefficient in [0, 1) applied to the rescaled gradient (0: none).
         centered: divide by the square root of the gradients' EMA variance, ``v - mean^2``, instead of ``v``.
+        noise_bias_correction: remove the EMA of the noise variance ``noise_std^2`` from ``v``
+            (:mod:`opake_core.optim.bias_correction`); not with ``centered``.
         non_private: accept plain trees of tensors (an explicitly non-private run).
 
     Example: three updates (non-private here, to compare) match ``torch.optim.RMSprop``.
@@ -111,8 +117,23 @@ def rmsprop(
     eps = validate.positive("eps", eps)
     weight_decay = validate.non_negative("weight_decay", weight_decay)
     momentum = validate.decay("momentum", momentum)
-    parts = [add_decayed_weights(weight_decay), scale_by_rms(alpha, eps, centered=bool(centered))]
+    if noise_bias_correction and centered:
+        raise ConfigurationError(
+            "rmsprop(centered=True, noise_bias_correction=True) is refused: the centered denominator v - mean^2 "
+            "estimates the gradients' variance, and the noise's share of it is not sigma^2 (the mean's EMA carries "
+            "noise too), so subtracting sigma^2 would over-correct. Use centered=False with the correction, or "
+            "centered=True without it."
+        )
+    if noise_bias_correction:
+        rescale = scale_by_bias_corrected_rms(alpha, eps)
+    else:
+        rescale = scale_by_rms(alpha, eps, centered=bool(centered))
+    parts = [add_decayed_weights(weight_decay), rescale]
     if momentum > 0:
         parts.append(trace(momentum, nesterov=False))
     parts.append(scale_by_neg_lr(lr))
-    return Optimizer("rmsprop", chain(*parts), non_private=non_private, needs_params=weight_decay > 0)
+    needs_params = weight_decay > 0
+    if noise_bias_correction:
+        transform = noise_aware_chain(*parts)
+        return Optimizer("rmsprop", transform, non_private=non_private, needs_params=needs_params, noise_aware=True)
+    return Optimizer("rmsprop", chain(*parts), non_private=non_private, needs_params=needs_params)

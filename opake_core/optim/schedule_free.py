@@ -25,10 +25,28 @@ gamma_i^2``, the paper's weighting. The paper's algorithm box folds Adam's bias 
 (``gamma_t * sqrt(1 - b2^t)``, also in the weights) where the authors' implementation, followed here (and by
 Hugging Face's ``schedule_free_adamw``), divides ``v`` by it; the two are the same update when ``b2 = 0``.
 
+:func:`schedule_free` wraps any other optimizer of this package in the same three sequences (its own section below).
+
 No learning-rate decay is needed: the averaging plays its part. The warm-up is a factor on ``lr`` exactly like a
 linear warm-up schedule. Under DP, ``x`` is a weighted average of the noisy iterates ``z``: post-processing, so it
 costs no privacy, and the average damps the noise in the published weights. The second moment absorbs the noise
 variance as Adam's does (no correction here).
+
+**Around any optimizer** (:func:`schedule_free`, the paper's general form, Section 2): the base optimizer's update
+``u_t`` (its learning rate included), computed from the gradient at ``y_t`` with the base's ``params = z_t`` (so its
+weight decay applies to ``z``), moves ``z``; the average uses uniform weights after a warm-up of ``W`` updates during
+which ``x`` follows ``z``:
+
+==========================  ========================================================================
+``z_{t+1}``                 ``z_t + u_t``
+``c_{t+1}``                 ``1`` for ``t <= W``, else ``1 / (t - W + 1)`` (``x`` averages ``z_{W+1} ..``)
+``x_{t+1}``                 ``(1 - c_{t+1}) x_t + c_{t+1} z_{t+1}``
+``y_{t+1}``                 ``(1 - b) z_{t+1} + b x_{t+1}``, computed as ``y_t + c_{t+1} (z_t - y_t) +
+                            (1 - b + b c_{t+1}) u_t``
+==========================  ========================================================================
+
+The base optimizer keeps its own state (moments, noise-variance correction, learning-rate schedule) and sees only
+the noised gradients, so the wrapper, like the average, is post-processing.
 """
 
 from __future__ import annotations
@@ -42,10 +60,16 @@ from torchopt.base import GradientTransformation
 from opake_core import validate
 from opake_core.errors import ConfigurationError
 from opake_core.optim._checks import betas as check_betas
-from opake_core.optim._guard import Optimizer
+from opake_core.optim._guard import NoiseAwareTransformation, Optimizer
 from opake_core.optim._lr import LearningRate, check_lr, lr_at
 
-__all__ = ["ScheduleFreeState", "scale_by_schedule_free_adamw", "schedule_free_adamw"]
+__all__ = [
+    "ScheduleFreeState",
+    "ScheduleFreeWrapState",
+    "scale_by_schedule_free_adamw",
+    "schedule_free",
+    "schedule_free_adamw",
+]
 
 
 class ScheduleFreeState(NamedTuple):
@@ -190,3 +214,106 @@ def schedule_free_adamw(
         return optree.tree_unflatten(treedef, torch._foreach_lerp(y, optree.tree_leaves(state.z), weight))
 
     return Optimizer("schedule_free_adamw", transform, non_private=non_private, needs_params=True, eval_fn=averaged)
+
+
+class ScheduleFreeWrapState(NamedTuple):
+    """State of :func:`schedule_free`.
+
+    Attributes:
+        z: the base iterate ``z``, a tree like the parameters (which hold ``y``).
+        base: the base optimizer's state.
+        count: number of updates applied so far (0-d int64 tensor on the CPU).
+    """
+
+    z: Any
+    base: Any
+    count: torch.Tensor
+
+
+def schedule_free(base: Optimizer, *, beta: float = 0.9, warmup_steps: int = 0) -> Optimizer:
+    """Schedule-Free around ``base``: the parameters it trains are ``y``; evaluate and publish
+    ``optimizer.eval_params(state, params)``, the average ``x`` (the module docstring's last table).
+
+    ``update`` always needs ``params``. A noise-aware ``base`` (``noise_bias_correction=True``) keeps its
+    correction; a non-private ``base`` makes the wrapper non-private.
+
+    Args:
+        base: an optimizer of this package (its learning rate, schedule and weight decay are its own); not a
+            schedule-free one, and not :func:`~opake_core.optim.private_moments_adam` (another input type).
+        beta: the interpolation ``y = (1 - beta) z + beta x`` in (0, 1] (``x`` is recovered from ``y`` and ``z`` by
+            dividing by it, so it cannot be 0).
+        warmup_steps: updates (int >= 0) during which ``x`` follows ``z``; the uniform average starts after them.
+
+    Example: momentum SGD on ``(w - 3)^2``; the average, which is what to evaluate, gets close to 3.
+
+        >>> import torch
+        >>> from opake_core import optim
+        >>> opt = optim.schedule_free(optim.momentum(0.05, 0.5, non_private=True), warmup_steps=10)
+        >>> params = {"w": torch.zeros(1)}
+        >>> state = opt.init(params)
+        >>> for _ in range(200):
+        ...     updates, state = opt.update({"w": 2 * (params["w"] - 3)}, state, params=params)
+        ...     params = optim.apply_updates(params, updates)
+        >>> opt.name, abs(opt.eval_params(state, params)["w"].item() - 3) < 0.05
+        ('schedule_free_momentum', True)
+    """
+    if not isinstance(base, Optimizer):
+        raise ConfigurationError(
+            f"schedule_free wraps an optimizer of opake_core.optim (an Optimizer), got {type(base).__name__}: the "
+            "moments optimizer takes another input type; build the base with one of the optim factories."
+        )
+    if base.eval_fn is not None:
+        raise ConfigurationError(
+            f"schedule_free cannot wrap {base.name}, whose trained parameters are not its published weights "
+            "(it is schedule-free already); wrap its base optimizer instead."
+        )
+    beta = validate.in_range("beta", beta, 0.0, 1.0, low_open=True, high_open=False)
+    warmup_steps = validate.integer("warmup_steps", warmup_steps, minimum=0)
+
+    def init_fn(params):
+        leaves, treedef = optree.tree_flatten(params)
+        z = optree.tree_unflatten(treedef, [p.clone() for p in leaves])
+        return ScheduleFreeWrapState(z=z, base=base.transform.init(params), count=torch.zeros((), dtype=torch.int64))
+
+    def step(updates, state, params, noise_std):
+        if base.noise_aware:
+            u, base_state = base.transform.update(updates, state.base, params=state.z, noise_std=noise_std)
+        else:
+            u, base_state = base.transform.update(updates, state.base, params=state.z, inplace=False)
+        t = int(state.count) + 1
+        c = 1.0 if t <= warmup_steps else 1.0 / (t - warmup_steps + 1)
+        u, treedef = optree.tree_flatten(u)
+        y, z = optree.tree_leaves(params), optree.tree_leaves(state.z)
+        out = torch._foreach_sub(z, y)
+        torch._foreach_mul_(out, c)
+        torch._foreach_add_(out, u, alpha=1 - beta + beta * c)
+        new_z = torch._foreach_add(z, u)
+        unflatten = lambda leaves: optree.tree_unflatten(treedef, leaves)  # noqa: E731
+        return unflatten(out), ScheduleFreeWrapState(z=unflatten(new_z), base=base_state, count=state.count + 1)
+
+    if base.noise_aware:
+
+        def noise_aware_fn(updates, state, *, params=None, noise_std, inplace=False):
+            return step(updates, state, params, noise_std)
+
+        transform = NoiseAwareTransformation(init_fn, noise_aware_fn)
+    else:
+
+        def update_fn(updates, state, *, params=None, inplace=False):
+            return step(updates, state, params, None)
+
+        transform = GradientTransformation(init_fn, update_fn)
+    weight = 1 - 1 / beta
+
+    def averaged(state: ScheduleFreeWrapState, params: Any) -> Any:
+        y, treedef = optree.tree_flatten(params)
+        return optree.tree_unflatten(treedef, torch._foreach_lerp(y, optree.tree_leaves(state.z), weight))
+
+    return Optimizer(
+        f"schedule_free_{base.name}",
+        transform,
+        non_private=base.non_private,
+        needs_params=True,
+        noise_aware=base.noise_aware,
+        eval_fn=averaged,
+    )

@@ -34,6 +34,15 @@ def trace(decay: float, *, nesterov: bool) -> GradientTransformation:
         return TraceState(trace=optree.tree_map(torch.zeros_like, params))
 
     def update_fn(updates, state, *, params=None, inplace=False):
+        pairs = zip(optree.tree_leaves(state.trace), optree.tree_leaves(updates), strict=True)
+        if inplace and all(b.dtype == g.dtype for b, g in pairs):
+            # the trace in its own tensors, the updates in the gradients' (never the trace itself)
+            new_trace = optree.tree_map(lambda b, g: b.mul_(decay).add_(g), state.trace, updates)
+            if nesterov:
+                optree.tree_map(lambda g, b: g.add_(b, alpha=decay), updates, new_trace)
+            else:
+                optree.tree_map(lambda g, b: g.copy_(b), updates, new_trace)
+            return updates, TraceState(trace=new_trace)
         new_trace = optree.tree_map(lambda b, g: b.mul(decay).add_(g), state.trace, updates)
         if nesterov:
             updates = optree.tree_map(lambda g, b: g.add(b, alpha=decay), updates, new_trace)
@@ -114,4 +123,4 @@ def _build(
     if decay is not None:
         parts.append(trace(decay, nesterov=nesterov))
     parts.append(scale_by_neg_lr(lr))
-    return Optimizer(name, chain(*parts), non_private=non_private, needs_params=weight_decay > 0)
+    return Optimizer(name, chain(*parts), non_private=non_private, needs_params=weight_decay > 0, in_place=True)

@@ -27,6 +27,7 @@ class Call:
     routing: Routing | None = None  # kind "experts": which rows went to which expert
     transposed: bool = False  # kind "experts": weights stored ``[E, in, out]`` instead of ``[E, out, in]``
     gate: torch.Tensor | None = None  # kind "gated_rms_norm": the gate input
+    version: int | None = None  # ``inputs._version`` when recorded: an in-place change since then is refused
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

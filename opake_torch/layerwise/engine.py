@@ -27,7 +27,12 @@ from opake_torch.layerwise.kinds import mixes, owners, unsupported_parameters
 from opake_torch.layerwise.precision import matmul_precision, product_error
 from opake_torch.patches.activation_checkpointing import recompute_linked_to
 
-__all__ = ["LayerwiseGradients"]
+__all__ = ["COUPLING_RTOL", "LayerwiseGradients"]
+
+COUPLING_RTOL = 1e-3
+"""The largest relative difference of a row's squared norms between the two passes of the coupling check: the
+passes run the same kernels on the same shapes, so rows that do not interact agree to rounding (bit for bit on
+deterministic kernels); atomics (scatter-adds) may move the last bits."""
 
 
 def _example_grad(loss_fn: Callable[..., torch.Tensor], params: dict[str, torch.Tensor], example: Any) -> dict:
@@ -38,6 +43,17 @@ def _example_grad(loss_fn: Callable[..., torch.Tensor], params: dict[str, torch.
     with torch.enable_grad():
         grads = torch.autograd.grad(loss_fn(leaves, *example), list(leaves.values()), allow_unused=True)
     return {k: torch.zeros_like(v) if g is None else g for (k, v), g in zip(leaves.items(), grads, strict=True)}
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP2. Its ranks run their passes in lockstep (each forward gathers the
+    shards), so an extra pass on one rank only would hang the others: a sharded model relies on the trainer's
+    checks before its run (:mod:`opake_torch.transformers.coupling`) instead of the engine's coupling check."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule  # here: the import costs time, and only sharded runs need it
+
+    return isinstance(model, FSDPModule)
 
 
 class LayerwiseGradients:
@@ -80,6 +96,7 @@ class LayerwiseGradients:
         self._layout: tuple[tuple[str, ...], dict[nn.Module, tuple[str, dict[str, str]]]] | None = None
         self._batch_norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         self._others: list[torch.Tensor] = []  # the model's parameters outside the trainable names
+        self._independent: tuple[Any, ...] | None = None  # (names, training) whose coupling check passed
 
     def refresh(self) -> None:
         """Forget the checked layout when a batch-norm layer switched to training mode since it was checked (it
@@ -112,9 +129,67 @@ class LayerwiseGradients:
     def __call__(
         self, example_grad: Callable[..., Any], args: Sequence[Any], batch_argnums: tuple[int, ...]
     ) -> tuple[Gradients, torch.Tensor]:
-        """The chunk's gradients and losses ``[m]`` from ``batch_loss(*args)``; ``example_grad`` is not needed."""
+        """The chunk's gradients and losses ``[m]`` from ``batch_loss(*args)``; ``example_grad`` is not needed.
+
+        The first chunk of two rows or more for a set of trainable names and a training mode passes
+        :meth:`_check_independent` first (one more pass of the chunk), so that a model whose examples interact is
+        refused whatever calls the engine."""
+        params, batch = args[0], tuple(args[1:])
         with torch.enable_grad():  # clipped_grad runs under no_grad; this engine runs autograd
-            return self._run(args[0], tuple(args[1:]), instantiate=False)
+            checked = (tuple(sorted(params)), self.model.training)
+            probe = None
+            if checked != self._independent and not _sharded(self.model):
+                probe = self._mixed_pass(params, batch, tuple(i - 1 for i in batch_argnums))
+            grads, values = self._run(params, batch, instantiate=False)
+            if probe is not None:
+                self._check_independent(grads.squared_norms(), probe, grads.names)
+                self._independent = checked
+            return grads, values
+
+    def _mixed_pass(
+        self, params: dict[str, torch.Tensor], batch: tuple[Any, ...], batched: tuple[int, ...]
+    ) -> torch.Tensor | None:
+        """The squared norms ``[L, m]`` of the chunk with its first ``k = m // 2`` rows replaced by copies of the
+        next ``k``; None for a chunk of one row (the check waits for a larger one). The rows ``[k, m)`` keep their
+        places, but the rows before them and the batch around them change: whatever a row's gradient reads from
+        the other rows of its batch (a mean over the batch, a similarity to the other rows, a running sum over the
+        rows) differs from the chunk's pass. The pass draws from the random generators as the chunk's pass then does
+        (their state is restored after it), so dropout masks a kept row alike in both, and the run's draws are
+        those it makes without the check; the same shapes run the same kernels, so on a model whose examples do
+        not interact the two passes agree on the kept rows to rounding."""
+        leaves = [x for j in batched for x in optree.tree_leaves(batch[j]) if isinstance(x, torch.Tensor) and x.dim()]
+        m = leaves[0].shape[0] if leaves else 0
+        if m < 2:
+            return None
+        k = m // 2
+        index = torch.cat([torch.arange(k, 2 * k), torch.arange(k, m)])
+        take = lambda x: x[index.to(x.device)] if isinstance(x, torch.Tensor) and x.dim() else x  # noqa: E731
+        mixed = tuple(optree.tree_map(take, b) if j in batched else b for j, b in enumerate(batch))
+        device = next(iter(params.values())).device
+        with torch.random.fork_rng(devices=[device] if device.type != "cpu" else [], device_type=device.type):
+            grads, _ = self._run(params, mixed, instantiate=False)
+        return grads.squared_norms()  # the pass's tensors go with ``grads``: the chunk's pass runs alone
+
+    @staticmethod
+    def _check_independent(squared: torch.Tensor, mixed: torch.Tensor, names: Sequence[str]) -> None:
+        """ConfigurationError when a kept row's per-leaf squared norms in the chunk's pass (``squared`` ``[L, m]``,
+        leaves ``names``) and in :meth:`_mixed_pass` (``mixed``) differ by more than :data:`COUPLING_RTOL` of its
+        squared norm (summed over the leaves); rows with a non-finite norm in either pass are skipped (they add
+        nothing to the clipped sum). The message names the leaf whose norms moved most."""
+        k = squared.shape[1] // 2
+        ours, theirs = squared[:, k:], mixed[:, k:]
+        finite = ours.isfinite().all(dim=0) & theirs.isfinite().all(dim=0)
+        ours, theirs = ours[:, finite], theirs[:, finite]
+        error = (ours - theirs).abs().sum(dim=0) / ours.sum(dim=0).clamp(min=torch.finfo(ours.dtype).tiny)
+        if error.numel() and not error.max().item() <= COUPLING_RTOL:
+            moved = names[int((ours - theirs).abs().sum(dim=1).argmax())]
+            raise ConfigurationError(  # no number: the rows may be private records, and messages reach logs
+                "the examples of a batch interact in the model: a row's per-example gradient changes when the other "
+                f"rows of its batch change (most in the gradient of {moved!r}: look for a mean or another statistic "
+                "over the batch, batch normalization, a comparison with the other rows). Its sensitivity would not be "
+                "the clipping bound, and the layerwise engine's norms would be wrong. Compute every example's output "
+                "from that example alone, or use vmap(grad), which runs each example on its own."
+            )
 
     def check(
         self, params: dict[str, torch.Tensor], loss_fn: Callable[..., torch.Tensor], *batch: Any, rtol: float = 1e-2

@@ -33,20 +33,50 @@ class _Tap(torch.autograd.Function):
     """Identity on a layer's output whose backward hands the output gradient to ``record``.
 
     It also links the output to ``anchor`` (a scalar leaf), so that a backward to the anchor reaches every tapped
-    layer and nothing else: no parameter gradient is ever formed.
+    layer and nothing else: no parameter gradient is ever formed. The output is a copy, not a view: autograd refuses
+    an in-place operation on a view that a custom function returns (``F.relu(linear(x), inplace=True)``), and on a
+    copy the backward hands ``record`` the gradient of the value before that operation, the layer's own output.
+    Only the outputs that need no gradient yet are tapped (the first layers; with ``hooks_suffice`` the others take
+    a tensor hook), so the copy costs one pass over those outputs.
     """
 
     @staticmethod
     def forward(ctx: Any, output: torch.Tensor, anchor: torch.Tensor, record: Callable[[torch.Tensor], None]) -> Any:
         ctx.record = record
         ctx.anchor = (anchor.dtype, anchor.device)
-        return output.view_as(output)
+        return output.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         ctx.record(grad)
         dtype, device = ctx.anchor
         return grad, torch.zeros((), dtype=dtype, device=device), None
+
+
+def _hook_output(output: torch.Tensor, record: Callable[[torch.Tensor], None]) -> bool:
+    """Hand ``record`` the gradient of ``output`` as the layer returned it, even where the model then changes it in
+    place; False where only a tap can (a view of part of a tensor).
+
+    A tensor hook registered before an in-place operation receives the gradient of the value before it, except on
+    a view, whose hooks the operation drops (a linear layer with a bias on ``[m, T, d]`` returns a view of its
+    ``[m T, out]`` product). A view of a whole tensor takes a hook on the autograd node of that tensor instead: the
+    in-place operation leaves that node in the graph, and the gradient it receives is the output's, reshaped.
+    """
+    if not output._is_view():
+        output.register_hook(record)
+        return True
+    base = output._base
+    whole = base.numel() == output.numel() and output.is_contiguous() and base.is_contiguous()
+    if base.grad_fn is None or not whole or output.storage_offset() != base.storage_offset():
+        return False
+    shape, index = output.shape, base.output_nr  # not the output itself: the node would keep it alive
+
+    def prehook(grads: tuple[torch.Tensor | None, ...]) -> None:
+        if grads[index] is not None:
+            record(grads[index].view(shape))
+
+    base.grad_fn.register_prehook(prehook)
+    return True
 
 
 class _BroadcastTap(torch.overrides.TorchFunctionMode):
@@ -144,6 +174,15 @@ class ChunkPass:
     def record(self, call: Call, grad: torch.Tensor) -> None:
         """Runs inside the backward: instantiated gradients are formed at once and the layer's tensors freed."""
         out = self.out
+        if call.version is not None and call.inputs._version != call.version:
+            # the layer's weight gradient reads the input it ran on; autograd does not see the change, since the
+            # engine's parameters need no gradient, so the per-example gradients would silently be wrong
+            raise ConfigurationError(
+                f"the input of a {type(call.module).__name__} layer was modified in place after the layer ran (an "
+                "in-place operation on a tensor a served layer reads, such as x.mul_() after linear(x)): its "
+                "per-example gradients would be formed from the modified values. Use the out-of-place operation "
+                "(x = x * ...) or vmap(grad) for this model."
+            )
         self.bf16.release()  # the backward has begun: the forward's calls hold what they keep
         call.grad = grad.detach()
         for attr, name in call.names.items():
@@ -184,6 +223,7 @@ class ChunkPass:
 
     def register(self, call: Call) -> None:
         self.calls.append(call)
+        call.version = None if call.inputs is None else call.inputs._version
         if call.kind not in ("embedding", "experts"):
             call.input_key = same_tensor(call.inputs)
             self.grams.read_by(call)
@@ -191,10 +231,10 @@ class ChunkPass:
     def tap(self, call: Call, output: torch.Tensor) -> torch.Tensor | None:
         """Record ``call`` and hand it its output's gradient in the backward (None: the output is unchanged)."""
         self.register(call)
-        if self.hooks_suffice and output.requires_grad:
-            output.register_hook(lambda grad: self.record(call, grad))
+        record = functools.partial(self.record, call)
+        if self.hooks_suffice and output.requires_grad and _hook_output(output, record):
             return None
-        return _Tap.apply(output, self.anchor, lambda grad: self.record(call, grad))
+        return _Tap.apply(output, self.anchor, record)
 
     def router_hook(self, module: nn.Module, attrs: dict[str, str], x: torch.Tensor, logits: torch.Tensor) -> None:
         """A router's logits are ``F.linear`` of its input, and its scores are computed from that very tensor: a

@@ -56,7 +56,8 @@ HONOURED = (
     "hub_model_id", "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "ignore_data_skip",
     "restore_callback_states_from_checkpoint", "seed", "data_seed", "use_cpu", "dataloader_num_workers",
     "dataloader_pin_memory", "remove_unused_columns", "label_names", "ddp_backend", "ddp_timeout", "fsdp",
-    "fsdp_config", "resume_from_checkpoint", "local_rank", "do_train", "do_eval", "do_predict",
+    "fsdp_config", "resume_from_checkpoint", "local_rank", "do_train", "do_eval", "do_predict", "enable_jit_checkpoint",
+    "full_determinism",
 )  # fmt: skip
 
 ALIASES = {
@@ -106,12 +107,6 @@ INERT: dict[str, tuple[Any, str]] = {
     "hub_strategy": ("every_save", _HUB),
     "hub_always_push": (False, _HUB),
     "hub_revision": (None, _HUB + "; pass revision= to push_to_hub() to push to another branch"),
-    "full_determinism": (
-        False,
-        "the DP noise and the batch sampling are keyed by a secret key, not by seed; set privacy_noise_seed to "
-        "replay a run (and accept that the noise is then known to whoever knows the seed)",
-    ),
-    "enable_jit_checkpoint": (False, "no checkpoint is written on SIGTERM; use save_strategy and save_steps"),
     "dataloader_persistent_workers": (False, _LOADER),
     "dataloader_prefetch_factor": (None, _LOADER),
     "dataloader_multiprocessing_context": (None, _LOADER),
@@ -214,10 +209,11 @@ DROPPED_BY_FROM_HF = (
 )  # fmt: skip
 _REFUSED_OPTIM_MARKERS = ("8bit", "paged", "apex", "galore", "bnb", "lomo")
 # HF names whose optimizer has the same update here (the 32-bit bitsandbytes Lion is Lion); "rmsprop", "adagrad",
-# "ademamix" and "schedule_free_adamw" keep their names. Not mapped: the schedule-free RAdam and SGD variants.
+# "ademamix", "schedule_free_adamw" and "stable_adamw" keep their names. Not mapped: the schedule-free RAdam and SGD
+# variants.
 _HF_OPTIMS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adafactor": "adafactor",
               "sgd": "sgd", "lion_32bit": "lion", "rmsprop": "rmsprop", "adagrad": "adagrad", "ademamix": "ademamix",
-              "schedule_free_adamw": "schedule_free_adamw"}  # fmt: skip
+              "schedule_free_adamw": "schedule_free_adamw", "stable_adamw": "stable_adamw"}  # fmt: skip
 
 
 def refusal(name: str) -> str:

@@ -27,6 +27,11 @@ class OutputRules:
         if self.logging_strategy == "steps" and self.logging_steps == 0:
             raise ConfigurationError("logging_strategy='steps' requires a non-zero logging_steps.")
         self.save_steps = p.as_steps(self.save_steps, "save_steps")
+        if self.enable_jit_checkpoint and self.save_only_model:
+            raise ConfigurationError(
+                "enable_jit_checkpoint=True writes a checkpoint to resume from, and save_only_model=True leaves out "
+                "the DP state a resume needs; set save_only_model=False."
+            )
         if self.eval_steps is None and self.eval_strategy == "steps":
             if self.logging_steps == 0:
                 raise ConfigurationError("eval_strategy='steps' requires eval_steps or a non-zero logging_steps.")

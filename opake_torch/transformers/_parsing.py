@@ -60,6 +60,7 @@ OPTIMIZERS = (
     "radam",
     "adadelta",
     "schedule_free_adamw",
+    "stable_adamw",
 )
 OPTIMIZER_ALIASES = {
     "adamw_torch": "adamw",
@@ -69,9 +70,36 @@ OPTIMIZER_ALIASES = {
     "schedule_free": "schedule_free_adamw",
 }
 _REFUSED_OPTIM_MARKERS = ("8bit", "paged", "apex", "galore", "bnb", "lomo")
-SCHEDULERS = ("linear", "cosine", "constant")
+# Hugging Face's learning-rate schedulers (transformers.SchedulerType) and their lr_scheduler_kwargs. A schedule is a
+# public function of the step, so any of them is private; "constant" warms up over warmup_steps (Hugging Face's
+# "constant_with_warmup").
+SCHEDULERS = (
+    "linear", "cosine", "constant", "cosine_with_restarts", "polynomial", "inverse_sqrt", "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr", "warmup_stable_decay",
+)  # fmt: skip
 SCHEDULER_ALIASES = {"constant_with_warmup": "constant"}
-SCHEDULER_KWARGS = {"linear": ("end_value",), "cosine": ("end_value",), "constant": ()}
+SCHEDULER_KWARGS = {
+    "linear": ("end_value",),
+    "cosine": ("end_value", "num_cycles"),
+    "constant": (),
+    "cosine_with_restarts": ("num_cycles",),
+    "polynomial": ("lr_end", "power"),
+    "inverse_sqrt": ("timescale",),
+    "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"),
+    "cosine_warmup_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"),
+    "warmup_stable_decay": (
+        "num_decay_steps", "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio", "num_cycles",
+    ),
+}  # fmt: skip
+_FROM_METRICS = (
+    "it sets the learning rate from metrics measured during training ({metric}), so the schedule would depend on "
+    "data that no privacy mechanism covers; choose a schedule that is a function of the step, such as 'cosine' or "
+    "'warmup_stable_decay'"
+)
+REFUSED_SCHEDULERS = {
+    "reduce_lr_on_plateau": _FROM_METRICS.format(metric="the evaluation loss"),
+    "greedy": _FROM_METRICS.format(metric="the training loss"),
+}
 
 DDP_BACKENDS = ("nccl", "gloo", "mpi", "ucc")
 

@@ -57,11 +57,13 @@ import torch
 from opake_core.errors import ConfigurationError, InputTypeError, PrivacyBudgetError
 from opake_torch import limits, sharded
 from opake_torch.transformers import _command_line as cli
+from opake_torch.transformers import _field_help
 from opake_torch.transformers import _from_hf as hf
 from opake_torch.transformers import _parsing as p
 from opake_torch.transformers._outputs import OutputRules
 from opake_torch.transformers._process import LOG_LEVELS, ParallelMode, ProcessView
 from opake_torch.transformers.compute_settings import ComputeSettings
+from opake_torch.transformers.optimizer import check_schedule_kwargs
 from opake_torch.transformers.privacy_settings import PrivacySettings
 
 __all__ = ["LOG_LEVELS", "SECRET_FIELDS", "ParallelMode", "TrainingArguments", "as_training_arguments"]
@@ -99,14 +101,41 @@ def _check_microbatch(privacy: PrivacySettings, compute: ComputeSettings) -> Non
         )
 
 
+_MISSING = object()
+
+
+def _inert_default(cls: type, name: str) -> Any:
+    """The Hugging Face (or TRL) default of ``name`` when it is an inert or refused name of ``cls`` that is no field
+    (the value a run behaves as if it had), else ``_MISSING``."""
+    if name in hf.INERT:
+        return hf.INERT[name][0]
+    if name in hf.REFUSED:
+        return hf.REFUSED[name][0]
+    rule = getattr(cls, "_trl_names", {}).get(name)
+    if rule is not None and rule.kind in ("inert", "refused") and name not in cls.__dataclass_fields__:
+        return rule.default
+    return _MISSING
+
+
+def _alias_target(cls: type, name: str) -> str | None:
+    """The field that ``name`` is another name for (Hugging Face's, Opacus' or TRL's), or None."""
+    rule = getattr(cls, "_trl_names", {}).get(name)
+    return rule.target if rule is not None and rule.kind == "alias" else hf.ALIASES.get(name)
+
+
 class _AcceptsHuggingFaceNames(type):
     """Metaclass of :class:`TrainingArguments`: ``cls(**kwargs)`` translates the keyword names with
     ``cls._translate_kwargs`` before the dataclass ``__init__`` runs (subclasses inherit it, and may extend the hook
     for names of their own). The values ``HfArgumentParser`` collected under other names
-    (:mod:`~opake_torch.transformers._command_line`) are translated as those keyword arguments."""
+    (:mod:`~opake_torch.transformers._command_line`) are translated as those keyword arguments. The values given to
+    inert names stay readable (``args.hub_strategy``), though they change nothing."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        return super().__call__(*args, **cls._translate_kwargs(cli.as_keywords(kwargs)))
+        kwargs = cli.as_keywords(kwargs)
+        obj = super().__call__(*args, **cls._translate_kwargs(kwargs))
+        given = {name: value for name, value in kwargs.items() if _inert_default(cls, name) is not _MISSING}
+        object.__setattr__(obj, "_inert_values", given)
+        return obj
 
 
 def _option(name: str, *, loose: bool = False) -> dict[str, Any]:
@@ -199,6 +228,7 @@ class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceN
     # reproducibility
     seed: int = 42
     data_seed: int | None = None
+    full_determinism: bool = False
     # logging
     logging_dir: str | None = None
     logging_strategy: str = "steps"
@@ -233,6 +263,7 @@ class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceN
     restore_callback_states_from_checkpoint: bool = False
     resume_from_checkpoint: str | None = None
     ignore_data_skip: bool = False
+    enable_jit_checkpoint: bool = False
     # evaluation
     eval_strategy: str = field(default="no", metadata=_option("eval_strategy"))
     eval_steps: float | None = None  # a count or a fraction, as warmup_steps
@@ -289,7 +320,26 @@ class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceN
         self._resolve_tf32()
         self._resolve_script_flags()
 
+    def __getattr__(self, name: str) -> Any:
+        """Hugging Face's (and TRL's) names that are no field: an alias reads its field (``max_grad_norm`` is
+        ``clipping_norm``), an inert name the value it was given or its default, a refused name its default (the
+        only value it accepts)."""
+        target = None if name.startswith("__") else _alias_target(type(self), name)
+        if target is not None:
+            return getattr(self, target)
+        if name.startswith("__") or _inert_default(type(self), name) is _MISSING:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return self.__dict__.get("_inert_values", {}).get(name, _inert_default(type(self), name))
+
     def __setattr__(self, name: str, value: Any) -> None:
+        alias = _alias_target(type(self), name) is not None
+        if name not in self.__dataclass_fields__ and (alias or _inert_default(type(self), name) is not _MISSING):
+            # as in the constructor: an alias sets its field, an inert name warns, a refused value is refused
+            for target, translated in type(self)._translate_kwargs({name: value}).items():
+                setattr(self, target, translated)
+            if not alias:
+                self.__dict__.setdefault("_inert_values", {})[name] = value
+            return
         kind = _GROUP_OF.get(name)
         if kind is None or "_compute" not in self.__dict__:  # another field, or during construction
             super().__setattr__(name, value)
@@ -384,6 +434,8 @@ class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceN
         self.optim_args = p.as_dict(self.optim_args, "optim_args")
         name = p.plain(self.lr_scheduler)
         name = p.SCHEDULER_ALIASES.get(name, name) if isinstance(name, str) else name
+        if isinstance(name, str) and name in p.REFUSED_SCHEDULERS:
+            raise ConfigurationError(f"lr_scheduler={name!r} is refused: {p.REFUSED_SCHEDULERS[name]}.")
         self.lr_scheduler = p.as_choice(name, "lr_scheduler", p.SCHEDULERS)
         self.lr_scheduler_kwargs = p.as_dict(self.lr_scheduler_kwargs, "lr_scheduler_kwargs")
         p.check_keys(
@@ -392,6 +444,7 @@ class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceN
             "lr_scheduler_kwargs",
             f"lr_scheduler={self.lr_scheduler!r}",
         )
+        check_schedule_kwargs(self.lr_scheduler, self.lr_scheduler_kwargs)
         self.warmup_steps = p.as_steps(self.warmup_steps, "warmup_steps", allow_zero=True)
         self._check_weight_decay()
 
@@ -520,6 +573,7 @@ class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceN
         return from_hf(cls, hf_args, strict=strict, **overrides)
 
 
+_field_help.attach(TrainingArguments, _field_help.HELP)
 # The metaclass's ``__call__`` takes ``**kwargs``; keep help() and IDEs showing the real fields.
 TrainingArguments.__signature__ = inspect.signature(TrainingArguments.__init__).replace(
     parameters=list(inspect.signature(TrainingArguments.__init__).parameters.values())[1:]

@@ -172,6 +172,7 @@ _OUTPUT_FIELDS = frozenset({
     "privacy_allow_large_delta", "ddp_timeout", "local_rank", "do_train", "do_eval", "do_predict", "log_level",
     "log_level_replica", "log_on_each_node", "project", "trackio_space_id", "trackio_bucket_id",
     "trackio_static_space_id",
+    "enable_jit_checkpoint",
     "ignore_data_skip",  # no effect: a resume never skips data (resume.resumed_data)
 })  # fmt: skip
 

@@ -41,7 +41,7 @@ from opake_core.clipping.engine import example_grad
 from opake_core.clipping.microbatching import chunk_sizes
 from opake_core.errors import ConfigurationError
 
-__all__ = ["POSITIONS", "ROWS", "SAMPLE", "check_neighbours", "neighbour_rows"]
+__all__ = ["POSITIONS", "ROWS", "SAMPLE", "check_neighbours", "check_padding_mask", "neighbour_rows"]
 
 SAMPLE = 16
 """Rows read, evenly spaced over the dataset, to find the shortest and the longest."""
@@ -104,6 +104,35 @@ def _empty(row: dict[str, Any]) -> dict[str, Any] | None:
         return {k: torch.as_tensor(v)[:0] if _length(v) is not None else v for k, v in row.items()}
     except (TypeError, ValueError, RuntimeError):
         return None
+
+
+def check_padding_mask(
+    dataset: Any,
+    read: Callable[[Sequence[int]], list[dict[str, Any]]],
+    collate: Callable[[list[dict[str, Any]]], dict[str, Any]],
+) -> None:
+    """ConfigurationError when ``collate`` (a data collator) marks padding as attended: the rows of
+    :func:`neighbour_rows` (``read(indices)`` returns the rows of ``dataset``), collated with the longest of them, give
+    a shorter row an ``attention_mask`` that keeps more positions than the row has tokens. The model then attends to
+    positions whose number depends on the other records of the batch, which couples them (and the neighbour test
+    sees it only where the loss moves). Nothing to see without ``input_ids`` and ``attention_mask``."""
+    sample = neighbour_rows(dataset, read, empty=False)
+    if sample is None:
+        return
+    rows, extra = sample
+    mask = collate([*rows, extra]).get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return
+    for row, kept in zip(rows, mask.ne(0).sum(dim=1).tolist(), strict=False):
+        tokens = _length(row.get("input_ids"))
+        if tokens is not None and kept > tokens:
+            raise ConfigurationError(
+                f"the data collator marks padding as attended: a row of {tokens} tokens, padded to {mask.shape[1]} "
+                f"beside a longer one, gets an attention_mask that keeps {kept} positions. Each record would then "
+                "depend on how long the other records of its batch are, which the privacy guarantee does not allow. "
+                "Use a collator that sets attention_mask to 0 on padding (transformers.DataCollatorWithPadding, "
+                "DataCollatorForLanguageModeling), or leave data_collator=None for the trainer's own padding."
+            )
 
 
 def check_neighbours(

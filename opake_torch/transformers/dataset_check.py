@@ -41,7 +41,16 @@ from torch import nn
 from opake_core.errors import ConfigurationError, InputTypeError
 from opake_torch.transformers.loss import IGNORE_INDEX
 
-__all__ = ["ARROW_ROWS", "CHUNK_ROWS", "DataSummary", "Schema", "check_dataset", "dataset_schema"]
+__all__ = [
+    "ARROW_ROWS",
+    "CHUNK_ROWS",
+    "DataSummary",
+    "Schema",
+    "check_dataset",
+    "dataset_schema",
+    "packed_block",
+    "require_random_access",
+]
 
 CHUNK_ROWS = 4096
 """Rows gathered by ``dataset[i]`` before their values are checked together."""
@@ -79,11 +88,16 @@ class Schema:
 
 @dataclass(frozen=True)
 class DataSummary:
-    """What the pass learnt: the number of rows, and ``probe_row``, the row to run the model on once (the longest
-    ``input_ids``; row 0 without that column; None for no rows, or when every ``input_ids`` is empty)."""
+    """What the pass learnt: the number of rows, ``probe_row``, the row to run the model on once (the longest
+    ``input_ids``; row 0 without that column; None for no rows, or when every ``input_ids`` is empty), and what
+    :func:`packed_block` reads: ``unpadded_length``, the length every ``input_ids`` has when it is the same for all
+    rows (two at least) and no ``attention_mask`` holds a 0 (else None), and ``labels_are_ids``, whether every
+    row's sequence labels equal its ``input_ids`` (None: no sequence labels)."""
 
     rows: int
     probe_row: int | None
+    unpadded_length: int | None = None
+    labels_are_ids: bool | None = None
 
 
 def dataset_schema(
@@ -103,7 +117,7 @@ def dataset_schema(
         return schema
     if task is None:
         return dataclasses.replace(schema, label_kind="any", require_labels=require_labels)
-    if task == "causal_lm":
+    if task in ("causal_lm", "masked_lm"):  # a masked LM's labels are drawn by its collator: not required here
         vocab = _rows_of(base, "get_output_embeddings") or _config_int(config, "vocab_size")
         return dataclasses.replace(schema, label_kind="tokens", label_bound=vocab)
     num_labels = _config_int(config, "num_labels")
@@ -140,6 +154,7 @@ def check_dataset(dataset: Any, schema: Schema, *, keep: set[str] | None = None,
             type or shape (a float token id, a nested sequence, a string label).
         ConfigurationError: a required column is missing, or a value is out of its range.
     """
+    require_random_access(dataset, name)
     if isinstance(dataset, Mapping) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise InputTypeError(
             f"{name} must be a map-style dataset (len(dataset) and dataset[i] for i in range(len)), got "
@@ -158,7 +173,36 @@ def check_dataset(dataset: Any, schema: Schema, *, keep: set[str] | None = None,
             checker.chunk(start, _row_columns(dataset, start, min(size, start + CHUNK_ROWS), checker))
     if checker.columns is not None and "input_ids" not in checker.columns:
         return DataSummary(size, 0)
-    return DataSummary(size, checker.longest_row)
+    return DataSummary(size, checker.longest_row, checker.unpadded_length(size), checker.labels_are_ids)
+
+
+def packed_block(summary: DataSummary, task: str | None) -> int | None:
+    """The block length when the rows look like packed blocks of documents (``run_clm.py``'s ``group_texts``
+    concatenates the tokenized documents and cuts them into rows of ``block_size``): at least two rows, every
+    ``input_ids`` of the same length, no padding in any ``attention_mask``, and labels equal to ``input_ids`` (or no
+    label column, for a causal LM, whose labels are its ``input_ids``, and for a masked LM, whose collator draws them
+    from its ``input_ids``: ``run_mlm.py`` groups texts the same way). None otherwise. Rows of one document each,
+    all truncated to the same length, look the same: the caller warns, it does not refuse."""
+    if summary.unpadded_length is None or summary.labels_are_ids is False:
+        return None
+    return summary.unpadded_length if summary.labels_are_ids or task in ("causal_lm", "masked_lm") else None
+
+
+def require_random_access(dataset: Any, name: str) -> None:
+    """InputTypeError for an iterable dataset (``torch.utils.data.IterableDataset``, which ``datasets``' streaming
+    ``IterableDataset`` is, or any iterable without ``len`` and ``[i]``), with the reason and what to pass instead."""
+    iterable = isinstance(dataset, torch.utils.data.IterableDataset) or (
+        hasattr(dataset, "__iter__") and not isinstance(dataset, Mapping) and not hasattr(dataset, "__getitem__")
+    )
+    if not iterable:
+        return
+    raise InputTypeError(
+        f"{name} is an iterable dataset ({type(dataset).__name__}), which has no size and no random access; "
+        "DPTrainer needs both: Poisson sampling lets every row join each batch independently, which reads rows by "
+        "index, and the dataset size sets the sampling rate q that epsilon is computed for (evaluation reads rows by "
+        "index too). Pass a map-style dataset: load it without streaming=True, or materialize a finite one, e.g. "
+        "datasets.Dataset.from_generator(lambda: (yield from ds), features=ds.features), or list(ds)."
+    )
 
 
 @dataclass
@@ -184,6 +228,9 @@ class _Checker:
         self.columns: set[str] | None = None
         self.longest_row: int | None = None
         self.longest_length = 0
+        self.lengths: tuple[int, int] | None = None  # the shortest and longest input_ids
+        self.padded = False  # an attention mask holds a 0
+        self.labels_are_ids: bool | None = None  # None: no sequence labels seen
 
     def role(self, column: str) -> str | None:
         """What ``column`` holds: ``"ids"``, ``"mask"``, ``"types"``, ``"labels"``, or None (not read here)."""
@@ -243,6 +290,10 @@ class _Checker:
             row = int(np.argmax(ids.lengths))
             if ids.lengths[row] > self.longest_length:
                 self.longest_row, self.longest_length = start + row, int(ids.lengths[row])
+            low, high = int(ids.lengths.min()), int(ids.lengths.max())
+            seen = self.lengths or (low, high)
+            self.lengths = (min(low, seen[0]), max(high, seen[1]))
+        self.note_packing(columns, ids)
         vocab_fix = (
             "Tokenize with the model's own tokenizer, or resize the embeddings (model.resize_token_embeddings) to "
             "cover every id."
@@ -260,6 +311,30 @@ class _Checker:
                 self.in_range(start, name, col, self.schema.type_vocab_size, "token type id", fix)
             elif role == "labels":
                 self.labels(start, name, col, ids)
+
+    def note_packing(self, columns: dict[str, _Column], ids: _Column | None) -> None:
+        """Record what :func:`packed_block` reads: padding in ``attention_mask``, and whether the labels equal
+        ``input_ids``."""
+        mask = columns.get("attention_mask")
+        if mask is not None and self.role("attention_mask") == "mask":
+            self.padded = self.padded or bool((mask.values == 0).any())
+        labels = next((col for name, col in columns.items() if self.role(name) == "labels"), None)
+        if labels is None:
+            return
+        same = (
+            ids is not None
+            and labels.lengths is not None
+            and ids.lengths is not None
+            and np.array_equal(labels.lengths, ids.lengths)
+            and np.array_equal(labels.values, ids.values)
+        )
+        self.labels_are_ids = same and self.labels_are_ids is not False
+
+    def unpadded_length(self, rows: int) -> int | None:
+        """:class:`DataSummary`'s ``unpadded_length`` of ``rows`` rows."""
+        if rows < 2 or self.padded or self.lengths is None or self.lengths[0] != self.lengths[1]:
+            return None
+        return self.lengths[0] if self.lengths[0] > 1 else None
 
     def in_range(
         self, start: int, name: str, col: _Column, high: int | None, what: str, fix: str, ignore: int | None = None

@@ -275,6 +275,9 @@ def step_factory(
         "engine": engine,
         "reduce": topology.reduce,
         "has_aux": has_aux,  # loss_fn returns (loss, per-example log values): they reach metrics.aux
+        # the run gives up each step's inputs: noise, optimizer state and weights are updated in their own tensors
+        # (not under auto_find_microbatch_size, whose retry after an out-of-memory error reruns a step's inputs)
+        "donate": not args.auto_find_microbatch_size,
     }
     if topology.is_sharded:  # FSDP2: the sum formed in the global shapes, reduce-scattered, noised on the rank's rows
         common.update(sum_like=topology.sum_like, shard=topology.layout)

@@ -34,11 +34,14 @@ def prediction_loop(
     per_example_loss: Callable[[dict[str, torch.Tensor]], torch.Tensor] | None,
     compute_metrics: Callable[[EvalPrediction], dict[str, float]] | None,
     prefix: str,
+    preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> PredictionOutput:
     """Losses, predictions, labels and ``<prefix>_*`` metrics of ``model`` on the batches of ``loader`` (a
     :func:`.loaders.eval_loader`, whose ``dataset`` is the range of rows).
 
-    ``logits_loss(logits, labels)`` is one example's loss (vmapped here).
+    ``logits_loss(logits, labels)`` is every example's loss ``[B]`` from the batch's logits and labels.
+    ``preprocess_logits_for_metrics(logits, labels)``, as Hugging Face's, turns each batch's logits into what the
+    predictions keep (an argmax, say), after the loss is computed from the logits.
     ``per_example_loss(example)``, when given, replaces the model's logits with another objective (SFT variants, DPO):
     only its per-example losses are reported. Batches of ``per_device_eval_batch_size``; with
     ``auto_find_microbatch_size`` the rows of an out-of-memory batch are evaluated in halves (and the later batches in
@@ -49,7 +52,6 @@ def prediction_loop(
     model.eval()
     losses, logits_list, labels_list = [], [], []
     size = args.per_device_eval_batch_size
-    loss_of = vmap(logits_loss)
 
     def evaluate_batch(batch: dict[str, torch.Tensor]) -> _Piece:
         if per_example_loss is not None:  # another objective: its per-example losses only, no logits
@@ -58,8 +60,8 @@ def prediction_loop(
         inputs = {k: v for k, v in batch.items() if k not in label_names}
         with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16_full_eval):
             logits = model(**inputs).logits
-        loss = loss_of(logits, labels).float().cpu() if labels is not None else None
-        kept = None if args.prediction_loss_only else logits.float().cpu()
+        loss = logits_loss(logits, labels).float().cpu() if labels is not None else None
+        kept = None if args.prediction_loss_only else _kept(logits, labels, preprocess_logits_for_metrics)
         return loss, kept, (labels.cpu() if labels is not None else None)
 
     with torch.no_grad():
@@ -88,6 +90,12 @@ def prediction_loop(
             metrics[name if name.startswith(f"{prefix}_") else f"{prefix}_{name}"] = value
     metrics.update(speed_metrics(prefix, began, num_samples=len(loader.dataset), num_steps=len(loader)))
     return PredictionOutput(predictions, label_ids, metrics)
+
+
+def _kept(logits: torch.Tensor, labels: torch.Tensor | None, preprocess: Callable | None) -> torch.Tensor:
+    """What the predictions keep of a batch's logits, on the CPU (floats as float32)."""
+    kept = logits if preprocess is None else preprocess(logits, labels)
+    return (kept.float() if kept.is_floating_point() else kept).cpu()
 
 
 def _rows(batch: dict[str, torch.Tensor]) -> int:

@@ -14,6 +14,7 @@ example's own loss from one batched forward (for ``opake_torch.layerwise``).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,19 +22,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.utils import ModelOutput
 
 from opake_core.errors import ConfigurationError
 from opake_torch.patches.kernels import opake_cross_entropy_loss, opake_fused_linear_cross_entropy
 
 __all__ = [
     "IGNORE_INDEX",
+    "ExampleOutput",
     "FusedHead",
+    "HFLoss",
     "attended",
     "batch_losses",
     "causal_lm_loss",
     "fused_causal_lm_losses",
     "fused_head",
+    "hf_loss",
     "infer_task",
+    "logits_losses",
     "loss_from_logits",
     "per_example_loss",
     "sequence_classification_loss",
@@ -41,7 +47,7 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
-TASKS = ("causal_lm", "sequence_classification", "token_classification")
+TASKS = ("causal_lm", "masked_lm", "sequence_classification", "token_classification")
 
 
 def causal_lm_loss(
@@ -112,22 +118,80 @@ def sequence_classification_loss(
     return nll.view(label.shape)
 
 
-def infer_task(model: nn.Module) -> str:
-    """The loss family of a Hugging Face model, from its class name."""
+def _task_of(model: nn.Module) -> str | None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     architectures = getattr(getattr(base, "config", None), "architectures", None) or []
     names = [type(base).__name__, *architectures]
     for candidate in names:
         if candidate.endswith(("ForCausalLM", "LMHeadModel")):
             return "causal_lm"
+        if candidate.endswith("ForMaskedLM"):
+            return "masked_lm"
         if candidate.endswith("ForSequenceClassification"):
             return "sequence_classification"
         if candidate.endswith("ForTokenClassification"):
             return "token_classification"
+    return None
+
+
+def infer_task(model: nn.Module) -> str:
+    """The loss family of a Hugging Face model, from its class name."""
+    task = _task_of(model)
+    if task is not None:
+        return task
     raise ConfigurationError(
         f"cannot tell which per-example loss fits {type(model).__name__}; pass compute_loss_func=(logits, labels) "
         "-> scalar for one example."
     )
+
+
+@dataclass
+class ExampleOutput(ModelOutput):
+    """What a Hugging Face-style ``compute_loss_func`` receives as ``outputs``: one example's ``logits`` ``[1, ...]``
+    (read as ``outputs.logits``, ``outputs["logits"]`` or ``outputs[0]``)."""
+
+    logits: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class HFLoss:
+    """A ``compute_loss_func(outputs, labels, num_items_in_batch)`` with ``transformers.Trainer``'s contract, called on
+    **one** example at a time: ``outputs`` an :class:`ExampleOutput` of that example's logits ``[1, ...]``, ``labels``
+    its labels ``[1, ...]``, ``num_items_in_batch`` its own count of target labels (not -100; for a causal LM those of
+    ``labels[..., 1:]``, as Hugging Face counts; at least 1). A loss that sums its token losses and divides by
+    ``num_items_in_batch`` is then the mean over the example's own tokens: no example's loss reads another's count,
+    which Hugging Face's batch-wide count would do."""
+
+    func: Callable[..., torch.Tensor]
+    shifts_labels: bool
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The loss (a scalar) of one example from its ``logits`` and ``labels``, both without batch dimension."""
+        counted = labels[1:] if self.shifts_labels else labels
+        count = counted.ne(IGNORE_INDEX).sum().clamp(min=1)
+        loss = self.func(ExampleOutput(logits=logits[None]), labels[None], num_items_in_batch=count)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ConfigurationError(
+                f"compute_loss_func returned {loss!r:.80} for one example; it must return the example's loss, a "
+                "tensor with one element."
+            )
+        return loss.reshape(())
+
+
+def hf_loss(func: Callable[..., torch.Tensor] | None, model: nn.Module) -> Callable[..., torch.Tensor] | None:
+    """``func`` as an :class:`HFLoss` when it has Hugging Face's contract (a ``num_items_in_batch`` parameter, or three
+    positional ones: ``outputs, labels, num_items_in_batch``); unchanged when it is a one-example ``(logits, labels)
+    -> scalar`` (or None). Labels are counted shifted for a causal LM (``model``'s class)."""
+    if func is None:
+        return None
+    try:
+        parameters = inspect.signature(func).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): the one-example contract
+        return func
+    positional = [p for p in parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if "num_items_in_batch" in parameters or len(positional) >= 3:
+        return HFLoss(func, shifts_labels=_task_of(model) == "causal_lm")
+    return func
 
 
 def loss_from_logits(
@@ -145,11 +209,28 @@ def loss_from_logits(
         return compute_loss_func(logits, labels)
     if task == "causal_lm":
         return causal_lm_loss(logits, labels, label_smoothing=label_smoothing, kernel=kernel)
-    if task == "token_classification":
+    if task in ("token_classification", "masked_lm"):  # a masked LM classifies its masked tokens over the vocabulary
         return token_classification_loss(logits, labels, label_smoothing=label_smoothing, kernel=kernel)
     if task == "sequence_classification":
         return sequence_classification_loss(logits, labels, label_smoothing=label_smoothing)
     raise ConfigurationError(f"task must be one of {TASKS}, got {task!r}.")
+
+
+def logits_losses(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    task: str | None,
+    compute_loss_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Every example's loss ``[B]`` from a batch's ``logits [B, ...]`` and ``labels [B, ...]`` (:func:`loss_from_logits`
+    row by row; a Hugging Face-style :class:`HFLoss` in a Python loop, as it may do anything with its batch)."""
+    if isinstance(compute_loss_func, HFLoss):
+        return torch.stack([compute_loss_func(logits[i], labels[i]) for i in range(len(logits))])
+    one = lambda row_logits, row_labels: loss_from_logits(  # noqa: E731
+        row_logits, row_labels, task=task, compute_loss_func=compute_loss_func
+    )
+    return torch.vmap(one)(logits, labels)
 
 
 def per_example_loss(
@@ -246,6 +327,8 @@ def batch_losses(
         )
 
     labels = batch[label_names[0]]
+    if isinstance(compute_loss_func, HFLoss):
+        return attended(logits_losses(logits, labels, task=task, compute_loss_func=compute_loss_func), inputs)
     if compute_loss_func is not None or kernel:  # per example: a user's loss, the Triton kernel's per-row mean
         return attended(torch.vmap(one)(logits, labels), inputs)
     # the built-in losses on the whole batch, row by row the same operations: under torch.compile, vmap's batching

@@ -8,8 +8,9 @@ peft``, tags) and replaces peft's generic text. ``DPTrainer.save_model`` writes 
 it is part of every upload (:mod:`opake_torch.hub`).
 
 The card states epsilon and delta, the accountant and the neighbouring relation, the privacy unit (one example, one
-sequence, one preference pair: always one row of the training dataset), the sampler, the mechanism, clipping, the
-noise multiplier and the number of steps, and lists what the guarantee does not cover.
+sequence, one preference pair, one block of packed tokens: always one row of the training dataset; for packed blocks
+it says that a document spanning several is protected at group level only), the sampler, the mechanism, clipping,
+the noise multiplier and the number of steps, and lists what the guarantee does not cover.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "OUTSIDE_THE_GUARANTEE",
     "base_model_of",
     "model_card",
+    "packing_note",
     "privacy_unit",
     "write_model_card",
     "write_trainer_card",
@@ -50,7 +52,7 @@ SAMPLERS = {
     "b_min_sep": "b-min-separation sampling: a row takes part at most once in any b consecutive steps",
     "balls_in_bins": "balls-in-bins: every row is assigned to one random batch of each epoch",
 }
-UNITS = {"causal_lm": "one sequence"}  # task -> privacy unit; other tasks: one example
+UNITS = {"causal_lm": "one sequence", "masked_lm": "one sequence"}  # task -> privacy unit; other tasks: one example
 OUTSIDE_THE_GUARANTEE = (
     "**Logged metrics.** The training loss, clip rate and every other statistic in the logs (`runs/`, the "
     "reporting integrations, `train_results.json`, `trainer_state.json`) are exact statistics of the private data. "
@@ -67,10 +69,24 @@ OUTSIDE_THE_GUARANTEE = (
 )
 
 
-def privacy_unit(task: str | None, declared: str | None = None) -> str:
-    """The privacy unit a trainer names on its card: ``declared`` (a trainer's ``privacy_unit`` attribute) or the
-    one of its task (one sequence for a causal LM, else one example)."""
+def privacy_unit(task: str | None, declared: str | None = None, *, block: int | None = None) -> str:
+    """The privacy unit a trainer names on its card: one block of ``block`` tokens where the training rows look like
+    packed blocks of documents (:func:`.dataset_check.packed_block`), else ``declared`` (a trainer's
+    ``privacy_unit`` attribute) or the one of its task (one sequence for a causal LM, else one example)."""
+    if block is not None:
+        return f"one block of {block} tokens"
     return declared or UNITS.get(task or "", "one example")
+
+
+def packing_note(block: int) -> str:
+    """What the card says of packed rows of ``block`` tokens: a document is protected at group level only."""
+    return (
+        f"**Packed rows.** Every training row holds exactly {block} tokens, without padding, labelled by its own "
+        "tokens: the shape of blocks cut from concatenated documents (`run_clm.py`'s `group_texts`). The guarantee "
+        f"protects one block of {block} tokens, not one document: a document spanning k blocks is protected only as "
+        "a group of k units, by group privacy (k·ε, k·e^((k-1)ε)·δ). To protect documents, train on one document "
+        "per row."
+    )
 
 
 def model_card(
@@ -81,9 +97,11 @@ def model_card(
     metadata: Mapping[str, Any] | None = None,
     model_name: str | None = None,
     versions: Mapping[str, str] | None = None,
+    block: int | None = None,
 ) -> str:
     """The markdown of the card: front matter from ``metadata``, then the guarantee of ``record`` (the public
-    privacy record of the run; None when no private training ran) under ``args``, for the privacy unit ``unit``."""
+    privacy record of the run; None when no private training ran) under ``args``, for the privacy unit ``unit``;
+    ``block``: the training rows looked like packed blocks of that many tokens (:func:`packing_note`)."""
     lines = [_front_matter(metadata or {}), f"# {model_name or 'Model'} (differentially private)", ""]
     base = (metadata or {}).get("base_model")
     source = f" from [`{base}`](https://huggingface.co/{base})" if isinstance(base, str) and base else ""
@@ -94,6 +112,7 @@ def model_card(
         "## Privacy guarantee",
         "",
         *_guarantee(record, args, unit),
+        *(["", packing_note(block)] if block is not None else []),
         "",
         "## Outside the guarantee",
         "",
@@ -237,9 +256,11 @@ def write_model_card(
     unit: str,
     metadata: Mapping[str, Any] | None = None,
     model_name: str | None = None,
+    block: int | None = None,
 ) -> Path:
-    """Write :func:`model_card` to ``folder/README.md``. The metadata of a card already there (peft's, or an
-    earlier one) is kept and extended: its tags are merged, ``metadata`` wins elsewhere; its text is replaced."""
+    """Write :func:`model_card` to ``folder/README.md`` (``block``: packed rows, :func:`packing_note`). The metadata
+    of a card already there (peft's, or an earlier one) is kept and extended: its tags are merged, ``metadata`` wins
+    elsewhere; its text is replaced."""
     Path(folder).mkdir(parents=True, exist_ok=True)
     path = Path(folder) / "README.md"
     merged: dict[str, Any] = {}
@@ -253,7 +274,8 @@ def write_model_card(
     merged.update(new)
     merged["tags"] = list(dict.fromkeys(tags))
     merged.setdefault("library_name", "transformers")
-    path.write_text(model_card(record, args, unit=unit, metadata=merged, model_name=model_name), encoding="utf-8")
+    card = model_card(record, args, unit=unit, metadata=merged, model_name=model_name, block=block)
+    path.write_text(card, encoding="utf-8")
     return path
 
 
@@ -307,6 +329,7 @@ def write_trainer_card(
         "pipeline_tag": task if isinstance(task, str) else None,
         "datasets": _as_list(dataset_tags or dataset),
     }
-    unit = privacy_unit(trainer.task, trainer.privacy_unit)
+    block = trainer.packed_block
+    unit = privacy_unit(trainer.task, trainer.privacy_unit, block=block)
     name = model_name or Path(folder).resolve().name
-    return write_model_card(folder, record, args, unit=unit, metadata=metadata, model_name=name)
+    return write_model_card(folder, record, args, unit=unit, metadata=metadata, model_name=name, block=block)

@@ -78,7 +78,7 @@ def check_outputs(output: Any, *, task: str | None, classes: int | None, positio
     shape = tuple(logits.shape)
     if task == "sequence_classification":
         expected = (1, classes or None)
-    elif task in ("token_classification", "causal_lm"):
+    elif task in ("token_classification", "causal_lm", "masked_lm"):
         expected = (1, positions or None, classes or None)  # positions 0: inputs without input_ids
     else:
         expected = (1,) + (None,) * max(len(shape) - 1, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,7 @@ from opake_core.errors import ConfigurationError
 from opake_core.optim import schedules
 from opake_torch.transformers._parsing import OPTIMIZERS, check_schedule_free_best_model
 
-__all__ = ["build_optimizer", "build_schedule"]
+__all__ = ["build_optimizer", "build_schedule", "check_schedule_kwargs"]
 
 
 @dataclass(frozen=True)
@@ -25,23 +26,75 @@ class ScheduleFreeWarmup:
         return float(self.schedule(step)) * min(1.0, (int(step) + 1) / self.warmup_steps)
 
 
+def check_schedule_kwargs(name: str, kwargs: dict[str, Any]) -> None:
+    """The ``lr_scheduler_kwargs`` that ``name`` needs (their names are checked against ``SCHEDULER_KWARGS`` first;
+    their values by the schedule, when the run's length is known)."""
+    with_min_lr = name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr")
+    if with_min_lr and ("min_lr" in kwargs) == ("min_lr_rate" in kwargs):
+        raise ConfigurationError(
+            f"lr_scheduler={name!r} needs exactly one of lr_scheduler_kwargs['min_lr'] (a learning rate) or "
+            f"['min_lr_rate'] (a fraction of learning_rate), got {sorted(kwargs)}; e.g. {{'min_lr_rate': 0.1}}."
+        )
+    if name == "warmup_stable_decay" and "num_decay_steps" not in kwargs:
+        raise ConfigurationError(
+            "lr_scheduler='warmup_stable_decay' needs lr_scheduler_kwargs['num_decay_steps'] (as in Hugging Face), "
+            f"got {sorted(kwargs)}; e.g. {{'num_decay_steps': 100}}."
+        )
+
+
+def _min_lr(lr: float, kwargs: dict[str, Any]) -> float:
+    return float(kwargs["min_lr"]) if "min_lr" in kwargs else lr * float(kwargs["min_lr_rate"])
+
+
+def _decay(name: str, lr: float, kwargs: dict[str, Any], warmup: int, total_steps: int) -> Any:
+    """The schedule after the warm-up, constant at ``lr`` until ``warmup`` (Hugging Face's formulas, in
+    ``transformers.optimization``)."""
+    steps = max(total_steps - warmup, 1)
+    if name == "linear":
+        return schedules.linear(lr, kwargs.get("end_value", 0.0), steps, transition_begin=warmup)
+    if name in ("cosine", "cosine_with_min_lr"):
+        end = _min_lr(lr, kwargs) if name == "cosine_with_min_lr" else kwargs.get("end_value", 0.0)
+        return schedules.cosine(lr, end, steps, transition_begin=warmup, num_cycles=kwargs.get("num_cycles", 0.5))
+    if name == "cosine_with_restarts":
+        return schedules.cosine_restarts(lr, steps, transition_begin=warmup, num_cycles=kwargs.get("num_cycles", 1))
+    if name == "polynomial":
+        end = kwargs.get("lr_end", 1e-7)
+        return schedules.polynomial(lr, end, steps, transition_begin=warmup, power=kwargs.get("power", 1.0))
+    if name == "inverse_sqrt":
+        return schedules.inverse_sqrt(lr, kwargs.get("timescale") or warmup or 10_000, transition_begin=warmup)
+    return schedules.constant(lr)
+
+
 def build_schedule(args: Any, total_steps: int) -> Any:
-    """``lr_scheduler`` over ``total_steps`` with ``warmup_steps`` (a count, or a fraction of the run).
+    """``lr_scheduler`` over ``total_steps`` with ``warmup_steps`` (a count, or a fraction of the run rounded up), as
+    Hugging Face's scheduler of that name (``lr_scheduler_kwargs`` with its names), value for value at every step.
 
     The warm-up ramps linearly from 0 at the first update (:func:`~opake_core.optim.schedules.with_warmup`); with
     ``optim="schedule_free_adamw"`` it is the optimizer's own ramp, ``(step + 1) / warmup_steps``.
+    ``"warmup_stable_decay"`` has its own warm-up, and ``"cosine_warmup_with_min_lr"`` Hugging Face's ramp
+    ``(step + 1) / warmup_steps`` (or from ``warmup_lr_rate``) with its decay one step ahead.
     """
     warmup = args.warmup_steps
-    warmup = round(warmup * total_steps) if isinstance(warmup, float) else int(warmup)
+    warmup = math.ceil(warmup * total_steps) if isinstance(warmup, float) else int(warmup)  # Hugging Face's count
     warmup = min(warmup, total_steps)
-    lr, end = args.learning_rate, args.lr_scheduler_kwargs.get("end_value", 0.0)
-    decay = max(total_steps - warmup, 1)
-    if args.lr_scheduler == "linear":
-        schedule = schedules.linear(lr, end, decay, transition_begin=warmup)
-    elif args.lr_scheduler == "cosine":
-        schedule = schedules.cosine(lr, end, decay, transition_begin=warmup)
-    else:
-        schedule = schedules.constant(lr)
+    name, lr, kwargs = args.lr_scheduler, args.learning_rate, args.lr_scheduler_kwargs
+    if name == "warmup_stable_decay":
+        decay = int(kwargs["num_decay_steps"])
+        stable = kwargs.get("num_stable_steps", total_steps - warmup - decay)
+        shape = {k: kwargs[k] for k in ("warmup_type", "decay_type", "min_lr_ratio", "num_cycles") if k in kwargs}
+        return schedules.warmup_stable_decay(lr, warmup_steps=warmup, stable_steps=stable, decay_steps=decay, **shape)
+    if name == "cosine_warmup_with_min_lr":
+        begin = max(warmup - 1, 0)
+        cycles = kwargs.get("num_cycles", 0.5)
+        schedule = schedules.cosine(lr, _min_lr(lr, kwargs), max(total_steps - warmup, 1), begin, num_cycles=cycles)
+        if warmup == 0:  # Hugging Face's decay would start one step ahead, before the first update
+            raise ConfigurationError(
+                "lr_scheduler='cosine_warmup_with_min_lr' needs a warm-up (warmup_steps resolves to 0 updates); set "
+                "warmup_steps, or use lr_scheduler='cosine_with_min_lr' for no warm-up."
+            )
+        start = kwargs.get("warmup_lr_rate")
+        return schedules.with_warmup(schedule, max(warmup - 1, 1), init_value=1 / warmup if start is None else start)
+    schedule = _decay(name, lr, kwargs, warmup, total_steps)
     if warmup <= 0:
         return schedule
     if args.optim == "schedule_free_adamw":
@@ -62,6 +115,7 @@ _FACTORIES = {
     "radam": optim.radam,
     "adadelta": optim.adadelta,
     "schedule_free_adamw": optim.schedule_free_adamw,
+    "stable_adamw": optim.stable_adamw,
 }
 
 
@@ -81,7 +135,7 @@ def build_optimizer(args: Any, total_steps: int) -> optim.Optimizer:
     if name not in _FACTORIES:
         raise ConfigurationError(f"optim must be one of {list(OPTIMIZERS)}, got {args.optim!r}.")
     defaults: dict[str, Any] = {} if name == "adam" else {"weight_decay": args.weight_decay}
-    if name in ("adam", "adamw"):
+    if name in ("adam", "adamw", "stable_adamw"):
         defaults.update(betas=betas, eps=args.adam_epsilon, noise_bias_correction=args.optim.endswith("-bc"))
     elif name in ("radam", "schedule_free_adamw"):
         defaults.update(betas=betas, eps=args.adam_epsilon)

@@ -23,27 +23,29 @@ import numpy as np
 import torch
 
 from opake_torch.transformers import coupling, engines
-from opake_torch.transformers.data import fetch
-from opake_torch.transformers.dataset_check import check_dataset, dataset_schema
+from opake_torch.transformers.data import collate, fetch, on_device
+from opake_torch.transformers.dataset_check import DataSummary, check_dataset, dataset_schema
 from opake_torch.transformers.model_setup import probe_outputs
 from opake_torch.transformers.routers import router_logits_off, with_load
 
 __all__ = ["check_data", "independent_engine", "routing", "verified_engine"]
 
 
-def check_data(trainer: Any, dataset: Any, name: str, *, training: bool, own_loss: bool) -> None:
+def check_data(trainer: Any, dataset: Any, name: str, *, training: bool, own_loss: bool) -> DataSummary:
     """Refuse a row of ``dataset`` (called ``name`` in messages) that the loss cannot take and, with the built-in
     loss (``own_loss``), a model output it cannot read (one forward of the longest row); ``training``: labels are
-    required. ConfigurationError or InputTypeError naming the row."""
+    required. ConfigurationError or InputTypeError naming the row. Returns what the pass over the rows learnt."""
     model, task, labels = trainer.model, trainer.task, trainer.label_names
     schema = dataset_schema(model, task=task, label_names=labels, own_loss=own_loss, require_labels=training)
-    row = check_dataset(dataset, schema, keep=trainer.dataset_columns, name=name).probe_row
+    summary = check_dataset(dataset, schema, keep=trainer.dataset_columns, name=name)
+    row = summary.probe_row
     if own_loss and row is not None:
         classes = schema.label_bound if task is not None else None
         forward = functools.partial(trainer.apply_model, trainer.trainable_params)
         batch = trainer.fetch_batch(dataset, np.array([row]))
         where = f"{name} row {row}"
         probe_outputs(model, forward, batch, label_names=labels, task=task, classes=classes, where=where)
+    return summary
 
 
 def verified_engine(trainer: Any, layerwise: Any, *, loss_fn: Callable[..., torch.Tensor], geometry: Any) -> Any:
@@ -80,12 +82,47 @@ def independent_engine(
 
     read = functools.partial(fetch, dataset, keep=trainer.dataset_columns)
     sample = coupling.neighbour_rows(dataset, read, empty=own_loss and trainer.data_collator is None)
+    if sample is not None and _draws_at_random(trainer, sample[0]):
+        # a collator that draws (MLM masking) would give the rows of S other draws in the second batch; the test
+        # compares the rows with one draw each, padded by the trainer's own collation
+        *rows, extra = _drawn_once(trainer, [*sample[0], sample[1]])
+        sample = (rows, extra)
+        pad = getattr(trainer.processing_class, "pad_token_id", None) or 0
+
+        def batch_of(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+            batch = on_device(collate(rows, pad_token_id=pad), trainer.args.device)
+            return _with_uniform_load(batch, geometry)
+
     with routing(trainer.model, geometry):
         return engines.independent(
             layerwise, args=trainer.args, model=trainer.model,
             params=trainer.topology.engine_params(trainer.trainable_params), batch_of=batch_of,
             loss_fn=loss_fn, has_aux=has_aux, sample=sample, microbatch=microbatch,
         )  # fmt: skip
+
+
+def _draws_at_random(trainer: Any, rows: list[dict[str, Any]]) -> bool:
+    """Whether the trainer's ``data_collator`` draws random numbers (``DataCollatorForLanguageModeling`` draws the
+    masked tokens): two collations of ``rows`` in a row differ. The global torch generator is left as it was."""
+    if trainer.data_collator is None:
+        return False
+    with torch.random.fork_rng(devices=[]):
+        first, second = (trainer.fetch_batch(rows, np.arange(len(rows))) for _ in range(2))
+    return first.keys() != second.keys() or any(not torch.equal(first[k], second[k]) for k in first)
+
+
+def _drawn_once(trainer: Any, rows: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+    """``rows`` collated once by the trainer's collator, then split back into rows on the host, each sequence column
+    cut to the row's own ``input_ids`` length (the padding the collator added removed). The global torch generator
+    is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        batch = {k: v.cpu() for k, v in trainer.fetch_batch(rows, np.arange(len(rows))).items()}
+    width = batch["input_ids"].shape[1] if "input_ids" in batch else None
+    out = []
+    for i, row in enumerate(rows):
+        length = len(row["input_ids"]) if "input_ids" in row else width
+        out.append({k: v[i, :length] if v.dim() > 1 and v.shape[1] == width else v[i] for k, v in batch.items()})
+    return out
 
 
 @contextlib.contextmanager

@@ -66,6 +66,13 @@ class PrivacyPlan(Plan):
     accounted: bool = True
     clipping: Any = None
 
+    @property
+    def planned_steps(self) -> int:
+        """The steps the run is planned to take: ``stop_step``, where a target epsilon stops a fixed noise multiplier
+        before ``total_steps`` (predicted before the first step), else ``total_steps``. The learning-rate schedule,
+        the progress bar and ``TrainerState.max_steps`` are planned to it."""
+        return self.total_steps if self.stop_step is None else min(self.stop_step, self.total_steps)
+
     def clipping_for(self, params: dict[str, Any]) -> Any:
         """The plan's clipping rule for the trainable ``params`` (names to tensors): a per-group bound becomes its
         :class:`~opake_core.tree.PerGroup`, any other rule is the plan's own."""

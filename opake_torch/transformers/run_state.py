@@ -94,6 +94,7 @@ class Run:
     dataset: Any = None  # the DatasetFingerprint of the training data (private: saved in dp_state.json only)
     step: Any = None  # the step function: (params, opt_state, dp_state, batches) -> (..., metrics)
     optimizer: Any = None  # the core optimizer (its eval_params give the published weights)
+    released: Any = None  # the step's optimizer as a ReleasedNorm: the norm of the last noised gradient (grad_norm)
     restored: Any = None  # the checkpoint's TrainerState a resume continues (RESTORED_FIELDS), None for a fresh start
     count: int = 0
     examples: int = 0  # the examples of the steps since the last row (this rank's)
@@ -118,6 +119,7 @@ class Run:
         device: torch.device,
         step: Any = None,
         optimizer: Any = None,
+        released: Any = None,
         example_metrics: Any = None,
         router: tuple[Any, Any, Any] | None = None,
     ) -> Run:
@@ -135,6 +137,7 @@ class Run:
             schedule=schedule,
             step=step,
             optimizer=optimizer,
+            released=released,
             loss_sum=zero.clone(),
             clip_sum=zero.clone(),
             nonfinite=torch.zeros((), dtype=torch.int64, device=device),
@@ -146,15 +149,16 @@ class Run:
         )
 
     def trainer_state(self, args: Any) -> DPTrainerState:
-        """The trainer state at the start of the run: its horizon, intervals and resolved privacy parameters, and
-        for a resumed run the step, logs and best checkpoint it continues from."""
-        plan = self.plan
+        """The trainer state at the start of the run: its planned steps (``max_steps``, which sizes the progress bar:
+        :attr:`.privacy.PrivacyPlan.planned_steps`), intervals and resolved privacy parameters, and for a resumed run
+        the step, logs and best checkpoint it continues from."""
+        plan, steps = self.plan, self.plan.planned_steps  # a target epsilon's predicted stop, else the whole run
         state = DPTrainerState(
-            max_steps=plan.total_steps,
-            num_train_epochs=math.ceil(plan.total_steps / plan.steps_per_epoch),
-            logging_steps=_as_count(args.logging_steps, plan.total_steps),
-            eval_steps=_as_count(args.eval_steps or args.logging_steps, plan.total_steps),
-            save_steps=_as_count(args.save_steps, plan.total_steps),
+            max_steps=steps,
+            num_train_epochs=math.ceil(steps / plan.steps_per_epoch),
+            logging_steps=_as_count(args.logging_steps, steps),
+            eval_steps=_as_count(args.eval_steps or args.logging_steps, steps),
+            save_steps=_as_count(args.save_steps, steps),
             train_batch_size=args.train_batch_size,
             is_local_process_zero=args.local_process_index == 0,
             is_world_process_zero=args.process_index == 0,

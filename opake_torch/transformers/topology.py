@@ -224,8 +224,11 @@ def in_model(step_fn: Callable[..., Any], model: torch.nn.Module) -> Callable[..
         params, *rest = step_fn(*inputs)
         if not own:
             own.update(sharded.local_params(model, params))
-        with torch.no_grad():
-            torch._foreach_copy_([own[name] for name in params], list(params.values()))
+        # a donating step wrote the model's own tensors in place: only other tensors are copied
+        moved = [name for name in params if params[name].data_ptr() != own[name].data_ptr()]
+        if moved:
+            with torch.no_grad():
+                torch._foreach_copy_([own[name] for name in moved], [params[name] for name in moved])
         return (dict(own), *rest)
 
     return step

@@ -16,6 +16,7 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -23,29 +24,44 @@ import numpy as np
 import torch
 from torch import nn
 from transformers.trainer_callback import TrainerControl
-from transformers.trainer_utils import PredictionOutput, TrainOutput
+from transformers.trainer_utils import PredictionOutput, TrainOutput, enable_full_determinism, set_seed
 
 from opake_core import accounting
 from opake_core.errors import ConfigurationError
 from opake_torch.functional import functional_model
 from opake_torch.transformers import checkpoint_folder as ckpt
-from opake_torch.transformers import engines, preflight, resume, saving
+from opake_torch.transformers import coupling, engines, preemption, preflight, resume, saving
 from opake_torch.transformers.arguments import TrainingArguments, as_training_arguments
 from opake_torch.transformers.compile import CudaGraphChunk, EagerAfterFailedCapture
-from opake_torch.transformers.data import model_input_names
+from opake_torch.transformers.data import fetch, model_input_names
+from opake_torch.transformers.dataset_check import packed_block, require_random_access
 from opake_torch.transformers.engines import step_factory
 from opake_torch.transformers.evaluation import prediction_loop
-from opake_torch.transformers.hf_surface import HFSurface, apply_log_level, callback_handler, refuse_overrides
+from opake_torch.transformers.hf_surface import (
+    HFSurface,
+    apply_log_level,
+    build_model,
+    callback_handler,
+    refuse_overrides,
+)
 from opake_torch.transformers.keys import RunKeys, first_keys
 from opake_torch.transformers.loaders import DataLoaders
-from opake_torch.transformers.loss import batch_losses, fused_causal_lm_losses, fused_head, infer_task, loss_from_logits
+from opake_torch.transformers.loss import (
+    batch_losses,
+    fused_causal_lm_losses,
+    fused_head,
+    hf_loss,
+    infer_task,
+    logits_losses,
+)
 from opake_torch.transformers.microbatch import ShrinkingStep
 from opake_torch.transformers.model_card import write_trainer_card
 from opake_torch.transformers.model_setup import check_inputs, prepare_model, with_training_patches
 from opake_torch.transformers.optimizer import build_optimizer, build_schedule
 from opake_torch.transformers.privacy import PrivacyPlan
+from opake_torch.transformers.released_norm import ReleasedNorm
 from opake_torch.transformers.routers import RouterSetup, router_logits_off, with_load
-from opake_torch.transformers.run_state import DPTrainerState, Run
+from opake_torch.transformers.run_state import DPTrainerState, Run, ledger_result
 from opake_torch.transformers.step_losses import batched_loss, example_loss
 from opake_torch.transformers.topology import topology
 
@@ -67,9 +83,15 @@ class DPTrainer(HFSurface, DataLoaders):
         train_dataset: a map-style dataset of dicts (``len`` and ``[i]``).
         eval_dataset: the same, for :meth:`evaluate`.
         processing_class: the tokenizer (used for the pad token and saved with the model).
-        compute_loss_func: ``(logits, labels) -> scalar`` for **one** example (no batch dimension), replacing
-            the loss inferred from the model class.
+        model_init: ``() -> model`` (or ``(trial) -> model``), called once when ``model`` is None, after
+            ``set_seed(args.seed)``, as Hugging Face's.
+        compute_loss_func: replaces the loss inferred from the model class, applied to each example on its own:
+            Hugging Face's ``(outputs, labels, num_items_in_batch) -> loss`` (a batch of one, ``num_items_in_batch``
+            the example's own count of target labels: :class:`.loss.HFLoss`), or ``(logits, labels) -> scalar`` on
+            one example's tensors without batch dimension.
         compute_metrics: ``EvalPrediction -> dict`` for evaluation.
+        preprocess_logits_for_metrics: ``(logits, labels) -> tensor``, applied to each evaluation batch's logits
+            before they are kept for ``compute_metrics`` (the loss reads the logits themselves), as Hugging Face's.
         callbacks: ``transformers.TrainerCallback`` instances or classes.
         optimizers: must be ``(None, None)``; choose the optimizer with ``args.optim``.
 
@@ -109,29 +131,45 @@ class DPTrainer(HFSurface, DataLoaders):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | None,
         args: TrainingArguments,
         data_collator: Any = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
         processing_class: Any = None,
+        model_init: Callable[..., nn.Module] | None = None,
         compute_loss_func: Any = None,
         compute_metrics: Any = None,
         callbacks: list[Any] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
     ) -> None:
         refuse_overrides(type(self))
         if args is not None:  # a transformers.TrainingArguments is converted (from_hf), or refused without a budget
             args = as_training_arguments(args)
+            # as Hugging Face's Trainer: dropout and model_init draw from the seeded generators; full_determinism
+            # also makes torch's kernels deterministic (never the DP noise or sampling: see privacy_noise_seed)
+            enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
+        model = build_model(model, model_init)
         check_inputs(model, args, optimizers, TrainingArguments)
+        self.model_init = model_init
+        self.packed_block: int | None = None  # the block length where the training rows look packed (the card's unit)
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        # the core optimizer (functional: its state lives in the run and its checkpoints) and the learning-rate
+        # schedule (step -> rate) of the train() in progress, else of the last one; None before the first
+        self.optimizer: Any = None
+        self.lr_scheduler: Any = None
         self.args = args
         apply_log_level(args)
         self.topology = topology(args)  # one process, or DDP ranks under torchrun
         self.model, self.compat_patches, self.performance_patches = prepare_model(model, args, self.topology)
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if dataset is not None:  # refused now, not at train(): sampling needs the size and rows by index
+                require_random_access(dataset, name)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class = processing_class
         self.data_collator = data_collator
-        self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
+        self.compute_loss_func, self.compute_metrics = hf_loss(compute_loss_func, model), compute_metrics
         self.chunk_graphs: CudaGraphChunk | None = None  # the CUDA-graph captures of the chunk (cuda_graphs > 0)
         self.task = None if compute_loss_func is not None else infer_task(model)
         self.label_names = tuple(args.label_names or ["labels"])
@@ -237,6 +275,8 @@ class DPTrainer(HFSurface, DataLoaders):
             router_settings=None if self._router is None else self._router.settings(), start=self._start_run,
         )  # fmt: skip
         self._keys, self._live, self.state = run.keys, run, run.trainer_state(args)
+        self.optimizer, self.lr_scheduler = run.optimizer, run.schedule
+        self.callback_handler.optimizer, self.callback_handler.lr_scheduler = run.optimizer, run.schedule
         return run
 
     def _start_run(self, plan: PrivacyPlan, keys: RunKeys, ledger: accounting.Ledger) -> Run:
@@ -263,7 +303,8 @@ class DPTrainer(HFSurface, DataLoaders):
         release = None if router is None else router.release(
             noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.expected_batch_size, noise_key=keys.noise
         )  # fmt: skip
-        optimizer = build_optimizer(args, plan.total_steps)
+        optimizer = build_optimizer(args, plan.planned_steps)  # a target epsilon's predicted stop ends the schedule
+        released = ReleasedNorm(optimizer)  # what the step's optimizer receives, for grad_norm
         transform = engines.chunk_transform(args, keep=lambda graphs: setattr(self, "chunk_graphs", graphs))
         factory = functools.partial(
             step_factory,
@@ -271,7 +312,7 @@ class DPTrainer(HFSurface, DataLoaders):
             args,
             loss_fn,
             params=self._params,
-            optimizer=optimizer,
+            optimizer=released,
             clipping=plan.clipping_for(self._params),
             key=keys.noise,
             topology=self.topology,
@@ -292,7 +333,8 @@ class DPTrainer(HFSurface, DataLoaders):
             step_fn = self.topology.model_step(step_fn, self.model, microbatch=microbatch, idle=idle)
         return Run.start(
             plan, keys, ledger, params=self._params, opt_state=optimizer.init(self._params), dp_state=dp_state,
-            schedule=build_schedule(args, plan.total_steps), device=args.device, step=step_fn, optimizer=optimizer,
+            schedule=build_schedule(args, plan.planned_steps), device=args.device, step=step_fn, optimizer=optimizer,
+            released=released,
             example_metrics=self._example_metrics() if metrics else None,
             router=None if release is None else (router, *release),
         )  # fmt: skip
@@ -319,7 +361,21 @@ class DPTrainer(HFSurface, DataLoaders):
     def _check_data(self, dataset: Any, name: str, *, training: bool) -> None:
         """Refuse a row the loss cannot take and a model output it cannot read (:func:`.preflight.check_data`);
         ``training``: labels are required."""
-        preflight.check_data(self, dataset, name, training=training, own_loss=self._own_loss)
+        summary = preflight.check_data(self, dataset, name, training=training, own_loss=self._own_loss)
+        if training:
+            self.packed_block = packed_block(summary, self.task)
+        if training and self.packed_block is not None:
+            logger.warning(
+                "%s looks packed: its %d rows all hold exactly %d tokens, without padding, labelled by their own "
+                "input_ids, as run_clm.py's group_texts makes by concatenating documents and cutting blocks. The "
+                "privacy unit is one row, here one block of %d tokens: a document spanning k blocks is protected only "
+                "at group level (group privacy: k times epsilon). The model card says so. To protect documents, give "
+                "each document its own row (truncated or padded, not concatenated).",
+                name, summary.rows, self.packed_block, self.packed_block,
+            )  # fmt: skip
+        if training and self.data_collator is not None:  # the trainer's own collation masks padding
+            read = functools.partial(fetch, dataset, keep=self.dataset_columns)
+            coupling.check_padding_mask(dataset, read, self._collate)
 
     @with_training_patches  # the process-level patches of the run, undone when train() returns or raises
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
@@ -332,14 +388,24 @@ class DPTrainer(HFSurface, DataLoaders):
         args, begin = self.args, time.time()
         run = self._start(resume_from_checkpoint)
         plan, first, stop = run.plan, self.state.global_step, run.plan.stop_step
+        if plan.planned_steps < plan.total_steps:
+            logger.info(
+                "privacy_target_epsilon=%g is reached at step %d of the %d that max_steps or num_train_epochs ask for "
+                "(noise multiplier %g): the run stops there, and its learning-rate schedule and progress bar are "
+                "planned for %d steps.",
+                args.privacy_target_epsilon, plan.planned_steps, plan.total_steps, plan.noise_multiplier,
+                plan.planned_steps,
+            )  # fmt: skip
+        jit = preemption.Preemption(args.enable_jit_checkpoint)  # SIGTERM/SIGUSR1: checkpoint at the step's end
         try:
+            jit.install()
             self.model.train()
             self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
             if args.eval_on_start and self.state.global_step == 0:
                 self.evaluate(_run=run)
             while self.state.global_step < plan.total_steps and not self.control.should_training_stop:
                 if stop is not None and self.state.global_step >= stop:
-                    self.state.privacy_target_epsilon_reached = True
+                    self._target_reached(run)
                     break
                 epoch_before = int(self.state.epoch)
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
@@ -364,15 +430,21 @@ class DPTrainer(HFSurface, DataLoaders):
                 self.state.global_step += 1
                 self.state.epoch = self.state.global_step / plan.steps_per_epoch
                 if stop is not None and self.state.global_step >= stop:
-                    self.state.privacy_target_epsilon_reached = True
+                    self._target_reached(run)
                     self.control.should_training_stop = True
                 self.control = self.callback_handler.on_step_end(args, self.state, self.control)
                 if int(self.state.epoch) > epoch_before:
                     self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+                signum = jit.requested()  # after the step and its ledger record: the checkpoint holds both
+                self.control.should_save |= bool(signum)
                 self._log_save_evaluate(run)
+                if signum:
+                    folder = Path(args.output_dir) / f"{ckpt.PREFIX}-{self.state.global_step}"
+                    raise preemption.TrainingPreempted(signum, self.state.global_step, folder)
             if run.count:
                 self._log_steps(run)
         finally:  # whatever ends the run, its releases stay charged and a later train() is a new segment
+            jit.restore()
             self._plan, self._ledger, self._trained, self._live = plan, run.ledger, True, None
         if args.load_best_model_at_end and self.state.best_model_checkpoint:
             best = Path(self.state.best_model_checkpoint)
@@ -389,19 +461,35 @@ class DPTrainer(HFSurface, DataLoaders):
             self.push_to_hub()
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
+    def _target_reached(self, run: Run) -> None:
+        """Mark the state (``privacy_target_epsilon_reached``) and log the stop, once per run: the step, and the
+        epsilon spent."""
+        if self.state.privacy_target_epsilon_reached:
+            return
+        self.state.privacy_target_epsilon_reached = True
+        spent = f" (epsilon {ledger_result(run.ledger, run.plan.delta).value:.4g} at delta {run.plan.delta:.3g})"
+        logger.warning(
+            "target epsilon %g reached at step %d%s: training stops.",
+            self.args.privacy_target_epsilon, self.state.global_step, spent if run.plan.accounted else "",
+        )  # fmt: skip
+
     def _log_steps(self, run: Run) -> None:
         """Log the steps since the last row (under DDP with ``average_tokens_across_devices``: means over ranks);
         StateError when they released noise only (:meth:`.run_state.Run.drain`)."""
         average = self.args.average_tokens_across_devices
         ranks = self.args.world_size if self.topology.is_distributed else 1
-        self.log(
-            run.drain(
-                learning_rate=float(run.schedule(max(self.state.global_step - 1, 0))),
-                clipping_norm=self.args.clipping_norm,
-                mean=self.topology.mean if average else lambda value: value,
-                total=lambda value: self.topology.mean(value) * ranks,
-            )
+        total = lambda value: self.topology.mean(value) * ranks  # noqa: E731
+        logs = run.drain(
+            learning_rate=float(run.schedule(max(self.state.global_step - 1, 0))),
+            clipping_norm=self.args.clipping_norm,
+            mean=self.topology.mean if average else lambda value: value,
+            total=total,
         )
+        squared = run.released.squared
+        if squared is not None:  # the last step's noised gradient; FSDP2: each rank holds its rows of it
+            squared = total(squared) if self.topology.is_sharded else squared
+            logs = {"loss": logs["loss"], "grad_norm": float(squared.sqrt()), **logs}
+        self.log(logs)
         if run.noise_only:  # the steps that ran were released and charged: train() keeps them in the ledger
             raise run.noise_only_error()
 
@@ -482,12 +570,13 @@ class DPTrainer(HFSurface, DataLoaders):
             self.get_test_dataloader(dataset),
             args=self.args,
             label_names=self.label_names,
-            logits_loss=lambda logits, labels: loss_from_logits(
+            logits_loss=lambda logits, labels: logits_losses(
                 logits, labels, task=self.task, compute_loss_func=self.compute_loss_func
             ),
             per_example_loss=(lambda example: self.compute_per_example_loss(params, example)) if custom else None,
             compute_metrics=self.compute_metrics,
             prefix=prefix,
+            preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
         )
 
     # -- state -------------------------------------------------------------------------------------------------------

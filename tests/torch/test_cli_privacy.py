@@ -146,6 +146,15 @@ def test_k_out_of_t_uses_monte_carlo(capsys):
     assert 0 < answer["epsilon"] < 10
 
 
+def test_k_out_of_t_defaults_to_the_numerical_pld(capsys):
+    answer = _run(
+        capsys, "privacy", "epsilon", "--noise-multiplier", "1.0", "--steps", "100", "--delta", "1e-5",
+        "--sampler", "k_out_of_t", "--k", "2", "--allocation", "block", "--json",
+    )  # fmt: skip
+    process = acc.k_out_of_t(acc.gaussian(1.0), k=2, t=100, allocation="block")
+    assert (answer["accountant"], answer["epsilon"]) == ("pld", acc.epsilon(process, delta=1e-5).value)
+
+
 def test_plot_writes_a_png(capsys, tmp_path):
     path = tmp_path / "eps.png"
     _run(
@@ -227,7 +236,7 @@ def test_k_and_allocation_give_the_k_out_of_t_accountant(capsys, k, allocation):
     argv = ["privacy", "epsilon", "--noise-multiplier", "1.0", "--steps", "12", "--delta", "1e-2", "--json"]
     answer = _run(capsys, *argv, "--sampler", "k_out_of_t", "--k", k, "--allocation", allocation, "--mc-samples", "500")
     process = acc.k_out_of_t(acc.gaussian(1.0), k=int(k), t=12, allocation=allocation)
-    direct = acc.epsilon(process, delta=1e-2, monte_carlo=acc.MonteCarlo(num_samples=500))
+    direct = acc.epsilon(process, delta=1e-2, accountant="monte_carlo", monte_carlo=acc.MonteCarlo(num_samples=500))
     assert (answer["epsilon"], answer["accountant"]) == (direct.value, direct.accountant)
     assert (answer["k"], answer["allocation"], answer["mc_samples"]) == (int(k), allocation, 500)
 
@@ -283,7 +292,8 @@ def test_mc_samples_sets_the_monte_carlo_count(capsys):
     process = acc.k_out_of_t(acc.gaussian(0.8), k=2, t=8, allocation="total")
     for samples in (200, 5000):
         answer = _run(capsys, *argv, "--mc-samples", str(samples))
-        direct = acc.epsilon(process, delta=1e-2, monte_carlo=acc.MonteCarlo(num_samples=samples)).value
+        mc = acc.MonteCarlo(num_samples=samples)
+        direct = acc.epsilon(process, delta=1e-2, accountant="monte_carlo", monte_carlo=mc).value
         assert answer["epsilon"] == direct and answer["mc_samples"] == samples
 
 

@@ -180,6 +180,11 @@ SPEC = {
     "discopop_tau": real(0, SCALE, open_low=True),
     "label_smoothing": real(0, 1, open_high=True),
     "precompute_ref_batch_size": optional(count(1, INT32)),
+    "simpo_gamma": real(0, SCALE),
+    "cpo_alpha": real(0, SCALE),
+    "orpo_lambda": real(0, SCALE),
+    "ld_alpha": optional(real(0, 1)),
+    "f_alpha_divergence_coef": real(0, SCALE),
 }
 VALUES = [
     True, False, None, 0, 1, -1, 2, 8, 0.5, 1.5, 50.0, 1e-7, 1e-13, 1e-300, 1e300, 1e308, INT32, INT32 + 1, 2**32,
@@ -288,7 +293,8 @@ def _same(stored, given) -> bool:
 MULTI_CASES = 300
 MULTI_FIELDS = [
     *sorted(SPEC.keys() - {"loss_chunk_size", "packing", "padding_free", "beta", "discopop_tau", "label_smoothing",
-                            "precompute_ref_batch_size"}),
+                            "precompute_ref_batch_size", "simpo_gamma", "cpo_alpha", "orpo_lambda", "ld_alpha",
+                            "f_alpha_divergence_coef"}),
     "optim", "lr_scheduler", "clipping_mode", "clipping_kwargs", "privacy_noise_mechanism",
     "privacy_noise_mechanism_kwargs", "noise_calibration_kwargs", "sampling_mode", "sampling_kwargs",
     "privacy_noise_generator", "per_example_gradients", "torch_compile_mode", "label_names", "save_only_model", "bf16",

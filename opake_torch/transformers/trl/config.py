@@ -40,9 +40,11 @@ from typing import Any, ClassVar
 from opake_core.errors import ConfigurationError
 from opake_torch.limits import MAX_COUNT, MAX_SCALE
 from opake_torch.transformers import _command_line as cli
+from opake_torch.transformers import _field_help
 from opake_torch.transformers import _from_hf as hf
 from opake_torch.transformers import _parsing as p
 from opake_torch.transformers.arguments import TrainingArguments
+from opake_torch.transformers.trl.dpo_losses import PairOptions
 
 __all__ = [
     "DPO_LOSS_TYPES",
@@ -57,10 +59,12 @@ __all__ = [
 
 SFT_LOSS_TYPES = ("nll", "dft", "chunked_nll")
 # TRL's per-pair DPO losses (trl/trainer/dpo_trainer.py, TRL 1.16): each is a function of one pair's four
-# log-probabilities (and, for ipo / sigmoid_norm, its completion lengths); see opake_torch.transformers.trl.dpo.
+# log-probabilities (and, for ipo / sigmoid_norm, its completion lengths); see opake_torch.transformers.trl.dpo. Then
+# the reference-free ones of TRL's CPO / ORPO trainers and the chosen completion's NLL, from the pair's own tokens
+# (opake_torch.transformers.trl.dpo_losses).
 DPO_LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
-    "discopop", "sigmoid_norm",
+    "discopop", "sigmoid_norm", "simpo", "cpo", "orpo", "chosen_nll",
 )  # fmt: skip
 _COUPLED = "so one example's loss depends on the other examples of the batch and its gradient cannot be clipped alone"
 # TRL's DPO losses that are not per-pair, and why.
@@ -69,11 +73,11 @@ DPO_REFUSED_LOSSES = {
     "aot_unpaired": f"sorts log-ratios across the batch, {_COUPLED}",
     "sft": (
         "is TRL's mean over the chosen tokens of the whole batch (a token-level normalization across examples), "
-        f"{_COUPLED}; train SFT on the chosen completions with SFTTrainer instead"
+        f"{_COUPLED}; use loss_type='chosen_nll', the mean over each pair's own chosen tokens"
     ),
 }
 # DPO losses that read label_smoothing (TRL ignores it for the others).
-_SMOOTHED = ("robust", "exo_pair")
+_SMOOTHED = ("robust", "exo_pair", "simpo", "cpo")
 
 _ONE_ROW_ONE_EXAMPLE = (
     "one row must be one example: {name} puts several examples into one row, so one example's gradient could no "
@@ -103,6 +107,11 @@ def _resolve_chat_template(value: Any) -> str | None:
             "text, or the path of a .jinja file."
         )
     return text
+
+
+def _model_init_kwargs(value: Any) -> dict[str, Any] | None:
+    """TRL's ``model_init_kwargs``: None, or the keyword arguments of ``from_pretrained`` (a dict or a JSON object)."""
+    return None if value is None else p.as_dict(value, "model_init_kwargs")
 
 
 # -- the TRL names -----------------------------------------------------------------------------------------------------
@@ -155,10 +164,6 @@ def _same(value: Any, default: Any) -> bool:
     return value in empty and default in empty
 
 
-_LOADS = (
-    "the private trainers take a model object, not a name to load; load the model (with these settings) yourself "
-    "and pass it as model="
-)
 _PER_ROW = "rows are formatted once, in this process, when the trainer is built; pre-tokenized rows are used as given"
 _OFFLOAD = "activations are not offloaded to the CPU; bound memory with microbatch_size and gradient_checkpointing"
 _PACK = (
@@ -180,12 +185,11 @@ _AUX = (
     "the MoE load-balancing loss is computed over all the tokens routed in a batch, so one example's loss would "
     "depend on the others and its gradient could not be clipped alone"
 )
-_NOT_IMPL = "this variant of the DPO loss is not implemented in the private trainer"
 _TRDPO = "it only serves sync_ref_model (TR-DPO), which is refused"
 
 SFT_NAMES: dict[str, TRLName] = {
-    "model_init_kwargs": _inert(None, _LOADS),
-    "trust_remote_code": _inert(False, _LOADS),
+    "model_init_kwargs": _field(),
+    "trust_remote_code": _field(),
     "router_aux_loss_coef": _refused(None, _AUX, "leave router_aux_loss_coef=None (no auxiliary loss is added)"),
     "chat_template_path": _alias("chat_template"),
     "dataset_text_field": _field(),
@@ -207,8 +211,8 @@ SFT_NAMES: dict[str, TRLName] = {
     "pad_token": _refused(None, _PAD_TOKEN, "set pad_token on the tokenizer you pass as processing_class"),
 }
 DPO_NAMES: dict[str, TRLName] = {
-    "model_init_kwargs": _inert(None, _LOADS),
-    "trust_remote_code": _inert(False, _LOADS),
+    "model_init_kwargs": _field(),
+    "trust_remote_code": _field(),
     "router_aux_loss_coef": _refused(None, _AUX, "leave router_aux_loss_coef=None (no auxiliary loss is added)"),
     "disable_dropout": _field(),
     "dataset_num_proc": _inert(None, _PER_ROW),
@@ -219,19 +223,13 @@ DPO_NAMES: dict[str, TRLName] = {
     "precompute_ref_log_probs": _field(),
     "precompute_ref_batch_size": _field(),
     "loss_type": _field(),
-    "loss_weights": _refused(
-        None,
-        "a weighted combination of DPO losses (TRL's MPO) is not implemented in the private trainer",
-        "pick one loss_type",
-    ),
-    "ld_alpha": _refused(None, _NOT_IMPL + " (LD-DPO's length desensitization)", "leave ld_alpha=None"),
-    "f_divergence_type": _refused(
-        "reverse_kl", _NOT_IMPL + " (f-DPO's divergences)", "use f_divergence_type='reverse_kl' (standard DPO)"
-    ),
-    "f_alpha_divergence_coef": _inert(0.5, "it only serves f_divergence_type='alpha_divergence', which is refused"),
+    "loss_weights": _field(),
+    "ld_alpha": _field(),
+    "f_divergence_type": _field(),
+    "f_alpha_divergence_coef": _field(),
     "label_smoothing": _field(),
     "beta": _field(),
-    "use_weighting": _refused(False, _NOT_IMPL + " (WPO weighting)", "leave use_weighting=False"),
+    "use_weighting": _field(),
     "discopop_tau": _field(),
     "activation_offloading": _inert(False, _OFFLOAD),
     "sync_ref_model": _refused(
@@ -334,6 +332,10 @@ class SFTConfig(TrainingArguments):
             detached target probability, arXiv 2508.05629) or ``"chunked_nll"`` (``"nll"`` computed from hidden
             states without the full ``[T, V]`` logits, see :mod:`opake_torch.transformers.trl.chunked_nll`).
         loss_chunk_size: positions per chunk for ``"chunked_nll"``.
+        model_init_kwargs: keyword arguments of ``from_pretrained`` (``dtype``, ``revision``,
+            ``attn_implementation``, ...) when the trainer's ``model`` is a name or path
+            (:mod:`opake_torch.transformers.trl.loading`); None: TRL's defaults (``dtype="float32"``).
+        trust_remote_code: run the model's own code from its repository when loading it by name (as in TRL).
         packing, padding_free: accepted for TRL compatibility, refused when True.
 
     Every other ``trl.SFTConfig`` name is accepted as :data:`SFT_NAMES` says.
@@ -357,6 +359,8 @@ class SFTConfig(TrainingArguments):
     eos_token: str | None = None
     loss_type: str = "nll"
     loss_chunk_size: int = 256
+    model_init_kwargs: dict[str, Any] | str | None = None
+    trust_remote_code: bool = False
     packing: bool = False
     # --padding_free also takes TRL's names that are no field (hidden from --help)
     padding_free: bool = field(default=False, metadata=_carrier(SFT_NAMES, "packing", "padding_free"))
@@ -387,6 +391,7 @@ class SFTConfig(TrainingArguments):
                 f"(got {self.loss_type!r}); set label_smoothing_factor=0.0 or loss_type='nll'."
             )
         self.chat_template = _resolve_chat_template(self.chat_template)
+        self.model_init_kwargs = _model_init_kwargs(self.model_init_kwargs)
 
     @classmethod
     def from_trl(cls, trl_args: Any, *, strict: bool = True, **overrides: Any) -> SFTConfig:
@@ -403,26 +408,27 @@ class SFTConfig(TrainingArguments):
         return _from_trl(cls, trl_args, trl.SFTConfig, SFT_NAMES, strict=strict, overrides=overrides)
 
 
-def _dpo_loss_type(value: Any) -> str:
+def _dpo_loss_type(value: Any) -> str | tuple[str, ...]:
+    """One per-pair loss name, or a tuple of several (TRL's MPO; a list, or names separated by commas)."""
     loss = p.plain(value)
-    if isinstance(loss, list | tuple):
-        refused = [name for name in loss if name in DPO_REFUSED_LOSSES]
-        if len(loss) != 1:
-            why = f"; besides, {refused[0]!r} {DPO_REFUSED_LOSSES[refused[0]]}" if refused else ""
+    if isinstance(loss, str) and "," in loss:
+        loss = [name.strip() for name in loss.split(",")]
+    names = [p.plain(name) for name in loss] if isinstance(loss, list | tuple) else [loss]
+    for name in names:
+        if name in DPO_REFUSED_LOSSES:
             raise ConfigurationError(
-                f"loss_type={list(loss)!r}: a combination of DPO losses (TRL's MPO) is not supported{why}. Pick one of "
-                f"{list(DPO_LOSS_TYPES)}."
+                f"loss_type={name!r} {DPO_REFUSED_LOSSES[name]}. Use one of the per-pair losses {list(DPO_LOSS_TYPES)}."
             )
-        loss = loss[0]
-    if loss in DPO_REFUSED_LOSSES:
+        if name not in DPO_LOSS_TYPES:
+            close = difflib.get_close_matches(str(name), DPO_LOSS_TYPES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigurationError(f"loss_type must be one of {list(DPO_LOSS_TYPES)}, got {value!r}{hint}.")
+    if not names or len(set(names)) != len(names):
         raise ConfigurationError(
-            f"loss_type={loss!r} {DPO_REFUSED_LOSSES[loss]}. Use one of the per-pair losses {list(DPO_LOSS_TYPES)}."
+            f"loss_type={value!r}: name each loss once (a list combines them, weighted by loss_weights), e.g. "
+            "['sigmoid', 'chosen_nll']."
         )
-    if loss not in DPO_LOSS_TYPES:
-        close = difflib.get_close_matches(str(loss), DPO_LOSS_TYPES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigurationError(f"loss_type must be one of {list(DPO_LOSS_TYPES)}, got {value!r}{hint}.")
-    return loss
+    return names[0] if len(names) == 1 else tuple(names)
 
 
 @dataclass
@@ -433,10 +439,20 @@ class DPOConfig(TrainingArguments):
         max_length: tokens kept per prompt + completion sequence (keep-start truncation).
         beta: the DPO temperature (the KL weight; IPO's tau).
         loss_type: one of :data:`DPO_LOSS_TYPES`, TRL's per-pair losses with TRL's formulas (see
-            :func:`opake_torch.transformers.trl.dpo.dpo_loss`). A one-element list is accepted for TRL
-            compatibility; the losses of :data:`DPO_REFUSED_LOSSES` couple the examples of a batch and are refused.
-        label_smoothing: the flip probability of ``"robust"`` (in [0, 0.5)) and the epsilon of ``"exo_pair"`` (in
-            (0, 1)); as in TRL, the other losses ignore it (a non-zero value warns).
+            :func:`opake_torch.transformers.trl.dpo.dpo_loss`) and the reference-free ``"simpo"``, ``"cpo"``,
+            ``"orpo"``, ``"chosen_nll"`` (:mod:`opake_torch.transformers.trl.dpo_losses`); or several of them (a
+            list, or names separated by commas: TRL's MPO), stored as a tuple. The losses of
+            :data:`DPO_REFUSED_LOSSES` couple the examples of a batch and are refused.
+        loss_weights: one weight (>= 0) per loss of ``loss_type``; None: all 1.
+        label_smoothing: the flip probability of ``"robust"`` (in [0, 0.5)), the epsilon of ``"exo_pair"`` (in
+            (0, 1)) and the conservative smoothing of ``"simpo"`` / ``"cpo"``; as in TRL, the other losses ignore
+            it (a non-zero value warns).
+        simpo_gamma, cpo_alpha, orpo_lambda: SimPO's target margin, CPO's NLL weight, ORPO's odds-ratio weight.
+        ld_alpha: LD-DPO's weight of the completion tokens past the shorter completion's length, in [0, 1]; None:
+            plain sums.
+        f_divergence_type, f_alpha_divergence_coef: f-DPO's divergence (``"reverse_kl"`` is DPO) and the alpha of
+            ``"alpha_divergence"``.
+        use_weighting: WPO's weighting of each pair by its completions' probabilities under the policy.
         discopop_tau: the temperature of ``"discopop"`` (TRL's default 0.05).
         precompute_ref_log_probs: score every example with the reference once, at construction, and store the
             results as the ``ref_chosen_logps`` / ``ref_rejected_logps`` columns; False runs the reference in every
@@ -444,6 +460,7 @@ class DPOConfig(TrainingArguments):
         precompute_ref_batch_size: batch size of that pass; None uses ``per_device_eval_batch_size``.
         disable_dropout: set every dropout probability of the policy and the reference to 0.
         chat_template: a Jinja chat template (the text or a file path) set on the tokenizer before formatting.
+        model_init_kwargs, trust_remote_code: as in :class:`SFTConfig`, for a policy given by name or path.
         padding_free: accepted for TRL compatibility, refused when True.
 
     Every other ``trl.DPOConfig`` name is accepted as :data:`DPO_NAMES` says.
@@ -461,13 +478,23 @@ class DPOConfig(TrainingArguments):
     logging_steps: float = 10
     max_length: int | None = 1024
     beta: float = 0.1
-    loss_type: str = "sigmoid"  # a one-element list too (TRL's type); str for HfArgumentParser
+    loss_type: str = "sigmoid"  # a list too (TRL's type), stored as a tuple when several; str for HfArgumentParser
+    loss_weights: list[float] | None = None
     label_smoothing: float = 0.0
     discopop_tau: float = 0.05
+    simpo_gamma: float = 0.5
+    cpo_alpha: float = 1.0
+    orpo_lambda: float = 1.0
+    ld_alpha: float | None = None
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
+    use_weighting: bool = False
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None
     disable_dropout: bool = True
     chat_template: str | None = None
+    model_init_kwargs: dict[str, Any] | str | None = None
+    trust_remote_code: bool = False
     # --padding_free also takes TRL's names that are no field (hidden from --help)
     padding_free: bool = field(default=False, metadata=_carrier(DPO_NAMES, "padding_free"))
 
@@ -478,6 +505,11 @@ class DPOConfig(TrainingArguments):
         "discopop_tau": p.Limit(False, 0, MAX_SCALE, "TRL's default is 0.05", open_low=True),
         "label_smoothing": p.Limit(False, 0, 1, "a probability; see loss_type for the range each loss reads"),
         "precompute_ref_batch_size": p.Limit(True, 1, MAX_COUNT, "a batch size"),
+        "simpo_gamma": p.Limit(False, 0, MAX_SCALE, "SimPO's target reward margin; its default is 0.5"),
+        "cpo_alpha": p.Limit(False, 0, MAX_SCALE, "the weight of CPO's NLL term; its default is 1.0"),
+        "orpo_lambda": p.Limit(False, 0, MAX_SCALE, "the weight of ORPO's odds-ratio term; its default is 1.0"),
+        "ld_alpha": p.Limit(False, 0, 1, "LD-DPO's weight of the tokens past the shorter completion"),
+        "f_alpha_divergence_coef": p.Limit(False, 0, MAX_SCALE, "the alpha of f_divergence_type='alpha_divergence'"),
     }
 
     @classmethod
@@ -492,24 +524,29 @@ class DPOConfig(TrainingArguments):
         self.beta = float(self.beta)
         self._resolve_label_smoothing()
         self.discopop_tau = float(self.discopop_tau)
+        if self.loss_weights is not None:
+            self.loss_weights = [float(w) for w in self.loss_weights]
+        PairOptions.from_args(self)  # the combinations: weights per loss, f-DPO's losses, ld_alpha's range
         self.chat_template = _resolve_chat_template(self.chat_template)
+        self.model_init_kwargs = _model_init_kwargs(self.model_init_kwargs)
 
     def _resolve_label_smoothing(self) -> None:
         smoothing = float(self.label_smoothing)
         loss = self.loss_type
-        if loss == "robust" and not 0 <= smoothing < 0.5:
+        names = (loss,) if isinstance(loss, str) else loss
+        if "robust" in names and not 0 <= smoothing < 0.5:
             raise ConfigurationError(
                 f"label_smoothing={smoothing!r} with loss_type='robust' is the probability that a preference label is "
                 "flipped and must lie in [0, 0.5) (the loss divides by 1 - 2 * label_smoothing); e.g. 0.1."
             )
-        if loss == "exo_pair" and not 0 < smoothing < 1:
+        if "exo_pair" in names and not 0 < smoothing < 1:
             raise ConfigurationError(
                 f"label_smoothing={smoothing!r} with loss_type='exo_pair' is EXO's epsilon and must lie in (0, 1) "
                 "(the loss takes log(epsilon)); the EXO paper recommends 1e-3."
             )
         if not 0 <= smoothing < 1:
             raise ConfigurationError(f"label_smoothing must be in [0, 1), got {smoothing!r}.")
-        if smoothing and loss not in _SMOOTHED:
+        if smoothing and not set(names) & set(_SMOOTHED):
             warnings.warn(
                 f"DPOConfig: label_smoothing={smoothing!r} has no effect with loss_type={loss!r}: as in TRL, only "
                 f"{list(_SMOOTHED)} read it.",
@@ -599,6 +636,8 @@ def _from_trl(
     return converted
 
 
+_field_help.attach(SFTConfig, _field_help.SFT_HELP)
+_field_help.attach(DPOConfig, _field_help.DPO_HELP)
 # Keep help() and IDEs showing the real fields.
 for _cls in (SFTConfig, DPOConfig):
     _cls.__signature__ = inspect.signature(_cls.__init__).replace(

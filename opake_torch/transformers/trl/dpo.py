@@ -12,8 +12,10 @@ step, they reach the released model only through the clipped, noised gradient of
 saved; the TRL log values that read them (``rewards/*``), like every logged statistic of the training data, are
 outside the guarantee. (A reference trained on the private data without DP would void this argument.)
 
-Losses: TRL's per-pair losses with TRL's formulas (:func:`dpo_loss`, :data:`~.config.DPO_LOSS_TYPES`); the losses
-that couple the pairs of a batch are refused by :class:`~.config.DPOConfig`.
+Losses: TRL's per-pair losses with TRL's formulas (:func:`dpo_loss`, :data:`~.config.DPO_LOSS_TYPES`), the
+reference-free ones (SimPO, CPO, ORPO, the chosen NLL) and the per-pair options (MPO weights, WPO, LD-DPO, f-DPO) of
+:mod:`~opake_torch.transformers.trl.dpo_losses`; the losses that couple the pairs of a batch are refused by
+:class:`~.config.DPOConfig`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from opake_torch.transformers.arguments import TrainingArguments
 from opake_torch.transformers.trainer import DPTrainer
 from opake_torch.transformers.trl.config import DPO_LOSS_TYPES, DPOConfig
 from opake_torch.transformers.trl.data import default_collator, preference_example
+from opake_torch.transformers.trl.dpo_losses import PairOptions, pair_logps, pair_loss, summed_logps, token_logps
+from opake_torch.transformers.trl.loading import load_tokenizer
 from opake_torch.transformers.trl.metrics import TRLMetrics, dpo_example_metrics
 from opake_torch.transformers.trl.sft import prepare_model, prepare_tokenizer, upcast_args
 
@@ -156,7 +160,8 @@ class DPOTrainer(DPTrainer):
     """Private DPO on :class:`DPTrainer`'s DP-SGD loop.
 
     Args:
-        model: the policy, a causal LM object (PEFT models train their adapters only).
+        model: the policy, a causal LM (PEFT models train their adapters only), or its name or path, loaded as TRL
+            does (:mod:`opake_torch.transformers.trl.loading`).
         ref_model: the frozen reference. None: for a PEFT policy, the base model with adapters disabled; otherwise a
             frozen deep copy of the initial policy. Must not be ``model`` itself.
         args: :class:`DPOConfig`; a plain :class:`TrainingArguments` is upcast, a ``trl.DPOConfig`` converted
@@ -165,6 +170,7 @@ class DPOTrainer(DPTrainer):
         train_dataset, eval_dataset: rows with ``prompt`` / ``chosen`` / ``rejected`` (strings or message lists) or
             conversational ``chosen`` / ``rejected`` with an implicit prompt; formatted once here.
         processing_class: the tokenizer (a copy gets ``args.chat_template`` and an EOS pad fallback).
+        quantization_config: TRL's argument; None only (quantized base weights are refused).
         peft_config: wrap ``model`` with ``peft.get_peft_model`` first.
         compute_metrics, callbacks, optimizers: as in :class:`DPTrainer`.
 
@@ -194,7 +200,7 @@ class DPOTrainer(DPTrainer):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | str,
         ref_model: nn.Module | None = None,
         args: DPOConfig | TrainingArguments | None = None,
         data_collator: Any = None,
@@ -204,6 +210,7 @@ class DPOTrainer(DPTrainer):
         compute_metrics: Any = None,
         callbacks: list[Any] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
+        quantization_config: Any = None,
         peft_config: Any = None,
     ) -> None:
         args = upcast_args(args, DPOConfig)
@@ -212,7 +219,8 @@ class DPOTrainer(DPTrainer):
                 "ref_model is the policy object itself: it would move with training. Pass ref_model=None (a frozen "
                 "copy of the initial policy, or the base model for PEFT) or a separate model."
             )
-        model = prepare_model(model, peft_config)
+        processing_class = load_tokenizer(processing_class, model, args)
+        model = prepare_model(model, args, peft_config, quantization_config)
         if ref_model is None and not _is_peft(model):
             ref_model = copy.deepcopy(model)
         if ref_model is not None:
@@ -274,11 +282,15 @@ class DPOTrainer(DPTrainer):
         for start in range(0, len(dataset), size):
             rows = dataset[start : start + size]
             batch = {k: v.to(self.args.device) for k, v in self.data_collator(rows).items()}
+            logps = {}
             for side in SIDES:
                 ids, mask = batch[f"{side}_input_ids"], batch[f"{side}_attention_mask"]
                 logits = self._reference_logits(self._params, input_ids=ids, attention_mask=mask)
-                logps = torch.vmap(sequence_logps)(logits, ids, batch[f"{side}_completion_mask"])
-                for row, value in zip(rows, logps.cpu(), strict=True):
+                logps[side] = torch.vmap(token_logps)(logits, ids)
+            masks = {side: batch[f"{side}_completion_mask"] for side in SIDES}
+            summed = torch.vmap(lambda lp, m: summed_logps(lp, m, self.args.ld_alpha))(logps, masks)
+            for side in SIDES:
+                for row, value in zip(rows, summed[side].cpu(), strict=True):
                     row[f"ref_{side}_logps"] = value
         self.model.train(was_training)
 
@@ -309,34 +321,26 @@ class DPOTrainer(DPTrainer):
         return loss, metrics
 
     def _pair(self, params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]) -> tuple[Any, ...]:
-        """``(loss, policy logps, reference logps, policy logits)`` of one pair, per side."""
-        policy, reference, tokens, logits = {}, {}, {}, {}
+        """``(loss, policy logps, reference logps, policy logits)`` of one pair, per side (the loss and its options:
+        :mod:`~opake_torch.transformers.trl.dpo_losses`)."""
+        options = PairOptions.from_args(self.args)
+        logits, ids, completion, ref_logps = {}, {}, {}, {}
         for side in SIDES:
-            ids, completion = example[f"{side}_input_ids"], example[f"{side}_completion_mask"]
-            inputs = {"input_ids": ids[None], "attention_mask": example[f"{side}_attention_mask"][None]}
+            ids[side], completion[side] = example[f"{side}_input_ids"], example[f"{side}_completion_mask"]
+            inputs = {"input_ids": ids[side][None], "attention_mask": example[f"{side}_attention_mask"][None]}
             logits[side] = self.apply_model(params, **inputs).logits[0]
-            policy[side] = sequence_logps(logits[side], ids, completion)
-            tokens[side] = completion.sum()
-            if f"ref_{side}_logps" in example:
-                reference[side] = example[f"ref_{side}_logps"]
-            else:
+            if options.needs_reference and f"ref_{side}_logps" not in example:
                 with torch.no_grad():
-                    ref_logits = self._reference_logits(params, **inputs)[0]
-                    reference[side] = sequence_logps(ref_logits, ids, completion).detach()
-        args = self.args
-        loss = dpo_loss(
-            policy["chosen"],
-            policy["rejected"],
-            reference["chosen"],
-            reference["rejected"],
-            beta=args.beta,
-            loss_type=args.loss_type,
-            chosen_tokens=tokens["chosen"],
-            rejected_tokens=tokens["rejected"],
-            label_smoothing=args.label_smoothing,
-            discopop_tau=args.discopop_tau,
-        )
-        return loss, policy, reference, logits
+                    ref_logps[side] = token_logps(self._reference_logits(params, **inputs)[0], ids[side]).detach()
+        reference = None
+        if options.needs_reference:
+            precomputed = {side: example[f"ref_{side}_logps"] for side in SIDES if f"ref_{side}_logps" in example}
+            reference = precomputed or summed_logps(ref_logps, completion, options.ld_alpha)
+        pair = pair_logps(options, logits, ids, completion, reference)
+        policy = {"chosen": pair.chosen, "rejected": pair.rejected}
+        if reference is None:  # reference-free losses: TRL's CPO / ORPO log rewards against a zero reference
+            reference = {side: torch.zeros_like(value).detach() for side, value in policy.items()}
+        return pair_loss(pair, options), policy, reference, logits
 
     def example_metrics(self) -> TRLMetrics:
         """A fresh accumulator of this trainer's per-example log values, read out under TRL's names."""

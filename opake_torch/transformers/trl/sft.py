@@ -25,6 +25,7 @@ from opake_torch.transformers.trainer import DPTrainer
 from opake_torch.transformers.trl.chunked_nll import chunked_nll
 from opake_torch.transformers.trl.config import SFTConfig
 from opake_torch.transformers.trl.data import IGNORE_INDEX, default_collator, sft_example
+from opake_torch.transformers.trl.loading import load_model, load_tokenizer
 from opake_torch.transformers.trl.metrics import TRLMetrics, sft_example_metrics
 
 __all__ = ["SFTTrainer", "dft_loss"]
@@ -93,12 +94,10 @@ def upcast_args(args: Any, cls: type) -> Any:
     )
 
 
-def prepare_model(model: nn.Module, peft_config: Any) -> nn.Module:
-    if isinstance(model, str):
-        raise ConfigurationError(
-            f"model={model!r}: pass a model object (e.g. AutoModelForCausalLM.from_pretrained({model!r})); the private "
-            "trainers do not download or load models by name."
-        )
+def prepare_model(model: nn.Module | str, args: Any, peft_config: Any, quantization_config: Any = None) -> nn.Module:
+    """``model``, loaded first when it is a name or path (:func:`~opake_torch.transformers.trl.loading.load_model`,
+    as TRL does), then wrapped with ``peft.get_peft_model`` when ``peft_config`` is given."""
+    model = load_model(model, args, quantization_config)
     if peft_config is not None:
         from peft import get_peft_model
 
@@ -147,14 +146,17 @@ class SFTTrainer(DPTrainer):
     """Private SFT: TRL's ``SFTTrainer`` data formats on :class:`DPTrainer`'s DP-SGD loop.
 
     Args:
-        model: a causal LM (a model object; PEFT models train their adapters only).
+        model: a causal LM (PEFT models train their adapters only), or its name or path, loaded as TRL does with
+            ``args.model_init_kwargs`` (:mod:`opake_torch.transformers.trl.loading`).
         args: :class:`SFTConfig`; a plain :class:`TrainingArguments` is upcast (keeping its values), a
             ``trl.SFTConfig`` converted (:func:`upcast_args`).
         data_collator: ``list of examples -> batch``; defaults to right-padding (labels -100, masks 0).
         train_dataset, eval_dataset: map-style datasets of rows in one of the formats of
             :mod:`opake_torch.transformers.trl.data`; formatted once here.
-        processing_class: the tokenizer (a copy gets ``args.chat_template`` and an EOS pad fallback).
+        processing_class: the tokenizer (a copy gets ``args.chat_template`` and an EOS pad fallback); None with a
+            model given by name loads the tokenizer saved with it.
         compute_loss_func: ``(logits [T, V], labels [T]) -> scalar`` for one example; only with ``loss_type='nll'``.
+        quantization_config: TRL's argument; None only (quantized base weights are refused).
         peft_config: wrap ``model`` with ``peft.get_peft_model`` first.
         formatting_func: ``row -> str`` written into ``args.dataset_text_field``.
         compute_metrics, callbacks, optimizers: as in :class:`DPTrainer`.
@@ -183,7 +185,7 @@ class SFTTrainer(DPTrainer):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | str,
         args: SFTConfig | TrainingArguments | None = None,
         data_collator: Any = None,
         train_dataset: Any = None,
@@ -193,6 +195,7 @@ class SFTTrainer(DPTrainer):
         compute_metrics: Any = None,
         callbacks: list[Any] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
+        quantization_config: Any = None,
         peft_config: Any = None,
         formatting_func: Callable[[Any], str] | None = None,
     ) -> None:
@@ -202,8 +205,8 @@ class SFTTrainer(DPTrainer):
                 f"compute_loss_func replaces the loss, which loss_type={args.loss_type!r} also defines; pass one of "
                 "them (compute_loss_func with loss_type='nll')."
             )
-        model = prepare_model(model, peft_config)
-        tokenizer = prepare_tokenizer(processing_class, args.chat_template)
+        tokenizer = prepare_tokenizer(load_tokenizer(processing_class, model, args), args.chat_template)
+        model = prepare_model(model, args, peft_config, quantization_config)
         self.formatting_func = formatting_func
         train_dataset = self._format(train_dataset, tokenizer, args)
         eval_dataset = self._format(eval_dataset, tokenizer, args)

@@ -130,3 +130,74 @@ def test_eval_params_does_not_touch_its_inputs() -> None:
 def test_b1_zero_is_refused() -> None:
     with pytest.raises(ConfigurationError, match=r"betas\[0\] must lie in \(0, 1\) for schedule_free_adamw, got 0.0"):
         optim.schedule_free_adamw(betas=(0.0, 0.999))
+
+
+# -- schedule_free(base): the three sequences around any optimizer ------------------------------------------------
+
+
+def _momentum_base(lr: float, mu: float, decay: float):
+    """Heavy-ball SGD with L2 decay, one coordinate at a time: ``(init(n), step(g, z, state) -> (u, state))``."""
+
+    def step(g, z, b):
+        b = [mu * bi + gi + decay * zi for bi, gi, zi in zip(b, g, z, strict=True)]
+        return [-lr * bi for bi in b], b
+
+    return (lambda n: [0.0] * n), step
+
+
+def _adagrad_bc_base(lr: float, sigma: float):
+    """Adagrad with the summed noise variance removed (where the difference is positive)."""
+
+    def step(g, z, state):
+        s, noise = state
+        s, noise = [si + gi**2 for si, gi in zip(s, g, strict=True)], noise + sigma**2
+        d = [si - noise if si - noise > 0 else si for si in s]
+        return [-lr * gi / (math.sqrt(di) + 1e-10) for gi, di in zip(g, d, strict=True)], (s, noise)
+
+    return (lambda n: ([0.0] * n, 0.0)), step
+
+
+def _wrapped(base, beta: float, warmup: int):
+    """x, y and z kept explicitly: returns (x_{T+1}, y_{T+1})."""
+    init, step = base
+    x = {k: v.flatten().tolist() for k, v in start().items()}
+    z = {k: list(v) for k, v in x.items()}
+    state = {k: init(len(v)) for k, v in x.items()}
+    for t in range(1, STEPS + 1):
+        y = {k: [(1 - beta) * zi + beta * xi for zi, xi in zip(z[k], x[k], strict=True)] for k in x}
+        c = 1.0 if t <= warmup else 1 / (t - warmup + 1)
+        for k in x:
+            u, state[k] = step(gradient(k, y[k], t - 1), z[k], state[k])
+            z[k] = [zi + ui for zi, ui in zip(z[k], u, strict=True)]
+            x[k] = [(1 - c) * xi + c * zi for xi, zi in zip(x[k], z[k], strict=True)]
+    y = {k: [(1 - beta) * zi + beta * xi for zi, xi in zip(z[k], x[k], strict=True)] for k in x}
+    return x, y
+
+
+@pytest.mark.parametrize(("beta", "warmup"), [(0.9, 0), (0.5, 10), (1.0, 3)])
+def test_wrapper_matches_the_three_sequences_around_momentum(beta, warmup) -> None:
+    opt = optim.schedule_free(optim.momentum(2e-2, 0.8, weight_decay=0.05), beta=beta, warmup_steps=warmup)
+    x, y = _ours(opt)
+    want_x, want_y = _wrapped(_momentum_base(2e-2, 0.8, 0.05), beta, warmup)
+    _assert_close(x, want_x)
+    _assert_close(y, want_y)
+    assert opt.name == "schedule_free_momentum"
+
+
+def test_wrapper_keeps_the_base_noise_correction() -> None:
+    # noisy_quadratic.run passes noise_std 0.3 with every gradient
+    opt = optim.schedule_free(optim.adagrad(0.1, noise_bias_correction=True), beta=0.8, warmup_steps=5)
+    assert opt.noise_aware
+    x, y = _ours(opt)
+    want_x, want_y = _wrapped(_adagrad_bc_base(0.1, 0.3), 0.8, 5)
+    _assert_close(x, want_x)
+    _assert_close(y, want_y)
+
+
+def test_wrapper_refusals() -> None:
+    with pytest.raises(ConfigurationError, match=r"beta must lie in \(0, 1\], got 0.0"):
+        optim.schedule_free(optim.sgd(0.1), beta=0.0)
+    with pytest.raises(ConfigurationError, match="schedule-free already"):
+        optim.schedule_free(optim.schedule_free_adamw())
+    with pytest.raises(ConfigurationError, match="got MomentsOptimizer"):
+        optim.schedule_free(optim.private_moments_adam())

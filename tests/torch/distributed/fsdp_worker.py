@@ -94,7 +94,8 @@ def checkpointed(out: Path, *, kill_at: int | None = None, resume: str | None = 
     class Watch(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             run = trainer._live
-            started.update(params=dict(run.params), opt_state=run.opt_state, step=state.global_step)
+            copy = lambda tree: optree.tree_map(torch.clone, tree)  # noqa: E731  (the run's steps write in place)
+            started.update(params=copy(dict(run.params)), opt_state=copy(run.opt_state), step=state.global_step)
 
         def on_step_begin(self, args, state, control, **kwargs):
             if kill_at is not None and state.global_step + 1 == kill_at and dist.get_rank() == 1:

@@ -175,7 +175,8 @@ def test_fsdp_checkpoint_loads_on_other_world_sizes(tmp_path, monkeypatch):
 
     class Watch(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            started.update(params=dict(trainer._live.params), opt_state=trainer._live.opt_state)
+            copy = lambda tree: optree.tree_map(torch.clone, tree)  # noqa: E731  (the run's steps write in place)
+            started.update(params=copy(dict(trainer._live.params)), opt_state=copy(trainer._live.opt_state))
 
     trainer = DPTrainer(model_of("full"), args, train_dataset=DATA, callbacks=[Watch()])
     output = trainer.train(resume_from_checkpoint=str(folder))

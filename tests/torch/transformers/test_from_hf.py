@@ -141,7 +141,6 @@ DROPPED = [
     {"batch_eval_metrics": True},
     {"dataloader_drop_last": True},
     {"eval_accumulation_steps": 4},
-    {"full_determinism": True},
     {"ddp_find_unused_parameters": True},
     {"eval_do_concat_batches": False},
 ]

@@ -132,8 +132,8 @@ def test_refusals(tmp_path):
     with pytest.raises(ConfigurationError, match="generation"):
         plain = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
         _trainer(tmp_path, chat_rows(2), assistant_only_loss=True, chat_template=plain)
-    with pytest.raises(ConfigurationError, match="model object"):
-        SFTTrainer("some/model", SFTConfig(**BASE), processing_class=tok)
+    with pytest.raises(ConfigurationError, match="quantized base weights"):  # a model by name: test_trl_model_by_name
+        SFTTrainer("some/model", SFTConfig(**BASE), processing_class=tok, quantization_config={"load_in_4bit": True})
 
 
 @pytest.mark.parametrize("loss_type", ["nll", "dft"])

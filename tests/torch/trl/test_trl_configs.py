@@ -62,7 +62,7 @@ def test_constructing_configs_does_not_import_trl():
         (DPOConfig, {"loss_type": "robust", "label_smoothing": 0.5}, r"must lie in \[0, 0.5\)"),
         (DPOConfig, {"label_smoothing": 1.0}, r"label_smoothing must be in \[0, 1\)"),
         (DPOConfig, {"loss_type": "discopop", "discopop_tau": 0.0}, "discopop_tau"),
-        (DPOConfig, {"loss_type": ["sigmoid", "sft"]}, "combination"),
+        (DPOConfig, {"loss_type": ["sigmoid", "sft"]}, "use loss_type='chosen_nll'"),
         (DPOConfig, {"beta": 0.0}, "beta"),
         (DPOConfig, {"precompute_ref_batch_size": 0}, "precompute_ref_batch_size"),
     ],
@@ -122,6 +122,12 @@ CONVERTED = [
     ("DPOConfig", {"loss_type": ["exo_pair"], "label_smoothing": 1e-3}, "loss_type", "exo_pair"),
     ("DPOConfig", {"loss_type": ["discopop"], "discopop_tau": 0.2}, "discopop_tau", 0.2),
     ("DPOConfig", {"loss_type": ["bco_pair"]}, "loss_type", "bco_pair"),
+    ("DPOConfig", {"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0, 0.5]}, "loss_type", ("sigmoid", "ipo")),
+    ("DPOConfig", {"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0, 0.5]}, "loss_weights", [1.0, 0.5]),
+    ("DPOConfig", {"ld_alpha": 0.5}, "ld_alpha", 0.5),
+    ("DPOConfig", {"use_weighting": True}, "use_weighting", True),
+    ("DPOConfig", {"f_divergence_type": "js_divergence"}, "f_divergence_type", "js_divergence"),
+    ("DPOConfig", {"f_alpha_divergence_coef": 0.3}, "f_alpha_divergence_coef", 0.3),
     ("SFTConfig", {"do_train": True}, "do_train", True),  # an HF field the base honours
 ]
 
@@ -151,10 +157,6 @@ REFUSED = [
     ("SFTConfig", {"neftune_noise_alpha": 5.0}, "neftune_noise_alpha"),  # an HF field, refused by from_hf
     ("DPOConfig", {"padding_free": True}, "padding_free"),
     ("DPOConfig", {"sync_ref_model": True}, "sync_ref_model"),
-    ("DPOConfig", {"ld_alpha": 0.5}, "ld_alpha"),
-    ("DPOConfig", {"use_weighting": True}, "use_weighting"),
-    ("DPOConfig", {"f_divergence_type": "js_divergence"}, "f_divergence_type"),
-    ("DPOConfig", {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 1.0]}, "loss_weights"),
     ("DPOConfig", {"router_aux_loss_coef": 0.01}, "router_aux_loss_coef"),
 ]
 
@@ -166,7 +168,7 @@ def test_from_trl_refuses(tmp_path, name, kwargs, field):
         _convert(cls, _trl(getattr(trl, name), tmp_path, **kwargs))
 
 
-@pytest.mark.parametrize("loss_type", [["sft"], ["aot"], ["sigmoid", "ipo"]])
+@pytest.mark.parametrize("loss_type", [["sft"], ["aot"], ["sigmoid", "aot"]])
 def test_from_trl_unsupported_dpo_loss_names_the_supported_ones(tmp_path, loss_type):
     with pytest.raises(ConfigurationError, match="sigmoid"):
         _convert(DPOConfig, _trl(trl.DPOConfig, tmp_path, loss_type=loss_type))
@@ -174,12 +176,10 @@ def test_from_trl_unsupported_dpo_loss_names_the_supported_ones(tmp_path, loss_t
 
 DROPPED = [
     ("SFTConfig", {"dataset_num_proc": 2}, "dataset_num_proc"),
-    ("SFTConfig", {"model_init_kwargs": {"dtype": "float32"}}, "model_init_kwargs"),
     ("SFTConfig", {"activation_offloading": True}, "activation_offloading"),
     ("SFTConfig", {"torch_empty_cache_steps": 5}, "torch_empty_cache_steps"),  # an HF field, dropped by from_hf
     ("DPOConfig", {"dataset_num_proc": 2}, "dataset_num_proc"),
     ("DPOConfig", {"ref_model_sync_steps": 8}, "ref_model_sync_steps"),
-    ("DPOConfig", {"trust_remote_code": True}, "trust_remote_code"),
 ]
 
 

@@ -21,6 +21,7 @@ from trl_support import chat_rows, preference_rows, prompt_completion_rows, text
 
 from opake_torch.transformers.trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 from opake_torch.transformers.trl.config import DPO_LOSS_TYPES
+from opake_torch.transformers.trl.dpo_losses import REFERENCE_FREE_LOSSES
 from opake_torch.transformers.trl.metrics import DPO_METRICS, SFT_METRICS, TRLMetrics
 
 trl = pytest.importorskip("trl", reason="TRL parity needs the opake[trl] extra")
@@ -134,14 +135,16 @@ def _our_logged(trainer, batch):
     return losses, metrics.drain()
 
 
-def _dpo_pair(tmp_path, loss_type, data, tokenizer):
-    extra = {"label_smoothing": SMOOTHING.get(loss_type, 0.0)}
+def _dpo_pair(tmp_path, loss_type, data, tokenizer, **options):
+    extra = {"label_smoothing": SMOOTHING.get(loss_type, 0.0), **options}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = trl.DPOTrainer(
             tiny_model("llama"),
             ref_model=tiny_model("llama"),
-            args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), **THEIRS, loss_type=[loss_type], beta=0.5, **extra),
+            args=trl.DPOConfig(
+                output_dir=str(tmp_path / "trl"), **THEIRS, loss_type=_as_list(loss_type), beta=0.5, **extra
+            ),
             train_dataset=datasets.Dataset.from_list(data),
             processing_class=tokenizer,
         )
@@ -161,7 +164,13 @@ def _dpo_pair(tmp_path, loss_type, data, tokenizer):
     return theirs, ours
 
 
-@pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
+def _as_list(loss_type):
+    return [loss_type] if isinstance(loss_type, str) else list(loss_type)
+
+
+# TRL's DPOTrainer has the losses that read a reference; SimPO, CPO and ORPO are its CPO / ORPO trainers' (their
+# batch-wide NLL mean differs from the per-pair one here) and are checked against float64 formulas instead
+@pytest.mark.parametrize("loss_type", [loss for loss in DPO_LOSS_TYPES if loss not in REFERENCE_FREE_LOSSES])
 def test_every_dpo_loss_and_trls_log_metrics_equal_trl(tmp_path, loss_type):
     data, tokenizer = preference_rows(3), tiny_tokenizer()
     theirs, ours = _dpo_pair(tmp_path, loss_type, data, tokenizer)
@@ -179,6 +188,29 @@ def test_every_dpo_loss_and_trls_log_metrics_equal_trl(tmp_path, loss_type):
             assert logged[name] == trl_batch["attention_mask"].sum().item()
         else:
             assert logged[name] == pytest.approx(trl_logged[name], rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "options"),
+    [
+        (("sigmoid", "ipo", "hinge"), {"loss_weights": [1.0, 0.5, 2.0]}),  # MPO
+        ("sigmoid", {"use_weighting": True}),  # WPO
+        ("ipo", {"ld_alpha": 0.3}),  # LD-DPO
+        ("sigmoid", {"f_divergence_type": "js_divergence"}),  # f-DPO
+        ("hinge", {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3}),
+        ("robust", {"f_divergence_type": "forward_kl"}),
+    ],
+    ids=["mpo", "wpo", "ld_dpo", "f_dpo_js", "f_dpo_alpha", "f_dpo_forward"],
+)
+def test_dpo_options_equal_trl(tmp_path, loss_type, options):
+    """TRL's DPOTrainer options that reshape each pair's loss: equal loss and gradients on a batch of three pairs
+    with different completion lengths."""
+    data, tokenizer = preference_rows(3, seed=5), tiny_tokenizer()
+    data[0]["chosen"] = " the big cat sat on the mat"
+    theirs, ours = _dpo_pair(tmp_path, loss_type, data, tokenizer, **options)
+    rows = [0, 1, 2]
+    trl_batch = theirs.data_collator([theirs.train_dataset[i] for i in rows])
+    _assert_equal(_our_grads(ours, ours.fetch_batch(ours.train_dataset, rows)), _trl_grads(theirs, trl_batch))
 
 
 @pytest.mark.parametrize(("rows", "kwargs"), [(chat_rows, {}), (prompt_completion_rows, {"loss_type": "dft"})])
