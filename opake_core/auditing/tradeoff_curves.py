@@ -19,11 +19,11 @@ import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from dp_accounting import pld
 from scipy import optimize, special
 
 from opake_core import validate
 from opake_core.accounting import Process, to_dp_event
+from opake_core.accounting.allocation_pld import AllocationPLDAccountant
 from opake_core.errors import ConfigurationError
 
 __all__ = [
@@ -153,7 +153,8 @@ def process_tradeoff(process: Process, *, epsilons: Sequence[float] | np.ndarray
     probability at most ``1 - confidence``).
 
     Args:
-        process: a process with a dp-accounting event (DP-SGD with Poisson sampling, amplified BandMF, ...).
+        process: a process with a dp-accounting event (DP-SGD with Poisson sampling, amplified BandMF, ...) or with
+            random allocation (k-out-of-t, balls-in-bins: :mod:`opake_core.accounting.allocation_pld`).
         epsilons: where to evaluate ``delta(epsilon)``; default 121 points from 0 to 30 (denser below 10). The curve
             between the points is the envelope of the lines through them, a valid (slightly weaker) curve.
 
@@ -166,7 +167,7 @@ def process_tradeoff(process: Process, *, epsilons: Sequence[float] | np.ndarray
         else np.asarray(epsilons, dtype=np.float64)
     )
     event = to_dp_event(process)
-    accountant = pld.PLDAccountant(value_discretization_interval=1e-4)
+    accountant = AllocationPLDAccountant(value_discretization_interval=1e-4)  # random allocation too
     if not accountant.supports(event):
         raise ConfigurationError(f"{process!r} has no PLD accounting; give its curve with profile_tradeoff instead.")
     accountant.compose(event)

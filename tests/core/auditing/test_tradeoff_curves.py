@@ -81,6 +81,17 @@ def test_process_tradeoff_of_dp_sgd_dominates_the_gaussian_curve_of_its_epsilon(
     assert np.all(curve(alpha) >= gaussian - 1e-6)
 
 
+def test_process_tradeoff_of_random_allocation_with_k_equal_t_is_the_gaussian_curve():
+    """k-out-of-t with k = t puts every example in all t steps: t Gaussian releases of multiplier z, exactly
+    mu-GDP with mu = sqrt(t) / z. The claimed curve never claims more privacy than that, and is close to it."""
+    z, t = 2.0, 4
+    curve = auditing.process_tradeoff(accounting.k_out_of_t(accounting.gaussian(z), k=t, t=t, allocation="block"))
+    alpha = np.concatenate([np.logspace(-4, -1, 100), np.linspace(0.1, 1.0, 200)])
+    exact = auditing.gaussian_tradeoff(alpha, mu=math.sqrt(t) / z)
+    assert np.all(curve(alpha) <= exact + 1e-9)
+    assert np.max(exact - curve(alpha)) < 0.02
+
+
 # -- errors ------------------------------------------------------------------------------------------------------------
 
 
