@@ -39,11 +39,9 @@ from opake_core.optim._foreach import add_decayed_weights
 from opake_core.optim._guard import NoiseAwareTransformation, Optimizer
 from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
 from opake_core.optim.bias_correction import (
-    NoiseVarianceState,
     noise_aware_chain,
-    noise_ema,
+    with_noise_variance,
     without_noise,
-    zero_noise,
 )
 
 __all__ = ["AdEMAMixState", "ademamix", "alpha_at", "beta3_at", "scale_by_ademamix"]
@@ -105,7 +103,7 @@ def scale_by_ademamix(
         leaves, treedef = optree.tree_flatten(params)
         zeros = lambda: optree.tree_unflatten(treedef, [torch.zeros_like(p) for p in leaves])  # noqa: E731
         state = AdEMAMixState(mu_fast=zeros(), mu_slow=zeros(), nu=zeros(), count=torch.zeros((), dtype=torch.int64))
-        return NoiseVarianceState(inner=state, phi=zero_noise(params)) if noise_bias_correction else state
+        return state
 
     def step(updates, state, phi):
         g, treedef = optree.tree_flatten(updates)
@@ -129,19 +127,7 @@ def scale_by_ademamix(
         new_state = AdEMAMixState(mu_fast=unflatten(mu_fast), mu_slow=unflatten(mu_slow), nu=unflatten(nu), count=count)
         return unflatten(out), new_state
 
-    if noise_bias_correction:
-
-        def corrected_fn(updates, state, *, params=None, noise_std, inplace=False):
-            phi = noise_ema(state.phi, noise_std, b2)
-            out, inner = step(updates, state.inner, optree.tree_leaves(phi))
-            return out, NoiseVarianceState(inner=inner, phi=phi)
-
-        return NoiseAwareTransformation(init_fn, corrected_fn)
-
-    def update_fn(updates, state, *, params=None, inplace=False):
-        return step(updates, state, None)
-
-    return GradientTransformation(init_fn, update_fn)
+    return with_noise_variance(init_fn, step, b2, correct=noise_bias_correction)
 
 
 def ademamix(

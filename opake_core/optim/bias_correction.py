@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 import optree
 import torch
+from torchopt.base import GradientTransformation
 from torchopt.transform.utils import inc_count, update_moment
 
 from opake_core.optim._guard import NoiseAwareTransformation
@@ -54,6 +55,7 @@ __all__ = [
     "scale_by_bias_corrected_adagrad",
     "scale_by_bias_corrected_adam",
     "scale_by_bias_corrected_rms",
+    "with_noise_variance",
     "without_noise",
     "zero_noise",
 ]
@@ -84,6 +86,31 @@ class NoiseVarianceState(NamedTuple):
 def noise_ema(phi: Any, noise_std: Any, decay: float) -> Any:
     """Per leaf ``decay * phi + (1 - decay) * sigma^2`` (0-d float64 CPU tensors: sigma is known on the host)."""
     return optree.tree_map(lambda f, s: f * decay + (1 - decay) * float(s) ** 2, phi, noise_std)
+
+
+def with_noise_variance(init: Any, step: Any, decay: float, *, correct: bool) -> Any:
+    """An optimizer whose state stays its own under the correction (RAdam, AdEMAMix), as a transformation.
+
+    ``init(params) -> state`` and ``step(updates, state, phi) -> (out, state)`` with ``phi`` the per-leaf noise
+    variance average (a list, or None uncorrected). With ``correct`` a :class:`NoiseAwareTransformation` whose state
+    is ``NoiseVarianceState(state, phi)``, ``phi`` averaged with ``decay``; else a plain ``GradientTransformation``.
+    """
+    if not correct:
+
+        def update_fn(updates, state, *, params=None, inplace=False):
+            return step(updates, state, None)
+
+        return GradientTransformation(init, update_fn)
+
+    def corrected_init(params: Any) -> NoiseVarianceState:
+        return NoiseVarianceState(inner=init(params), phi=zero_noise(params))
+
+    def corrected_fn(updates, state, *, params=None, noise_std, inplace=False):
+        phi = noise_ema(state.phi, noise_std, decay)
+        out, inner = step(updates, state.inner, optree.tree_leaves(phi))
+        return out, NoiseVarianceState(inner=inner, phi=phi)
+
+    return NoiseAwareTransformation(corrected_init, corrected_fn)
 
 
 def zero_noise(params: Any) -> Any:

@@ -34,11 +34,9 @@ from opake_core.optim._foreach import add_decayed_weights
 from opake_core.optim._guard import NoiseAwareTransformation, Optimizer
 from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
 from opake_core.optim.bias_correction import (
-    NoiseVarianceState,
     noise_aware_chain,
-    noise_ema,
+    with_noise_variance,
     without_noise,
-    zero_noise,
 )
 
 __all__ = ["RAdamState", "radam", "scale_by_radam"]
@@ -71,7 +69,7 @@ def scale_by_radam(
         leaves, treedef = optree.tree_flatten(params)
         zeros = lambda: optree.tree_unflatten(treedef, [torch.zeros_like(p) for p in leaves])  # noqa: E731
         state = RAdamState(mu=zeros(), nu=zeros(), count=torch.zeros((), dtype=torch.int64))
-        return NoiseVarianceState(inner=state, phi=zero_noise(params)) if noise_bias_correction else state
+        return state
 
     def step(updates, state, phi):
         g, treedef = optree.tree_flatten(updates)
@@ -93,19 +91,7 @@ def scale_by_radam(
         unflatten = lambda leaves: optree.tree_unflatten(treedef, leaves)  # noqa: E731
         return unflatten(out), RAdamState(mu=unflatten(mu), nu=unflatten(nu), count=count)
 
-    if noise_bias_correction:
-
-        def corrected_fn(updates, state, *, params=None, noise_std, inplace=False):
-            phi = noise_ema(state.phi, noise_std, b2)
-            out, inner = step(updates, state.inner, optree.tree_leaves(phi))
-            return out, NoiseVarianceState(inner=inner, phi=phi)
-
-        return NoiseAwareTransformation(init_fn, corrected_fn)
-
-    def update_fn(updates, state, *, params=None, inplace=False):
-        return step(updates, state, None)
-
-    return GradientTransformation(init_fn, update_fn)
+    return with_noise_variance(init_fn, step, b2, correct=noise_bias_correction)
 
 
 def radam(
