@@ -30,6 +30,9 @@ Modes (per workload):
   symbolic) and one for a chunk of one row. The row records the graphs compiled, the graph breaks and whether the
   compilation fell back to eager; ``first_steps_s`` includes the compile time.
 * ``dp_kernels``: ``DPTrainer`` with ``use_performance_kernels=True``; its ratios are against ``hf_kernels``.
+* ``dp_user4``: ``DPTrainer`` with ``privacy_unit="user"``: the rows grouped into users of 4 rows each, batch / 4
+  users a step (the same rows a step on average as ``dp``, each user one example of 4 rows: the layerwise engine's
+  ghost norms over a user's 4 T positions). A different guarantee (one user), compared for speed.
 * ``hf_kernels``: ``transformers.Trainer`` on a model patched by ``apply_performance_kernels`` with the switches
   DPTrainer uses under ``per_example_gradients="auto"`` (the LoRA kernel off), so that both kernel rows run the same
   patched modules. The loss-level kernels are taken only by DPTrainer's loss; HF keeps the model's loss. Its ratios
@@ -100,6 +103,7 @@ MODES = (
     "dp_instantiate",
     "dp_compile",
     "dp_kernels",
+    "dp_user4",
     "hf_kernels",
     "opacus",
 )
@@ -107,6 +111,7 @@ BASELINES = {"dp_kernels": "hf_kernels"}  # every other mode is compared with "h
 DIAGNOSTIC = ("dp_q1", "dp_rows4", "dp_expandable", "dp_instantiate")
 SAMPLING_RATE = 0.01
 NOISE_MULTIPLIER = 1.0
+USER_ROWS = 4  # rows of each user in the dp_user4 rows
 CLIPPING_NORM = 1.0  # DPTrainer's default; Opacus gets the same bound
 EAGER_FAMILIES = ("gpt2",)  # run with eager attention (the workload builder picks SDPA)
 # DPTrainer turns the LoRA kernel off unless per_example_gradients="vmap" (the layerwise engine reads the adapter
@@ -285,10 +290,15 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
 
     counters.clear()  # --in-process: this row's compilations only
     data = dataset(workload, dataset_size(workload, mode))
+    batch = workload.batch
+    if mode == "dp_user4":  # user-level: users of 4 rows each, batch / 4 users a step (the same rows on average)
+        data = [{**row, "user": i // USER_ROWS} for i, row in enumerate(data)]
+        extra = {"privacy_unit": "user", "privacy_user_column": "user", "privacy_max_rows_per_user": USER_ROWS}
+        batch = max(1, workload.batch // USER_ROWS)
     with tempfile.TemporaryDirectory() as folder:
         args = TrainingArguments(
             folder,
-            per_device_train_batch_size=workload.batch,
+            per_device_train_batch_size=batch,
             learning_rate=LR,
             max_steps=clock.max_steps,
             privacy_noise_multiplier=NOISE_MULTIPLIER,
@@ -371,6 +381,7 @@ RUNNERS: dict[str, Callable[[Workload, argparse.Namespace, StepClock], dict[str,
     "dp_instantiate": lambda w, o, c: run_dp(w, o, c, mode="dp_instantiate"),
     "dp_compile": lambda w, o, c: run_dp(w, o, c, mode="dp_compile"),
     "dp_kernels": lambda w, o, c: run_dp(w, o, c, mode="dp_kernels"),
+    "dp_user4": lambda w, o, c: run_dp(w, o, c, mode="dp_user4"),
     "opacus": run_opacus,
 }
 

@@ -4,7 +4,8 @@ The names a user trains with are importable from here and listed in ``__all__``;
 these:
 
 * Hugging Face training: ``TrainingArguments`` and ``DPTrainer``; with TRL's data formats ``SFTConfig`` /
-  ``SFTTrainer`` and ``DPOConfig`` / ``DPOTrainer``. The arguments and configs need neither ``transformers`` nor
+  ``SFTTrainer`` and ``DPOConfig`` / ``DPOTrainer``; ``pack_documents``, the ``group_texts`` whose blocks keep their
+  document (the document as the privacy unit). The arguments and configs need neither ``transformers`` nor
   ``trl``; the trainers need the ``hf`` extra (``pip install 'opake[hf]'``), and asking for one without it raises an
   ImportError that says so.
 * Composing the core's steps with an ``nn.Module``: ``functional_model`` (a module as a pure function of its
@@ -39,6 +40,7 @@ _HOME = {
     "functional_model": "opake_torch.functional",
     "batch_losses": "opake_torch.transformers.loss",
     "per_example_loss": "opake_torch.transformers.loss",
+    "pack_documents": "opake_torch.transformers",
     "applied_patches": "opake_torch.patches",
     "apply_runtime_patches": "opake_torch.patches",
 }

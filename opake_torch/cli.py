@@ -64,9 +64,13 @@ def _sampling_arguments(parser: argparse.ArgumentParser, *, steps_known: bool = 
     group.add_argument(
         "--sample-rate", type=number(0, 1, open_low=True), help="Poisson rate q in (0, 1] (or give --batch-size)"
     )
-    group.add_argument("--batch-size", type=count, help="expected batch size; q = batch_size / dataset_size")
     group.add_argument(
-        "--dataset-size", type=number(1, 2**53, integer=True), help="N; also sets the default delta 1/N**1.1"
+        "--batch-size", type=count, help="expected batch size (users with --privacy-unit user); q = batch / N"
+    )
+    group.add_argument(
+        "--dataset-size",
+        type=number(1, 2**53, integer=True),
+        help="N, the rows (the users with --privacy-unit user); also sets the default delta 1/N**1.1",
     )
     if steps_known:
         group.add_argument("--steps", type=count, help="number of training steps (or give --epochs)")
@@ -108,6 +112,19 @@ def _sampling_arguments(parser: argparse.ArgumentParser, *, steps_known: bool = 
         help="accept a --delta >= 1/N (refused by default: at that delta one record may leak in the clear)",
     )
     priv.add_argument("--accountant", choices=("pld", "rdp"), default=None, help="default pld")
+    priv.add_argument(
+        "--privacy-unit",
+        choices=("record", "user"),
+        default="record",
+        help="what one neighbour adds or removes: a row (default), or a user with all its rows (then --dataset-size "
+        "and --batch-size count users, as the trainer's privacy_unit='user')",
+    )
+    priv.add_argument(
+        "--max-rows-per-user",
+        type=count,
+        help="--privacy-unit user: the most rows a sampled user gives a step (the trainer's privacy_max_rows_per_user; "
+        "it bounds the work of a step, not epsilon, and is echoed in the answer)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE", type=writable_path, help="write epsilon against steps to a PNG")
 
@@ -318,6 +335,11 @@ def _inputs(args: argparse.Namespace, **resolved: Any) -> dict[str, Any]:
             out[name] = getattr(args, name)
     if _mc_samples(args, resolved["delta"]) is not None:
         out["mc_samples"] = _mc_samples(args, resolved["delta"])
+    out["privacy_unit"] = args.privacy_unit
+    if args.privacy_unit == "user":
+        out["max_rows_per_user"] = args.max_rows_per_user
+    elif args.max_rows_per_user is not None:
+        _fail("--max-rows-per-user applies to --privacy-unit user; drop it, or add --privacy-unit user.")
     if args.mechanism != "gaussian":
         out["mechanism"] = args.mechanism
         out.update({k: getattr(args, k) for k in _STRATEGY_FLAGS if getattr(args, k) is not None})

@@ -7,6 +7,11 @@ character-level vocabulary, nothing downloaded) is fine-tuned twice with :class:
 * privately, with the noise calibrated to a target epsilon under Poisson sampling;
 * non-privately (noise multiplier 0, no clipping), as the baseline.
 
+Every record belongs to a user: each customer has ``rows_per_user`` records, and each canary's repeats belong to one
+user, its owner. With ``privacy_unit="record"`` (the default) the guarantee protects one record, so a canary repeated
+in 8 records is protected only as a group of 8; ``privacy_unit="user"`` (``opake demo --privacy-unit user``) protects
+each user with all its records, the canary's owner included.
+
 After training, every canary's true code is ranked among ``candidates`` random codes by the model's likelihood.
 A model that memorized the canary ranks the true code near the top (high *exposure*, Carlini et al. 2019); the
 private model's ranks stay close to uniform. The run prints progress, the final epsilon and both exposures, and
@@ -29,7 +34,7 @@ from opake_torch import limits
 from opake_torch._cli_types import number, writable_dir
 from opake_torch.transformers.loss import causal_lm_loss
 
-__all__ = ["DemoConfig", "add_demo_command", "exposure", "make_corpus", "run"]
+__all__ = ["DemoConfig", "add_demo_command", "exposure", "make_corpus", "make_user_corpus", "run"]
 
 MAX_EPOCHS = 100  # the default 4 take about a minute on two CPU cores; 100 about half an hour
 
@@ -57,6 +62,8 @@ class DemoConfig:
     layers: int = 2
     seed: int = 0
     noise_seed: int | None = None  # None: secret noise keys, as a real run has; an int replays the run (tests)
+    privacy_unit: str = "record"  # or "user": a user with all its records (batch_size then counts users)
+    rows_per_user: int = 2  # the records of each customer; a canary's repeats all belong to its owner
 
 
 class CharTokenizer:
@@ -85,6 +92,13 @@ def _pick(options: list[str], gen: torch.Generator) -> str:
 
 def make_corpus(config: DemoConfig) -> tuple[list[str], list[tuple[str, str]]]:
     """Synthetic records and the canaries ``(prefix, secret code)``; each canary is repeated in the corpus."""
+    corpus, _, canaries = make_user_corpus(config)
+    return corpus, canaries
+
+
+def make_user_corpus(config: DemoConfig) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+    """:func:`make_corpus` with the user of each record: customer ``i // rows_per_user`` for the ``i``-th record,
+    ``canary-c`` for every repeat of canary ``c``."""
     gen = torch.Generator().manual_seed(config.seed)
     records = [
         f"name: {_pick(NAMES, gen)}; city: {_pick(CITIES, gen)}; order: {_pick(ITEMS, gen)} x{_pick(COUNTS, gen)}."
@@ -92,8 +106,10 @@ def make_corpus(config: DemoConfig) -> tuple[list[str], list[tuple[str, str]]]:
     ]
     canaries = [(f"name: {NAMES[i]}; code: ", _code(gen)) for i in range(config.canaries)]
     corpus = records + [prefix + code + "." for prefix, code in canaries for _ in range(config.canary_repeats)]
+    users = [f"customer-{i // config.rows_per_user}" for i in range(config.records)]
+    users += [f"canary-{c}" for c in range(config.canaries) for _ in range(config.canary_repeats)]
     order = torch.randperm(len(corpus), generator=gen).tolist()
-    return [corpus[i] for i in order], canaries
+    return [corpus[i] for i in order], [users[i] for i in order], canaries
 
 
 def _model(config: DemoConfig, vocab_size: int) -> torch.nn.Module:
@@ -140,14 +156,19 @@ def train(config: DemoConfig, output_dir: Path, *, private: bool) -> dict:
     from opake_torch.transformers import DPTrainer, TrainingArguments
 
     tokenizer = CharTokenizer()
-    corpus, canaries = make_corpus(config)
-    dataset = [{"input_ids": tokenizer.encode(text)} for text in corpus]
+    corpus, users, canaries = make_user_corpus(config)
+    dataset = [{"input_ids": tokenizer.encode(text), "user": user} for text, user in zip(corpus, users, strict=True)]
     privacy = (
         {"privacy_target_epsilon": config.target_epsilon, "clipping_norm": config.clipping_norm}
         if private
         else {"privacy_noise_multiplier": 0.0, "clipping_norm": math.inf}
     )
-    steps = math.ceil(config.epochs * len(dataset) / config.batch_size)
+    units = len(dataset)
+    if private and config.privacy_unit == "user":  # all of a user's records are one unit; a step draws users
+        privacy |= {"privacy_unit": "user", "privacy_user_column": "user",
+                    "privacy_max_rows_per_user": max(config.rows_per_user, config.canary_repeats)}  # fmt: skip
+        units = len(set(users))
+    steps = math.ceil(config.epochs * units / config.batch_size)
     args = TrainingArguments(
         str(output_dir / ("private" if private else "non_private")),
         per_device_train_batch_size=config.batch_size,
@@ -178,6 +199,8 @@ def train(config: DemoConfig, output_dir: Path, *, private: bool) -> dict:
         "noise_multiplier": trainer.state.privacy_resolved_noise_multiplier,
         "exposures": exposures,
         "dataset_size": len(dataset),
+        "privacy_unit": config.privacy_unit if private else None,
+        "units": units,
     }
 
 
@@ -191,7 +214,8 @@ def run(config: DemoConfig, output_dir: Path) -> dict:
         f"{config.canaries} planted secrets (each repeated {config.canary_repeats} times)"
     )
     private = train(config, output_dir, private=True)
-    print(f"DP-SGD: epsilon = {private['final_epsilon']:.3f} at delta = {private['delta']:.2e}")
+    unit = "one user with all its records" if config.privacy_unit == "user" else "one record"
+    print(f"DP-SGD: epsilon = {private['final_epsilon']:.3f} at delta = {private['delta']:.2e} per {unit}")
     baseline = train(config, output_dir, private=False)
     result = {
         "config": asdict(config),
@@ -206,7 +230,7 @@ def run(config: DemoConfig, output_dir: Path) -> dict:
     print(
         f"canary exposure (of {max_exposure:.1f} bits; about 1 bit = chance): "
         f"non-private {mean(baseline['exposures']):.2f}, private {mean(private['exposures']):.2f}\n"
-        f"privacy: epsilon = {private['final_epsilon']:.3f} at delta = {private['delta']:.2e} "
+        f"privacy: epsilon = {private['final_epsilon']:.3f} at delta = {private['delta']:.2e} for {unit} "
         f"(noise multiplier {private['noise_multiplier']:.3f}, PLD accountant, Poisson sampling)\n"
         f"wrote {output_dir / 'metrics.json'} and {output_dir / 'training.png'} in {result['seconds']:.0f} s"
     )
@@ -256,11 +280,18 @@ def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
         type=number(0, limits.MAX_SCALE, open_low=True, why="an epsilon anywhere near the top protects nothing"),
         default=DemoConfig.target_epsilon,
     )
+    demo.add_argument(
+        "--privacy-unit",
+        choices=("record", "user"),
+        default=DemoConfig.privacy_unit,
+        help="protect one record (default) or one user with all its records (a canary's owner has 8)",
+    )
     demo.set_defaults(run=_run_command, json=False)
 
 
 def _run_command(args: argparse.Namespace) -> dict:
-    config = replace(DemoConfig(), epochs=args.epochs, target_epsilon=args.target_epsilon)
+    chosen = {"epochs": args.epochs, "target_epsilon": args.target_epsilon, "privacy_unit": args.privacy_unit}
+    config = replace(DemoConfig(), **chosen)
     result = run(config, Path(args.output_dir))
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return {

@@ -65,7 +65,7 @@ from opake_core.router_release import RouterState
 from opake_core.step import DPState
 from opake_core.tree import PerGroup
 
-__all__ = ["MAX_JSON_BYTES", "load_tree", "read_json", "save_tree", "sha256", "write_json"]
+__all__ = ["MAX_JSON_BYTES", "check_savable", "load_tree", "read_json", "save_tree", "sha256", "write_json"]
 
 MAX_JSON_BYTES = 64 * 2**20
 """Largest file :func:`read_json` reads (64 MiB)."""
@@ -131,6 +131,12 @@ def _encode(x: Any, tensors: dict[str, torch.Tensor], where: str) -> list[Any]:
         f"tuple, str-keyed dict and {sorted(_CLASSES)} are allowed. Add a new state class to _CLASSES in "
         "opake_torch/state_files.py, with a round-trip test."
     )
+
+
+def check_savable(tree: Any, where: str) -> None:
+    """InputTypeError, naming the part of ``where`` (what ``tree`` is), when :func:`save_tree` could not save
+    ``tree``; nothing is written or copied."""
+    _encode(tree, {}, where)
 
 
 def save_tree(path: str | os.PathLike, tree: Any) -> str:

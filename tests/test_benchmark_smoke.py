@@ -110,7 +110,7 @@ def test_e2e_trainer_tiny_in_process(tmp_path: Path) -> None:
     """``trainer.train()`` of HF's Trainer and DPTrainer on the tiny workloads: every row runs and has a finite step
     time and a finite ratio to its ``hf`` row (memory is not measured on CPU)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # tiny CPU ops: threads only add contention
-    modes = ("hf", "dp", "dp_q1", "dp_fixed")
+    modes = ("hf", "dp", "dp_q1", "dp_fixed", "dp_user4")
     command = [sys.executable, str(E2E_TRAINER), "--tiny", "--in-process", "--modes", *modes, "--out", str(tmp_path)]
     command += ["--profile-steps", "1"]  # one more step per row, profiled
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)

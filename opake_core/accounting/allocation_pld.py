@@ -48,6 +48,7 @@ from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
 from scipy.stats import norm
 
 from opake_core import validate
+from opake_core.accounting.group import GroupPoissonDpEvent, group_poisson_pld
 from opake_core.errors import ConfigurationError
 
 __all__ = ["AllocationPLDAccountant", "RandomAllocationDpEvent", "allocation_pld", "default_log_grid"]
@@ -247,7 +248,8 @@ class RandomAllocationDpEvent(dp_event.DpEvent):
 
 
 class AllocationPLDAccountant(pld_privacy_accountant.PLDAccountant):
-    """dp-accounting's PLD accountant, plus :class:`RandomAllocationDpEvent` (add-or-remove adjacency only).
+    """dp-accounting's PLD accountant, plus :class:`RandomAllocationDpEvent` and
+    :class:`~opake_core.accounting.group.GroupPoissonDpEvent` (add-or-remove adjacency only).
 
     Example: two independent allocations of 50 steps each (2-out-of-100, ``allocation="block"``).
 
@@ -265,17 +267,20 @@ class AllocationPLDAccountant(pld_privacy_accountant.PLDAccountant):
     def _maybe_compose(
         self, event: dp_event.DpEvent, count: int, do_compose: bool
     ) -> privacy_accountant.PrivacyAccountant.CompositionErrorDetails | None:
-        if not isinstance(event, RandomAllocationDpEvent):
+        if not isinstance(event, RandomAllocationDpEvent | GroupPoissonDpEvent):
             return super()._maybe_compose(event, count, do_compose)
         if self.neighboring_relation != privacy_accountant.NeighboringRelation.ADD_OR_REMOVE_ONE:
             return self.CompositionErrorDetails(
                 invalid_event=event,
-                error_message=f"random allocation is accounted under add-or-remove adjacency only, not "
+                error_message=f"{type(event).__name__} is accounted under add-or-remove adjacency only, not "
                 f"{self.neighboring_relation}.",
             )
         if do_compose:
             if event.noise_multiplier == 0:
                 self._contains_non_dp_event = True
+            elif isinstance(event, GroupPoissonDpEvent):
+                one = group_poisson_pld(event, discretization=self._value_discretization_interval)
+                self._pld = self._pld.compose(one.self_compose(count) if count > 1 else one)
             else:
                 one = allocation_pld(
                     event.noise_multiplier,

@@ -12,6 +12,8 @@ Modules, one concept each:
   releases the clipped sum of squares, :mod:`opake_core.moments`).
 * :mod:`~opake_core.clipping.outputs`: :func:`clipped_fun` and :func:`auto_clipped_fun`, the same rules applied to
   the per-example outputs of any function.
+* :mod:`~opake_core.clipping.users`: :func:`user_loss`, one user's rows as one example (group clipping, for
+  user-level privacy).
 """
 
 from opake_core.clipping.engine import (
@@ -34,6 +36,7 @@ from opake_core.clipping.rules import (
     auto_s,
     clip_scales,
 )
+from opake_core.clipping.users import user_loss
 
 __all__ = [
     "ADAPTIVE_STREAM",
@@ -55,4 +58,5 @@ __all__ = [
     "clip_scales",
     "clipped_fun",
     "clipped_grad",
+    "user_loss",
 ]

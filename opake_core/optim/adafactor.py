@@ -12,8 +12,27 @@ Per leaf, at update ``t`` (from 1), with ``beta2_t = 1 - t^decay_rate`` and grad
 * the step is relative to the parameter's scale: ``update = -lr_t * (max(eps2, RMS(X_{t-1})) * U +
   weight_decay * X_{t-1})``, with ``lr_t`` the paper's relative step size ``rho_t`` (a float or a schedule).
 
-``RMS(x) = sqrt(mean(x^2))`` over one leaf. The noise in a DP gradient enters ``V`` like in Adam; there is no
-noise correction for the factored moment yet (``noise_std`` is ignored).
+``RMS(x) = sqrt(mean(x^2))`` over one leaf.
+
+**Noise-bias correction** (``noise_bias_correction=True``; :mod:`opake_core.optim.bias_correction` for Adam's). A
+noised gradient is ``G = S + Z`` with ``Z`` of independent ``N(0, sigma_t^2)`` entries (``sigma_t`` the leaf's noise
+std at update ``t``), independent of the signal ``S``. Then ``E[G^2] = S^2 + sigma_t^2`` entrywise, and a row mean
+or a column mean of ``G^2 + eps1`` has expectation that of ``S^2 + eps1`` plus ``sigma_t^2``: every entry of every
+row statistic and column statistic absorbs the same ``sigma_t^2``. The three accumulators are linear recursions with
+the same weights, so by induction
+
+    ``E[R_t] = R_t(S) + phi_t``, ``E[C_t] = C_t(S) + phi_t``, ``E[V_t] = V_t(S) + phi_t``,
+    ``phi_t = beta2_t phi_{t-1} + (1 - beta2_t) sigma_t^2``, ``phi_0 = 0``
+
+(``R_t(S)``: the accumulator fed the signal alone; ``beta2_1 = 0``, so ``phi_1 = sigma_1^2``). ``phi`` is a scalar
+per leaf, known on the host. The correction removes it from each factor *before* the reconstruction, with the rule
+of :func:`~opake_core.optim.bias_correction.without_noise` (``X - phi`` where positive, else ``X``):
+``V_hat = R' C'^T / mean(R')``, ``R' = without_noise(R, phi)``, ``C' = without_noise(C, phi)``, and
+``V' = without_noise(V, phi)`` for the other leaves. Subtracting ``phi`` from the reconstructed ``V_hat`` instead
+would be wrong: ``(R + phi)(C + phi)^T / mean(R + phi)`` is not ``R C^T / mean(R) + phi``, and the noise share of a
+reconstructed entry depends on its row and column. ``R'`` and ``C'`` are unbiased for the signal's factors (before
+the rule's fallback); ``V_hat`` is their ratio, so it is consistent rather than exactly unbiased, as the factored
+estimate is for the signal itself. With ``sigma = 0`` the corrected optimizer is the plain one bit for bit.
 """
 
 from __future__ import annotations
@@ -28,8 +47,9 @@ from torchopt.base import EmptyState, GradientTransformation
 from opake_core import validate
 from opake_core.errors import ConfigurationError
 from opake_core.optim._foreach import add_decayed_weights
-from opake_core.optim._guard import Optimizer
+from opake_core.optim._guard import NoiseAwareTransformation, Optimizer
 from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
+from opake_core.optim.bias_correction import NoiseVarianceState, noise_aware_chain, noise_ema, without_noise, zero_noise
 
 __all__ = ["FactoredRmsState", "adafactor"]
 
@@ -55,8 +75,12 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
     return x.square().mean().sqrt()
 
 
-def scale_by_factored_rms(decay_rate: float, eps1: float) -> GradientTransformation:
-    """``G -> G / sqrt(V_hat)`` with Adafactor's (factored, for >= 2-D leaves) second-moment estimate."""
+def scale_by_factored_rms(
+    decay_rate: float, eps1: float, *, noise_bias_correction: bool = False
+) -> GradientTransformation | NoiseAwareTransformation:
+    """``G -> G / sqrt(V_hat)`` with Adafactor's (factored, for >= 2-D leaves) second-moment estimate; with
+    ``noise_bias_correction`` a :class:`NoiseAwareTransformation` whose state is ``NoiseVarianceState(
+    FactoredRmsState, phi)`` and whose factors lose the noise variance ``phi`` (the module docstring)."""
 
     def init_fn(params):
         def empty(p):
@@ -74,27 +98,49 @@ def scale_by_factored_rms(decay_rate: float, eps1: float) -> GradientTransformat
             v=optree.tree_map(lambda p: empty(p) if factored(p) else torch.zeros_like(p), params),
         )
 
-    def update_fn(updates, state, *, params=None, inplace=False):
-        count = state.count + 1
-        beta2 = 1.0 - float(count) ** decay_rate
+    def beta2_of(state: FactoredRmsState) -> float:
+        return 1.0 - float(state.count + 1) ** decay_rate
 
-        def leaf(g, row, col, v):
+    def step(updates, state, phis):
+        """The update and the new state; ``phis``: per-leaf noise variance averages, or None (uncorrected)."""
+        beta2 = beta2_of(state)
+
+        def leaf(g, row, col, v, noise):
+            correct = (lambda x: x) if noise is None else (lambda x: without_noise(x, noise))
             g2 = g.square().add(eps1)
             if g.ndim >= 2:
                 row = row.mul(beta2).add(g2.mean(dim=-1), alpha=1 - beta2)
                 col = col.mul(beta2).add(g2.mean(dim=-2), alpha=1 - beta2)
-                v_hat = row.unsqueeze(-1) * col.unsqueeze(-2) / row.mean(dim=-1, keepdim=True).unsqueeze(-1)
+                r, c = correct(row), correct(col)
+                v_hat = r.unsqueeze(-1) * c.unsqueeze(-2) / r.mean(dim=-1, keepdim=True).unsqueeze(-1)
             else:
                 v = v.mul(beta2).add(g2, alpha=1 - beta2)
-                v_hat = v
+                v_hat = correct(v)
             return g.div(v_hat.sqrt()), row, col, v
 
-        out = optree.tree_map(leaf, updates, state.row, state.col, state.v)
-        spec = optree.tree_structure(updates)
-        updates, row, col, v = optree.tree_transpose(spec, optree.tree_structure((0, 0, 0, 0)), out)
-        return updates, FactoredRmsState(count=count, row=row, col=col, v=v)
+        g, treedef = optree.tree_flatten(updates)
+        noise = [None] * len(g) if phis is None else [float(f) for f in phis]
+        parts = (optree.tree_leaves(x) for x in (state.row, state.col, state.v))
+        out = [leaf(*args) for args in zip(g, *parts, noise, strict=True)]
+        updates, row, col, v = (optree.tree_unflatten(treedef, list(x)) for x in zip(*out, strict=True))
+        return updates, FactoredRmsState(count=state.count + 1, row=row, col=col, v=v)
 
-    return GradientTransformation(init_fn, update_fn)
+    if not noise_bias_correction:
+
+        def update_fn(updates, state, *, params=None, inplace=False):
+            return step(updates, state, None)
+
+        return GradientTransformation(init_fn, update_fn)
+
+    def corrected_init(params):
+        return NoiseVarianceState(inner=init_fn(params), phi=zero_noise(params))
+
+    def corrected_fn(updates, state, *, params=None, noise_std, inplace=False):
+        phi = noise_ema(state.phi, noise_std, beta2_of(state.inner))  # the accumulators' own beta2_t
+        out, inner = step(updates, state.inner, optree.tree_leaves(phi))
+        return out, NoiseVarianceState(inner=inner, phi=phi)
+
+    return NoiseAwareTransformation(corrected_init, corrected_fn)
 
 
 def clip_by_block_rms(threshold: float) -> GradientTransformation:
@@ -122,6 +168,7 @@ def adafactor(
     eps: tuple[float, float] = (1e-30, 1e-3),
     clip_threshold: float = 1.0,
     weight_decay: float = 0.0,
+    noise_bias_correction: bool = False,
     non_private: bool = False,
 ) -> Optimizer:
     """Adafactor with a factored second moment for >= 2-D leaves and parameter-scaled steps; ``update`` needs
@@ -135,6 +182,8 @@ def adafactor(
             ``eps2`` is the smallest parameter scale (parameter units).
         clip_threshold: the update-clipping threshold ``d`` (> 0; ``math.inf`` disables clipping).
         weight_decay: decoupled decay coefficient (>= 0), multiplied by ``lr`` (not by the parameter scale).
+        noise_bias_correction: remove the noise variance's average from the row and column factors (and from the
+            unfactored moments) before the reconstruction (the module docstring).
         non_private: accept plain trees of tensors (an explicitly non-private run).
 
     Example: three updates (non-private here, to compare) match ``torch.optim.Adafactor``.
@@ -156,11 +205,14 @@ def adafactor(
     if not threshold > 0:
         raise ConfigurationError(f"clip_threshold must be positive, got {clip_threshold!r}.")
     weight_decay = validate.non_negative("weight_decay", weight_decay)
-    transform = chain(
-        scale_by_factored_rms(c, eps1),
+    parts = (
+        scale_by_factored_rms(c, eps1, noise_bias_correction=bool(noise_bias_correction)),
         clip_by_block_rms(threshold),
         scale_by_param_block_rms(eps2),
         add_decayed_weights(weight_decay),
         scale_by_neg_lr(lr),
     )
-    return Optimizer("adafactor", transform, non_private=non_private, needs_params=True)
+    if noise_bias_correction:
+        transform = noise_aware_chain(*parts)
+        return Optimizer("adafactor", transform, non_private=non_private, needs_params=True, noise_aware=True)
+    return Optimizer("adafactor", chain(*parts), non_private=non_private, needs_params=True)

@@ -2,7 +2,8 @@
 
 ``sampler.init() -> state``; ``sampler.sample(key, state) -> (indices, new_state)``; the draw for step s
 depends only on (key, s). Each sampler declares its accounting with ``sampler.process(noise_multiplier,
-steps)``, so a sampler and its accountant are chosen together.
+steps)``, so a sampler and its accountant are chosen together. :func:`by_user` makes any of them user-level:
+it samples users, each contributing at most ``k`` of its rows.
 """
 
 from opake_core.sampling.b_min_sep import BMinSep, b_min_sep
@@ -13,10 +14,12 @@ from opake_core.sampling.k_out_of_t import KOutOfT, k_out_of_t
 from opake_core.sampling.poisson import Poisson, poisson
 from opake_core.sampling.sequential import Sequential, sequential
 from opake_core.sampling.state import SamplerState
+from opake_core.sampling.users import ByUser, by_user, filled_slots
 
 __all__ = [
     "BMinSep",
     "BallsInBins",
+    "ByUser",
     "CyclicPoisson",
     "FixedSize",
     "KOutOfT",
@@ -25,7 +28,9 @@ __all__ = [
     "Sequential",
     "b_min_sep",
     "balls_in_bins",
+    "by_user",
     "cyclic_poisson",
+    "filled_slots",
     "fixed_size",
     "k_out_of_t",
     "poisson",

@@ -385,6 +385,7 @@ def audit_trainer_accounting(
     """
     from opake_torch.transformers import DPTrainer
     from opake_torch.transformers.privacy import build_plan
+    from opake_torch.transformers.users import users_of
 
     if not isinstance(trainer, DPTrainer):
         raise InputTypeError(f"audit_trainer_accounting needs a DPTrainer, got {type(trainer).__name__}.")
@@ -394,7 +395,8 @@ def audit_trainer_accounting(
             "build a fresh trainer."
         )
     args = trainer.args
-    plan = build_plan(args, len(trainer.train_dataset))
+    dataset = trainer.train_dataset
+    plan = build_plan(args, len(dataset), users=users_of(args.privacy, dataset))
     if plan.horizon or not plan.accounted or args.clipping_mode == "adaptive" or args.router_release:
         raise ConfigurationError(
             "audit_trainer_accounting compares per-step Gaussian releases with the ledger: it needs accounting on, "

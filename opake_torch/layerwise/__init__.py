@@ -51,6 +51,15 @@ Qwen3.5-MoE: its zero-centred and gated RMSNorms are norm layers; its ``A_log``,
 ``nn.Conv1d``, used in the layer's own code, are followed during its call and tapped where they meet the batch
 (:mod:`opake_torch.layerwise.uses`).
 
+Grouped examples (``LayerwiseGradients(..., grouped=True)``, user-level privacy): an example is a group of ``k`` rows
+(one user's), every batched tensor is ``[m, k, ...]`` and the model runs on the ``R = m k`` rows flattened
+example-major. The example's gradient is the sum of its rows', ``G_i = sum_{r, t} g_rt a_rt^T``: its rows read as one
+example of ``k T`` positions (``[R, T, d]`` as ``[m, k T, d]``), so ghost norms take the Gram matrices over the
+concatenated positions, instantiated gradients sum the rows, and no per-row gradient is formed; the layers compare
+their leading size with ``R``, and the norms, the clipping and the coupling check (which replaces whole examples)
+are over the ``m`` examples. Every layer kind above is served grouped; the traced pass of
+:mod:`~opake_torch.layerwise.compiled` is not (the hook engine runs).
+
 A parameter used by several layers or calls (tied embeddings) is instantiated per call and summed before its norm
 is taken. The batched pass assumes that examples do not interact: modules that mix examples (batch normalization) are
 refused, the engine's first chunk (per set of trainable names and training mode) runs once more with half its rows

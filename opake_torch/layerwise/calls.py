@@ -36,7 +36,8 @@ def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def by_example(x: torch.Tensor, m: int) -> torch.Tensor:
-    """``[m, ..., d]`` as ``[m, T, d]`` (``T = 1`` for a layer applied once per example)."""
+    """``[m, ..., d]`` as ``[m, T, d]`` (``T = 1`` for a layer applied once per example); the ``[m k, T, d]`` rows
+    of grouped examples (example-major) as ``[m, k T, d]``: an example's rows as one example of ``k T`` positions."""
     return x.reshape(m, -1, x.shape[-1])
 
 

@@ -24,8 +24,9 @@ cache. The float32 ghost sums run at the run's matmul precision with the layerwi
 (:func:`~opake_torch.layerwise.precision.product_error`), read when each call starts.
 
 Served: linear, Conv1D, embedding and normalization layers (:data:`KINDS`), without activation checkpointing (which
-``torch_compile`` refuses); a model with other layer kinds (experts, routers, attention sinks, convolutions) keeps
-the hook engine (:func:`unserved`).
+``torch_compile`` refuses), one row per example; a model with other layer kinds (experts, routers, attention sinks,
+convolutions), or an engine of grouped examples (``LayerwiseGradients(..., grouped=True)``), keeps the hook engine
+(:func:`unserved`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from opake_torch.layerwise.ghost import add_ghost, ghost_names, ghost_norms, gra
 from opake_torch.layerwise.gradients import Gradients
 from opake_torch.layerwise.precision import float32_matmuls, input_factor, matmul_precision, product_error
 
-__all__ = ["KINDS", "MIN_TORCH", "CompiledLayerwise", "torch_supported", "unserved"]
+__all__ = ["GROUPED", "KINDS", "MIN_TORCH", "CompiledLayerwise", "torch_supported", "unserved"]
 
 MIN_TORCH = "2.13"
 """The oldest torch release whose Dynamo the traced pass is verified on (the CPU tests). Under torch 2.11 on an H100,
@@ -67,10 +68,16 @@ def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
+GROUPED = "grouped examples"
+"""What :func:`unserved` names for an engine of grouped examples (their rows are not the traced pass's batch)."""
+
+
 def unserved(layerwise_gradients: LayerwiseGradients) -> list[str]:
-    """The kinds of the model's trainable layers that the traced pass does not serve (empty: it serves the model)."""
+    """The kinds of the model's trainable layers that the traced pass does not serve, and :data:`GROUPED` for an
+    engine of grouped examples (empty: it serves the engine)."""
     layers = layerwise_gradients.layers(_trainable(layerwise_gradients.model))
-    return sorted({kind for kind, _ in layers.values() if kind not in KINDS})
+    kinds = sorted({kind for kind, _ in layers.values() if kind not in KINDS})
+    return [*kinds, GROUPED] if layerwise_gradients.grouped else kinds
 
 
 @dataclass
@@ -146,8 +153,8 @@ class CompiledLayerwise:
         kinds = unserved(layerwise_gradients)
         if kinds:
             raise ConfigurationError(
-                f"the compiled layerwise pass serves the layer kinds {KINDS}, not {kinds}; run this model with "
-                "torch_compile=False."
+                f"the compiled layerwise pass serves the layer kinds {KINDS} with one row per example, not {kinds}; "
+                "run this model with torch_compile=False."
             )
         self.layerwise = layerwise_gradients
         self._recording: _Recording | None = None

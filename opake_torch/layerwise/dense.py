@@ -23,7 +23,9 @@ def add_dense(call: Call, attr: str, out: torch.Tensor, *, first: bool) -> None:
     ``first``: ``out`` holds zeros, so it is written instead."""
     m, dtype = out.shape[0], out.dtype
     g = cast(call.grad, dtype)
-    if call.kind == "attention_sinks":  # the gradient of the sinks broadcast to [m, H, T, 1]
+    if call.kind == "attention_sinks":  # the gradient of the sinks broadcast to [R, H, T, 1]
+        if g.shape[0] != m:  # grouped examples: an example's k rows summed first
+            g = g.reshape(m, -1, *g.shape[1:]).sum(dim=1)
         if first:
             torch.sum(g, dim=(2, 3), out=out)
         else:

@@ -78,10 +78,27 @@ class LayerwiseGradients:
             ``c_attn``, ``c_fc`` and MLP ``c_proj``, whose factors hold 83% to 89% of their gradients) at the cost
             of memory, which the instantiated buffers take from the start of the backward; the benchmark harness's
             diagnostic mode ``dp_instantiate`` measures 1.5.
+        grouped: every example is a group of ``k`` rows (user-level privacy: a user's rows, whose summed gradient
+            is clipped): every batched tensor is ``[m, k, ...]`` (one ``k`` for all), ``batch_loss`` receives the
+            batch as given and returns the ``m`` examples' losses, and the model runs on the ``R = m k`` rows
+            flattened example-major (example ``i`` owns rows ``i k ... i k + k - 1``: ``batch_loss`` flattens
+            them). Example ``i``'s gradient is the sum over its rows, ``G_i = sum_{r, t} g_rt a_rt^T``: its rows
+            taken as one example of ``k T`` positions (ghost norms over the concatenated positions, instantiated
+            gradients summed over the rows), never a per-row gradient. ``loss_fn`` (of ``clipped_grad`` and
+            :meth:`check`) takes one example's ``[k, ...]`` tensors. A slot an example does not fill must hold one
+            of its own rows with loss weight 0, so that no row mixes examples.
+
+    With ``grouped``, the norms are ``[L, m]`` and the clipped sum is over the ``m`` examples, as for single rows;
+    the coupling check of the first chunk replaces whole examples.
     """
 
     def __init__(
-        self, model: nn.Module, batch_loss: Callable[..., torch.Tensor], *, ghost_advantage: float = 1.0
+        self,
+        model: nn.Module,
+        batch_loss: Callable[..., torch.Tensor],
+        *,
+        ghost_advantage: float = 1.0,
+        grouped: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InputTypeError(f"model must be an nn.Module, got {type(model).__name__}.")
@@ -93,6 +110,7 @@ class LayerwiseGradients:
         self.model = model
         self.batch_loss = batch_loss
         self.ghost_advantage = float(ghost_advantage)
+        self.grouped = bool(grouped)
         self._layout: tuple[tuple[str, ...], dict[nn.Module, tuple[str, dict[str, str]]]] | None = None
         self._batch_norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         self._others: list[torch.Tensor] = []  # the model's parameters outside the trainable names
@@ -149,14 +167,14 @@ class LayerwiseGradients:
     def _mixed_pass(
         self, params: dict[str, torch.Tensor], batch: tuple[Any, ...], batched: tuple[int, ...]
     ) -> torch.Tensor | None:
-        """The squared norms ``[L, m]`` of the chunk with its first ``k = m // 2`` rows replaced by copies of the
-        next ``k``; None for a chunk of one row (the check waits for a larger one). The rows ``[k, m)`` keep their
-        places, but the rows before them and the batch around them change: whatever a row's gradient reads from
-        the other rows of its batch (a mean over the batch, a similarity to the other rows, a running sum over the
-        rows) differs from the chunk's pass. The pass draws from the random generators as the chunk's pass then does
-        (their state is restored after it), so dropout masks a kept row alike in both, and the run's draws are
-        those it makes without the check; the same shapes run the same kernels, so on a model whose examples do
-        not interact the two passes agree on the kept rows to rounding."""
+        """The squared norms ``[L, m]`` of the chunk with its first ``k = m // 2`` rows (grouped: examples, all their
+        rows) replaced by copies of the next ``k``; None for a chunk of one row (the check waits for a larger one). The
+        rows ``[k, m)`` keep their places, but the rows before them and the batch around them change: whatever a row's
+        gradient reads from the other rows of its batch (a mean over the batch, a similarity to the other rows, a
+        running sum over the rows) differs from the chunk's pass. The pass draws from the random generators as the
+        chunk's pass then does (their state is restored after it), so dropout masks a kept row alike in both, and the
+        run's draws are those it makes without the check; the same shapes run the same kernels, so on a model whose
+        examples do not interact the two passes agree on the kept rows to rounding."""
         leaves = [x for j in batched for x in optree.tree_leaves(batch[j]) if isinstance(x, torch.Tensor) and x.dim()]
         m = leaves[0].shape[0] if leaves else 0
         if m < 2:
@@ -238,14 +256,14 @@ class LayerwiseGradients:
         first = next(iter(params.values()))
         anchor = torch.zeros((), device=first.device, requires_grad=True)
         leaves = optree.tree_leaves(batch)
-        out = self._empty_gradients(params, leaves)
+        out, rows = self._empty_gradients(params, leaves)
         # Nothing outside the taps needs a gradient (the parameters are detached; the batch and the other parameters
         # need none): a layer output that requires one is then downstream of a tap, so the backward to the anchor
         # reaches it and a tensor hook on it suffices (cheaper than another tap).
         hooks_suffice = not any(p.requires_grad for p in self._others) and not any(
             isinstance(x, torch.Tensor) and x.requires_grad for x in leaves
         )
-        hooks = ChunkPass(by_module, out, anchor, hooks_suffice=hooks_suffice)
+        hooks = ChunkPass(by_module, out, anchor, hooks_suffice=hooks_suffice, rows=rows)
         hooks.install(self.model)
         try:
             with recompute_linked_to(self.model, anchor):
@@ -256,25 +274,33 @@ class LayerwiseGradients:
         finally:
             hooks.remove()
 
-    @staticmethod
-    def _empty_gradients(params: dict[str, torch.Tensor], leaves: list[Any]) -> Gradients:
-        """The chunk's gradients before the pass: the trainable names in the clipped sums' leaf order, their shapes
-        and accumulation dtypes, the batch size and the error of the run's float32 products."""
+    def _empty_gradients(self, params: dict[str, torch.Tensor], leaves: list[Any]) -> tuple[Gradients, int]:
+        """The chunk's gradients before the pass (the trainable names in the clipped sums' leaf order, their shapes
+        and accumulation dtypes, the batch size and the error of the run's float32 products) and the rows the model
+        runs on (grouped: ``m k``)."""
         names = [path[0] for path in optree.tree_paths(params)]
         first = next(iter(params.values()))
         shapes = {k: v.shape for k, v in params.items()}
         dtypes = {k: torch.float64 if v.dtype == torch.float64 else torch.float32 for k, v in params.items()}
-        sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim()}
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim()]
+        sizes = {x.shape[0] for x in tensors}
         if len(sizes) != 1:
             raise ConfigurationError(f"batched tensors need one leading batch dimension, got sizes {sorted(sizes)}.")
-        return Gradients(
-            names,
-            shapes,
-            dtypes,
-            sizes.pop(),
-            first.device,
-            product_error=product_error(matmul_precision(first.device)),
+        m = rows = sizes.pop()
+        if self.grouped:
+            slots = {x.shape[1] if x.dim() > 1 else 0 for x in tensors}
+            if len(slots) != 1 or not min(slots) > 0:
+                shapes_seen = sorted({tuple(x.shape) for x in tensors})
+                raise ConfigurationError(
+                    f"grouped examples need every batched tensor [m, k, ...] with one k >= 1 (the rows of an "
+                    f"example), got shapes {shapes_seen}. Give every example k rows (fill a slot with one of the "
+                    "example's own rows with loss weight 0), or use grouped=False for one row per example."
+                )
+            rows = m * slots.pop()
+        gradients = Gradients(
+            names, shapes, dtypes, m, first.device, product_error=product_error(matmul_precision(first.device))
         )
+        return gradients, rows
 
     def _backward(
         self, result: Any, out: Gradients, calls: list[Call], anchor: torch.Tensor, *, instantiate: bool

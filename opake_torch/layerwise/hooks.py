@@ -82,19 +82,20 @@ def _hook_output(output: torch.Tensor, record: Callable[[torch.Tensor], None]) -
 class _BroadcastTap(torch.overrides.TorchFunctionMode):
     """Active during one call of an attention layer with sinks: the expansion of its ``sinks`` parameter over the
     batch (``sinks.reshape(1, -1, 1, 1).expand(m, -1, T, -1)`` in Hugging Face's eager attention, the only place it
-    is used) goes through ``on_expand``, which taps it; the tap's gradient ``[m, H, T, 1]`` summed over the positions
-    is each example's gradient of the sinks. ``tapped`` says whether that expansion happened (other attention
-    implementations use the sinks otherwise, and are refused)."""
+    is used) goes through ``on_expand``, which taps it; the tap's gradient ``[R, H, T, 1]`` (``R`` rows: the
+    batch, or its examples' rows) summed over the positions and an example's rows is each example's gradient of the
+    sinks. ``tapped`` says whether that expansion happened (other attention implementations use the sinks otherwise,
+    and are refused)."""
 
-    def __init__(self, param: torch.Tensor, m: int, on_expand: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, param: torch.Tensor, rows: int, on_expand: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
-        self.seen, self.m, self.on_expand, self.tapped = [param], m, on_expand, False
+        self.seen, self.rows, self.on_expand, self.tapped = [param], rows, on_expand, False
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if not args or not any(args[0] is seen for seen in self.seen):
             return out
-        if func is torch.Tensor.expand and out.dim() and out.shape[0] == self.m:
+        if func is torch.Tensor.expand and out.dim() and out.shape[0] == self.rows:
             self.tapped = True
             return self.on_expand(out)
         if func in (torch.Tensor.reshape, torch.Tensor.view):
@@ -112,6 +113,10 @@ class ChunkPass:
         anchor: the scalar leaf the taps link to, and that the backward runs to.
         hooks_suffice: nothing outside the taps needs a gradient, so a layer output that requires one is downstream
             of a tap and a tensor hook on it suffices (cheaper than another tap).
+        rows: the rows the model runs on, ``R``: ``out.m``, or ``out.m * k`` for grouped examples of ``k`` rows
+            each (example ``i`` owns rows ``i k ... i k + k - 1``); a layer must see them in dimension 0 (or, as
+            flattened tokens, a multiple of them), and its per-example quantities fold an example's rows together
+            (``[R, T, d]`` read as ``[m, k T, d]``: :func:`~opake_torch.layerwise.calls.by_example`).
 
     ``calls`` lists the layer calls in the forward's order (a checkpointed layer's forward, which keeps nothing,
     notes its call; its recompute in the backward is tapped like the others).
@@ -124,8 +129,11 @@ class ChunkPass:
         anchor: torch.Tensor,
         *,
         hooks_suffice: bool,
+        rows: int,
     ) -> None:
         self.layers, self.out, self.anchor, self.hooks_suffice = layers, out, anchor, hooks_suffice
+        self.rows = rows
+        self.slots = rows // max(1, out.m)  # k: the rows of one example
         self.calls: list[Call] = []
         self.written: set[str] = set()  # instantiated names the backward has written (their buffers held zeros)
         self.grams = InputGrams(out.m)
@@ -198,24 +206,27 @@ class ChunkPass:
             call.inputs = call.grad = None
 
     def forward_hook(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
-        m = self.out.m
+        m, rows = self.out.m, self.rows
         kind, attrs = self.layers[module]
-        if kind == "router":  # flattened tokens [m * T, d] in, (logits, scores, experts) out
+        if kind == "router":  # flattened tokens [R * T, d] in, (logits, scores, experts) out
             return self.router_hook(module, attrs, inputs[0], output[0])
         x = inputs[0].detach()
-        # tokens flattened to rows [m * T, d], example-major (MoE blocks' shared experts, the gated norm's heads)
-        rows = kind != "embedding" and x.dim() == 2 and x.shape[0] % m == 0
-        lead = m if rows else x.shape[0]
-        positions = x.numel() // max(1, lead * (1 if kind == "embedding" else x.shape[-1]))
+        # tokens flattened to rows [R * T, d], example-major (MoE blocks' shared experts, the gated norm's heads)
+        flat = kind != "embedding" and x.dim() == 2 and x.shape[0] % rows == 0
+        width = 1 if kind == "embedding" else x.shape[-1]
+        if flat:
+            positions = x.numel() // max(1, m * width)
+        else:  # [R, T, ...] or positions shared by the rows [1, T]: an example's k rows of T positions each
+            positions = x.numel() // max(1, x.shape[0] * width) * self.slots
         if not torch.is_grad_enabled():  # a checkpointed layer's forward: its recompute is tapped
             self.calls.append(Call(kind, module, attrs, None, positions))
             return None
-        if kind == "embedding" and x.shape[0] == 1 and m > 1:  # positions shared by the batch: one per example
-            x, output = x.expand(m, *x.shape[1:]), output.expand(m, *output.shape[1:])
-        if (not rows and x.shape[0] != m) or (kind == "gated_rms_norm" and len(inputs) != 2):
+        if kind == "embedding" and x.shape[0] == 1 and rows > 1:  # positions shared by the batch: one per row
+            x, output = x.expand(rows, *x.shape[1:]), output.expand(rows, *output.shape[1:])
+        if (not flat and x.shape[0] != rows) or (kind == "gated_rms_norm" and len(inputs) != 2):
             raise ConfigurationError(
                 f"a {type(module).__name__} layer runs on a tensor of leading size {x.shape[0]}, not the batch of "
-                f"{m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
+                f"{rows}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
             )
         gate = inputs[1].detach() if kind == "gated_rms_norm" else None
         kept = x if kind == "embedding" else self.bf16.keep(kind, inputs[0], output)
@@ -239,15 +250,14 @@ class ChunkPass:
     def router_hook(self, module: nn.Module, attrs: dict[str, str], x: torch.Tensor, logits: torch.Tensor) -> None:
         """A router's logits are ``F.linear`` of its input, and its scores are computed from that very tensor: a
         tensor hook on it sees the whole gradient (:meth:`link_router_input` made it require one)."""
-        m = self.out.m
-        positions = x.shape[0] // m
+        positions = x.shape[0] // max(1, self.out.m)
         if not torch.is_grad_enabled():
             self.calls.append(Call("linear", module, attrs, None, positions))
             return None
-        if x.shape[0] % m or not logits.requires_grad:
+        if x.shape[0] % self.rows or not logits.requires_grad:
             raise ConfigurationError(
                 f"a {type(module).__name__} router runs on {x.shape[0]} rows, not a multiple of the batch of "
-                f"{m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
+                f"{self.rows}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
             )
         call = Call("linear", module, attrs, self.bf16.keep("linear", x, logits), positions)
         self.register(call)
@@ -261,21 +271,20 @@ class ChunkPass:
         return (_Tap.apply(x, self.anchor, lambda grad: None), *args[1:])
 
     def tap_experts(self, module: nn.Module, attr: str, x: torch.Tensor, routing: Routing, y: torch.Tensor) -> Any:
-        """One projection of an experts layer (``attr``: its weight): rows ``x`` ``[m * T, in]`` routed as
+        """One projection of an experts layer (``attr``: its weight): rows ``x`` ``[R * T, in]`` routed as
         ``routing`` says, output ``y``; returns the output the layer continues with."""
-        m = self.out.m
         attrs = self.layers[module][1]
         names = {k: attrs[a] for k, a in (("weight", attr), ("bias", f"{attr}_bias")) if a in attrs}
         if not names:
             return y
-        positions = x.shape[0] // m
+        positions = x.shape[0] // max(1, self.out.m)
         if not torch.is_grad_enabled():
             self.calls.append(Call("experts", module, names, None, positions))
             return y
-        if x.shape[0] % m:
+        if x.shape[0] % self.rows:
             raise ConfigurationError(
                 f"a {type(module).__name__} layer runs on {x.shape[0]} rows, not a multiple of the batch of "
-                f"{m}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
+                f"{self.rows}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
             )
         call = Call("experts", module, names, self.bf16.keep("experts", x, y), positions, routing=routing,
                     transposed=bool(module.is_transposed))  # fmt: skip
@@ -292,7 +301,7 @@ class ChunkPass:
                 return expanded
             return _Tap.apply(expanded, self.anchor, lambda grad: self.record(call, grad))
 
-        self.modes.append(_BroadcastTap(module.sinks, self.out.m, on_expand))
+        self.modes.append(_BroadcastTap(module.sinks, self.rows, on_expand))
         self.modes[-1].__enter__()
 
     def leave_sinks(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -315,7 +324,7 @@ class ChunkPass:
 
     def enter_uses(self, scope: nn.Module, args: tuple[Any, ...]) -> None:
         watched = [(w, getattr(w.module, w.attr)) for w in self.scopes[scope]]  # as reparametrized for this call
-        self.modes.append(ParameterUses(watched, self.out.m, self.on_use))
+        self.modes.append(ParameterUses(watched, self.rows, self.on_use))
         self.modes[-1].__enter__()
 
     def leave_uses(self, scope: nn.Module, args: tuple[Any, ...], output: Any) -> None:

@@ -92,15 +92,16 @@ class ParameterUses(torch.overrides.TorchFunctionMode):
     Args:
         watched: the parameters, each with the tensor the module holds during this call (under
             ``functional_call`` or a checkpointed recompute, the reparametrized one).
-        m: the batch size (a batched operand has it in dimension 0).
+        rows: the rows the model runs on, ``R`` (a batched operand has them in dimension 0): the batch size, or
+            ``m k`` for ``m`` grouped examples of ``k`` rows.
         on_use: ``on_use(kind, module, names, value, inputs) -> value``: records one use (``names``: attribute ->
             trainable name) and returns ``value`` tapped; ``value`` is the expanded parameter (elementwise, with
-            ``inputs`` None) or the conv's output (with ``inputs`` its zero-padded input ``[m, C, T + 2p]``).
+            ``inputs`` None) or the conv's output (with ``inputs`` its zero-padded input ``[R, C, T + 2p]``).
     """
 
-    def __init__(self, watched: list[tuple[Watched, torch.Tensor]], m: int, on_use: Callable[..., torch.Tensor]):
+    def __init__(self, watched: list[tuple[Watched, torch.Tensor]], rows: int, on_use: Callable[..., torch.Tensor]):
         super().__init__()
-        self.m, self.on_use = m, on_use
+        self.rows, self.on_use = rows, on_use
         self.params = {w: p for w, p in watched}
         # (tensor, watched, replay): replay(expanded) redoes on the expanded parameter what gave ``tensor`` from it
         self.derived: list[tuple[torch.Tensor, Watched, Callable[[torch.Tensor], torch.Tensor]]] = [
@@ -161,11 +162,11 @@ class ParameterUses(torch.overrides.TorchFunctionMode):
         followed."""
         tensor, watched, replay = entry
         others = [v for v in [*args, *kwargs.values()] if isinstance(v, torch.Tensor) and v is not tensor]
-        batched = any(v.dim() > tensor.dim() and v.shape[0] == self.m for v in others)
+        batched = any(v.dim() > tensor.dim() and v.shape[0] == self.rows for v in others)
         if batched and func in _WITH_BATCH:
             rank = len(torch.broadcast_shapes(*(v.shape for v in [tensor, *others])))
             param = self.params[watched]
-            expanded = param.expand(self.m, *[1] * (rank - 1 - param.dim()), *param.shape)
+            expanded = param.expand(self.rows, *[1] * (rank - 1 - param.dim()), *param.shape)
             self.unseen = [w for w in self.unseen if w is not watched]
             value = self.on_use(ELEMENTWISE, watched.module, {watched.attr: watched.name}, expanded, None)
             return _call(func, args, kwargs, where, replay(value))
@@ -193,7 +194,7 @@ class ParameterUses(torch.overrides.TorchFunctionMode):
         padding = _single(bound.get("padding", 0))
         plain = (_single(bound.get("stride", 1)), _single(bound.get("dilation", 1))) == (1, 1)
         shape = tuple(x.shape) if x.dim() == 3 else ()
-        if not plain or padding is None or bound.get("groups", 1) != channels or shape[:2] != (self.m, channels):
+        if not plain or padding is None or bound.get("groups", 1) != channels or shape[:2] != (self.rows, channels):
             self._refuse(func, watched)
             return out
         names = {"weight": watched.name} | ({"bias": bias[1].name} if bias is not None else {})
@@ -235,13 +236,14 @@ def _call(func: Any, args: Any, kwargs: dict, where: int | str, value: torch.Ten
 
 def add_conv_gradient(attr: str, xpad: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, *, first: bool) -> None:
     """``out += `` the per-example gradients of a depthwise conv's ``attr`` (weight ``[m, C, 1, K]`` or bias
-    ``[m, C]``, ``out``'s dtype) from its zero-padded input ``xpad`` ``[m, C, T + 2p]`` and output gradient ``grad``
-    ``[m, C, L]`` (``L = T + 2p - K + 1``): ``G_i[c, 0, k] = sum_l g_i[c, l] xpad_i[c, l + k]``. Where the conv ran in
-    bfloat16 (a bf16 output gradient), the input is rounded to bf16 as the conv's forward rounded it."""
-    dtype = out.dtype
+    ``[m, C]``, ``out``'s dtype) from its zero-padded input ``xpad`` ``[R, C, T + 2p]`` and output gradient ``grad``
+    ``[R, C, L]`` (``L = T + 2p - K + 1``): ``G_i[c, 0, k] = sum_l g_i[c, l] xpad_i[c, l + k]``, summed over the
+    ``k = R / m`` rows of example ``i`` (rows ``i k ... i k + k - 1``; ``R = m`` but for grouped examples). Where the
+    conv ran in bfloat16 (a bf16 output gradient), the input is rounded to bf16 as the conv's forward rounded it."""
+    dtype, m = out.dtype, out.shape[0]
     g = grad.to(dtype)
     if attr == "bias":
-        summed = g.sum(dim=2)
+        summed = _by_example(g.sum(dim=2), m)
         out.copy_(summed) if first else out.add_(summed)
         return
     if grad.dtype == torch.bfloat16:
@@ -249,5 +251,12 @@ def add_conv_gradient(attr: str, xpad: torch.Tensor, grad: torch.Tensor, out: to
     xpad = xpad.to(dtype)
     length, taps = g.shape[2], out.shape[-1]
     weight = torch.stack([(g * xpad[:, :, k : k + length]).sum(dim=2) for k in range(taps)], dim=-1)
-    weight = weight.view(out.shape)
+    weight = _by_example(weight, m).view(out.shape)
     out.copy_(weight) if first else out.add_(weight)
+
+
+def _by_example(rows: torch.Tensor, m: int) -> torch.Tensor:
+    """``[R, ...]`` per-row gradients summed over each example's ``R / m`` consecutive rows: ``[m, ...]``
+    (``rows`` itself where ``R = m``). The padded rows of a row cannot be joined to the next row's positions (the
+    taps would reach across them), hence a sum of rows rather than one long row."""
+    return rows if rows.shape[0] == m else rows.reshape(m, -1, *rows.shape[1:]).sum(dim=1)

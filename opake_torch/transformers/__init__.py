@@ -10,13 +10,14 @@ from typing import Any
 
 from opake_torch import _extras
 
-__all__ = ["DPTrainer", "DPTrainerState", "TrainingArguments", "as_training_arguments"]
+__all__ = ["DPTrainer", "DPTrainerState", "TrainingArguments", "as_training_arguments", "pack_documents"]
 
 _HOME = {
     "DPTrainer": "opake_torch.transformers.trainer",
     "DPTrainerState": "opake_torch.transformers.trainer",
     "TrainingArguments": "opake_torch.transformers.arguments",
     "as_training_arguments": "opake_torch.transformers.arguments",
+    "pack_documents": "opake_torch.transformers.packing",
 }
 
 

@@ -36,7 +36,8 @@ HELP: dict[str, str] = {
     "adam_beta2": "beta2 of the Adam-family optimizers.",
     "adam_epsilon": "epsilon of the Adam-family optimizers.",
     "optim": "The optimizer: sgd, momentum, adam, adamw, adam-bc, adamw-bc, adafactor, lion, ... (docs: Optimizers).",
-    "optim_args": "Keyword arguments of the optimizer (a dict, JSON or 'a=1,b=2'); they override the fields.",
+    "optim_args": "Keyword arguments of the optimizer (a dict, JSON or 'a=1,b=2'); they override the fields; "
+    "with optim='schedule_free', 'base' names the optimizer it wraps.",
     "lr_scheduler": "The learning-rate schedule, by Hugging Face's name (--lr_scheduler_type too): linear, cosine, ...",
     "lr_scheduler_kwargs": "Keyword arguments of the schedule, Hugging Face's names (num_cycles, min_lr_rate, ...).",
     "warmup_steps": "Linear warm-up: a count of steps, or a float in (0, 1) for a fraction of the run.",
@@ -59,8 +60,14 @@ HELP: dict[str, str] = {
     "noise_calibration_kwargs": "Search range and tolerance of the noise calibration (min, max, tolerance).",
     "sampling_mode": "The batch sampler the accountant is told about; 'auto': the mechanism's first sampler.",
     "sampling_kwargs": "Keys of the sampler (poisson: truncated_batch_size; k_out_of_t: k, allocation).",
+    "privacy_unit": "What the guarantee protects: 'record' (one row) or 'user' (all rows of one user or document).",
+    "privacy_user_column": "With privacy_unit='user': the dataset column naming each row's user (or document).",
+    "privacy_max_rows_per_user": "With privacy_unit='user': the most rows a sampled user contributes to one step.",
+    "privacy_user_reduction": "With privacy_unit='user': clip the 'mean' (default) or the 'sum' of a user's row "
+    "gradients.",
     "router_aux_loss_coef": "Weight of the private router load-balancing loss of an MoE model (a privacy release).",
     "router_aux_kwargs": "Keys of the router release (max_tokens, ratio, mean_tokens, filter_beta).",
+    "router_fp32": "Compute the MoE routers' logits, softmax and top-k in float32 (no bf16 ties between experts).",
     # precision, compile, kernels
     "bf16": "bf16 autocast of the per-example loss.",
     "bf16_full_eval": "Evaluate in bf16.",
@@ -90,6 +97,7 @@ HELP: dict[str, str] = {
     "run_name": "A name of the run for the integrations.",
     "include_num_input_tokens_seen": "Log the number of input tokens seen ('no', 'all' or 'non_padding').",
     "include_tokens_per_second": "Log the tokens per second of training.",
+    "step_perf": "Log each step's phase times (perf/<phase>_sec) and peak memory; synchronizes the device.",
     "log_level": "Log level of the main process: debug, info, warning, error, critical or passive.",
     "log_level_replica": "Log level of the other processes.",
     "log_on_each_node": "Log from the main process of every node, not only of the first.",

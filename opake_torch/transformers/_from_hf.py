@@ -209,8 +209,8 @@ DROPPED_BY_FROM_HF = (
 )  # fmt: skip
 _REFUSED_OPTIM_MARKERS = ("8bit", "paged", "apex", "galore", "bnb", "lomo")
 # HF names whose optimizer has the same update here (the 32-bit bitsandbytes Lion is Lion); "rmsprop", "adagrad",
-# "ademamix", "schedule_free_adamw" and "stable_adamw" keep their names. Not mapped: the schedule-free RAdam and SGD
-# variants.
+# "ademamix", "schedule_free_adamw" and "stable_adamw" keep their names. Refused: the schedule-free RAdam and SGD
+# (another update than the wrapper of those names here).
 _HF_OPTIMS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adafactor": "adafactor",
               "sgd": "sgd", "lion_32bit": "lion", "rmsprop": "rmsprop", "adagrad": "adagrad", "ademamix": "ademamix",
               "schedule_free_adamw": "schedule_free_adamw", "stable_adamw": "stable_adamw"}  # fmt: skip
@@ -407,6 +407,14 @@ def _transform(fields: dict[str, tuple[Any, Any]], *, clipping_given: bool) -> d
         raise ConfigurationError(
             f"optim={optim!r} cannot be converted: 8-bit, paged, Apex-fused and GaLore optimizers have no functional "
             "torchopt equivalent under DP; pass optim='adamw' (or another supported name) as an override."
+        )
+    if optim in ("schedule_free_radam", "schedule_free_sgd"):
+        raise ConfigurationError(
+            f"optim={optim!r} cannot be converted: Hugging Face's is the authors' {optim} optimizer, whose update "
+            f"(its own averaging weights and warm-up) differs from opake_core.optim.schedule_free around "
+            f"{optim.removeprefix('schedule_free_')}. Convert with optim='schedule_free_adamw' in the Hugging Face "
+            f"arguments (the same update as Hugging Face's), or build TrainingArguments(optim={optim!r}) directly for "
+            "that wrapper."
         )
     out["optim"] = "adafactor" if value("adafactor", False) else _HF_OPTIMS.get(optim, optim)
 

@@ -60,6 +60,9 @@ OPTIMIZERS = (
     "radam",
     "adadelta",
     "schedule_free_adamw",
+    "schedule_free",
+    "schedule_free_radam",
+    "schedule_free_sgd",
     "stable_adamw",
 )
 OPTIMIZER_ALIASES = {
@@ -271,10 +274,10 @@ def check_keys(mapping: Mapping[str, Any], allowed: Sequence[str], name: str, se
 
 
 def check_schedule_free_best_model(optim: str, load_best_model_at_end: Any) -> None:
-    """Refuse ``optim="schedule_free_adamw"`` with ``load_best_model_at_end``: the best checkpoint holds y, not x."""
-    if optim == "schedule_free_adamw" and load_best_model_at_end:
+    """Refuse a Schedule-Free ``optim`` with ``load_best_model_at_end``: the best checkpoint holds y, not x."""
+    if optim.startswith("schedule_free") and load_best_model_at_end:
         raise ConfigurationError(
-            "optim='schedule_free_adamw' cannot be combined with load_best_model_at_end=True: a checkpoint holds the "
+            f"optim={optim!r} cannot be combined with load_best_model_at_end=True: a checkpoint holds the "
             "training iterate y (so that a resume continues exactly), not the averaged weights x that evaluation "
             "scored. Set load_best_model_at_end=False (the weights after train() are x), or choose another optim."
         )

@@ -63,7 +63,7 @@ from opake_torch.transformers import _parsing as p
 from opake_torch.transformers._outputs import OutputRules
 from opake_torch.transformers._process import LOG_LEVELS, ParallelMode, ProcessView
 from opake_torch.transformers.compute_settings import ComputeSettings
-from opake_torch.transformers.optimizer import check_schedule_kwargs
+from opake_torch.transformers.optimizer import check_schedule_free_base, check_schedule_kwargs
 from opake_torch.transformers.privacy_settings import PrivacySettings
 
 __all__ = ["LOG_LEVELS", "SECRET_FIELDS", "ParallelMode", "TrainingArguments", "as_training_arguments"]
@@ -206,9 +206,14 @@ class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceN
     noise_calibration_kwargs: dict[str, Any] | str | None = None
     sampling_mode: str = "auto"
     sampling_kwargs: dict[str, Any] | str | None = None
+    privacy_unit: str = "record"
+    privacy_user_column: str | None = None
+    privacy_max_rows_per_user: int | None = None
+    privacy_user_reduction: str = "mean"
     # mixture of experts: the private router load-balancing release
     router_aux_loss_coef: float | None = None
     router_aux_kwargs: dict[str, Any] | str | None = None
+    router_fp32: bool = False  # the routers' logits and softmax in float32 (opake_torch.patches.router_fp32)
     # precision, compile, kernels
     bf16: bool = False
     bf16_full_eval: bool = False
@@ -241,6 +246,7 @@ class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceN
         default="no", metadata=_option("include_num_input_tokens_seen", loose=True)
     )
     include_tokens_per_second: bool = False
+    step_perf: bool = False  # per-phase step times in the logs (opake_torch.transformers.step_perf)
     log_level: str = "passive"
     log_level_replica: str = "warning"
     log_on_each_node: bool = True
@@ -424,14 +430,16 @@ class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceN
 
     def _resolve_optimizer(self) -> None:
         name = p.plain(self.optim)
-        name = p.OPTIMIZER_ALIASES.get(name, name) if isinstance(name, str) else name
+        self.optim_args = p.as_dict(self.optim_args, "optim_args")
+        wrapper = name == "schedule_free" and "base" in self.optim_args  # else Schedule-Free AdamW, as before
+        name = p.OPTIMIZER_ALIASES.get(name, name) if isinstance(name, str) and not wrapper else name
         if isinstance(name, str) and any(marker in name for marker in p._REFUSED_OPTIM_MARKERS):
             raise ConfigurationError(
                 f"optim={self.optim!r} (8-bit, paged, Apex-fused or GaLore optimizers) has no functional torchopt "
                 f"equivalent under DP. Use one of {list(p.OPTIMIZERS)}, e.g. optim='adamw'."
             )
         self.optim = p.as_choice(name, "optim", p.OPTIMIZERS)
-        self.optim_args = p.as_dict(self.optim_args, "optim_args")
+        check_schedule_free_base(self.optim, self.optim_args)
         name = p.plain(self.lr_scheduler)
         name = p.SCHEDULER_ALIASES.get(name, name) if isinstance(name, str) else name
         if isinstance(name, str) and name in p.REFUSED_SCHEDULERS:

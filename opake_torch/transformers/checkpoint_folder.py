@@ -164,6 +164,7 @@ def rotate(output_dir: Path, limit: int | None, *, protect: tuple[Path, ...] = (
 _OUTPUT_FIELDS = frozenset({
     "output_dir", "overwrite_output_dir", "logging_dir", "logging_strategy", "logging_first_step", "logging_steps",
     "disable_tqdm", "report_to", "run_name", "include_num_input_tokens_seen", "include_tokens_per_second",
+    "step_perf",
     "save_strategy", "save_steps", "save_total_limit", "save_safetensors", "save_on_each_node", "save_only_model",
     "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "restore_callback_states_from_checkpoint",
     "resume_from_checkpoint", "eval_strategy", "eval_steps", "eval_on_start", "eval_delay", "prediction_loss_only",

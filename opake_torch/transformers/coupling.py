@@ -41,7 +41,15 @@ from opake_core.clipping.engine import example_grad
 from opake_core.clipping.microbatching import chunk_sizes
 from opake_core.errors import ConfigurationError
 
-__all__ = ["POSITIONS", "ROWS", "SAMPLE", "check_neighbours", "check_padding_mask", "neighbour_rows"]
+__all__ = [
+    "POSITIONS",
+    "ROWS",
+    "SAMPLE",
+    "check_neighbours",
+    "check_padding_mask",
+    "neighbour_rows",
+    "neighbour_users",
+]
 
 SAMPLE = 16
 """Rows read, evenly spaced over the dataset, to find the shortest and the longest."""
@@ -95,6 +103,30 @@ def neighbour_rows(
     rows = [_cut(sample[i], positions // 2) for i in chosen[: ROWS - int(empty_row is not None)]]
     rows += [empty_row] if empty_row is not None else []
     return (rows, _cut(sample[longest], positions)) if rows else None
+
+
+def neighbour_users(
+    read: Callable[[Sequence[int]], list[dict[str, Any]]],
+    row_users: np.ndarray,
+    max_rows: int,
+    *,
+    positions: int = POSITIONS,
+) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]] | None:
+    """``(S, extra)`` for :func:`check_neighbours` under ``privacy_unit="user"``: the records are users, each the list
+    of its first ``max_rows`` rows (``row_users[i]``: the user of row ``i``; ``read(indices)`` returns rows). Of
+    :data:`SAMPLE` users evenly spaced over the users, ``extra`` is the one with the longest row, cut to its first
+    ``positions``, and ``S`` the shortest and the next ones, :data:`ROWS` in all, cut to ``positions // 2``. None
+    with fewer than two users."""
+    count = int(row_users.max()) + 1 if len(row_users) else 0
+    if count < 2:
+        return None
+    chosen_users = sorted({int(u) for u in np.linspace(0, count - 1, min(count, SAMPLE)).round()})
+    users = [read(np.flatnonzero(row_users == u)[:max_rows]) for u in chosen_users]
+    length = [max((_length(v) or 0 for row in rows for v in row.values()), default=0) for rows in users]
+    longest = max(range(len(users)), key=lambda i: length[i])
+    others = sorted((i for i in range(len(users)) if i != longest), key=lambda i: length[i])
+    rows = [[_cut(row, positions // 2) for row in users[i]] for i in others[:ROWS]]
+    return rows, [_cut(row, positions) for row in users[longest]]
 
 
 def _empty(row: dict[str, Any]) -> dict[str, Any] | None:

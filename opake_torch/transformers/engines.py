@@ -30,6 +30,7 @@ from opake_torch.layerwise.compiled import KINDS, MIN_TORCH, CompiledLayerwise, 
 from opake_torch.patches.kernels import FusedGradients
 from opake_torch.transformers import coupling
 from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
+from opake_torch.transformers.users import LIVE
 
 __all__ = [
     "CHECK_POSITIONS",
@@ -74,7 +75,9 @@ def layerwise_engine(
         with torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.bf16):
             return batch_losses(p, batch)
 
-    return LayerwiseGradients(model, loss, ghost_advantage=args.layerwise_ghost_advantage)
+    # under privacy_unit="user" a batch is users x slots, and a user's rows are one example
+    grouped = args.privacy_unit == "user"
+    return LayerwiseGradients(model, loss, ghost_advantage=args.layerwise_ghost_advantage, grouped=grouped)
 
 
 CHECK_POSITIONS = 1024
@@ -82,10 +85,12 @@ CHECK_POSITIONS = 1024
 
 
 def _first_positions(batch: dict[str, Any]) -> dict[str, Any]:
-    """``batch`` with every tensor of more than :data:`CHECK_POSITIONS` entries in dimension 1 (tokens, in the
-    ``[batch, positions, ...]`` layout of text batches) cut to its first ones."""
-    long = lambda v: isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] > CHECK_POSITIONS  # noqa: E731
-    return {k: v[:, :CHECK_POSITIONS] if long(v) else v for k, v in batch.items()}
+    """``batch`` with every tensor of more than :data:`CHECK_POSITIONS` entries in its positions dimension (1 in the
+    ``[batch, positions, ...]`` layout of text batches, 2 in the ``[users, k, positions, ...]`` one of a user-level
+    batch) cut to its first ones."""
+    dim = 2 if LIVE in batch else 1
+    long = lambda v: isinstance(v, torch.Tensor) and v.dim() > dim and v.shape[dim] > CHECK_POSITIONS  # noqa: E731
+    return {k: v.narrow(dim, 0, CHECK_POSITIONS) if long(v) else v for k, v in batch.items()}
 
 
 def verified(
@@ -261,10 +266,12 @@ def step_factory(
     engine: Engine,
     topology: Any,
     has_aux: bool = False,
+    perf: Any = None,
 ) -> Callable[[int | None], tuple[Any, Any]]:
     """``make_step(microbatch_size) -> (step_fn, dp_state)``: the plan's core step on ``engine``, with the noise
     key ``key``. Under DDP the clipped sums, normalized by the cluster's expected batch, are summed across ranks and
-    noised once (``topology.reduce``); under FSDP2 they are reduce-scattered and each rank noises its own rows."""
+    noised once (``topology.reduce``); under FSDP2 they are reduce-scattered and each rank noises its own rows.
+    ``perf``: a :class:`.step_perf.StepPerf` whose gradients phase ends after that reduction (None: no mark)."""
     common = {
         "optimizer": optimizer,
         "clipping_norm": clipping,
@@ -273,7 +280,7 @@ def step_factory(
         "expected_batch_size": plan.expected_batch_size,
         "compute_dtype": args.privacy_noise_mechanism_kwargs.get("compute_dtype", torch.float32),
         "engine": engine,
-        "reduce": topology.reduce,
+        "reduce": topology.reduce if perf is None else perf.timed_reduce(topology.reduce),
         "has_aux": has_aux,  # loss_fn returns (loss, per-example log values): they reach metrics.aux
         # the run gives up each step's inputs: noise, optimizer state and weights are updated in their own tensors
         # (not under auto_find_microbatch_size, whose retry after an out-of-memory error reruns a step's inputs)

@@ -30,6 +30,7 @@ from opake_core import random
 from opake_core.errors import ConfigurationError
 from opake_torch.transformers.data import collate, fetch, language_modeling_labels, on_device
 from opake_torch.transformers.resume import planned
+from opake_torch.transformers.users import user_batch, users_of
 
 __all__ = [
     "DataLoaders",
@@ -43,7 +44,8 @@ __all__ = [
 
 class SampledBatches(Sampler[list[int]]):
     """``steps`` index batches of a core sampler (``opake_core.sampling``), drawn from a fresh key (from the
-    operating system) at every iteration: the distribution of training's batches, never its draws."""
+    operating system) at every iteration: the distribution of training's batches, never its draws. A user-level
+    sampler's batch is the rows its users contribute."""
 
     def __init__(self, sampler: Any, steps: int) -> None:
         self.sampler, self.steps = sampler, steps
@@ -52,7 +54,7 @@ class SampledBatches(Sampler[list[int]]):
         key, state = random.random_key(), self.sampler.init()
         for _ in range(self.steps):
             indices, state = self.sampler.sample(key, state)
-            yield [int(i) for i in indices]
+            yield [int(i) for i in indices.reshape(-1) if i >= 0]
 
     def __len__(self) -> int:
         return self.steps
@@ -118,7 +120,10 @@ class DataLoaders:
     def fetch_batch(self, dataset: Any, indices: Sequence[int] | np.ndarray) -> dict[str, torch.Tensor]:
         """The rows ``indices`` of ``dataset`` collated into one batch of tensors (``[len(indices), ...]``) on the
         run's device, in this process: what a training step, the model probe and the audits run on. No row gives
-        the empty batch of the dataset's columns (an empty Poisson draw is still a step)."""
+        the empty batch of the dataset's columns (an empty Poisson draw is still a step). A slot array ``[users, k]``
+        (a user-level draw, ``privacy_unit="user"``) gives the batch of :func:`.users.user_batch`."""
+        if np.ndim(indices) == 2:
+            return user_batch(lambda rows: self.fetch_batch(dataset, rows), np.asarray(indices))
         return self._to_device(self._host_batch(dataset, indices))
 
     def _collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -152,7 +157,8 @@ class DataLoaders:
         checkpoint would run (:func:`.resume.planned`)."""
         if self.train_dataset is None:
             raise ConfigurationError("get_train_dataloader needs a train_dataset.")
-        plan = self.privacy_plan or planned(self.args, len(self.train_dataset), self.ledger)
+        users = self._users or users_of(self.args.privacy, self.train_dataset)
+        plan = self.privacy_plan or planned(self.args, len(self.train_dataset), self.ledger, users=users)
         return train_loader(self.train_dataset, plan, self.args, self._host_batch, self._to_device)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:

@@ -107,7 +107,7 @@ def model_card(
     source = f" from [`{base}`](https://huggingface.co/{base})" if isinstance(base, str) and base else ""
     lines += [
         f"This model was fine-tuned{source} with differential privacy by Opake's `DPTrainer`. The privacy unit is "
-        f"**{unit}**: one row of the training dataset.",
+        f"**{unit}**: {_scope(args)}.",
         "",
         "## Privacy guarantee",
         "",
@@ -146,9 +146,10 @@ def _guarantee(record: Mapping[str, Any] | None, args: Any, unit: str) -> list[s
     else:
         relation = ADJACENCY.get(record.get("adjacency", "add_or_remove"), record.get("adjacency"))
         horizon = " for its whole declared horizon" if record.get("horizon") else ""
+        differ = _scope(args, neighbours=True)
         head = (
             f"The training run is **(ε = {epsilon:.4g}, δ = {delta:.3g})-differentially private**{horizon} with "
-            f"respect to {relation} ({unit}): for any two training datasets D and D' that differ in one row and any "
+            f"respect to {relation} ({unit}): for any two training datasets D and D' that differ in {differ} and any "
             f"set S of outcomes, P[M(D) ∈ S] ≤ e^ε · P[M(D') ∈ S] + δ, where M(D) is everything the run released "
             f"(the weights at every step, so every checkpoint's too)."
         )
@@ -157,7 +158,8 @@ def _guarantee(record: Mapping[str, Any] | None, args: Any, unit: str) -> list[s
         ("delta", _number(delta)),
         ("accountant", ACCOUNTANTS.get(record.get("accountant"), record.get("accountant") or "none")),
         ("neighbouring relation", ADJACENCY.get(record.get("adjacency", "add_or_remove"), "add or remove one")),
-        ("privacy unit", f"{unit} (one row of the training dataset)"),
+        ("privacy unit", f"{unit} ({_scope(args)})"),
+        *_users(record),
         ("sampler", _sampler(record, args)),
         ("mechanism", _mechanism(record["mechanism"])),
         ("clipping", _clipping(args)),
@@ -166,6 +168,25 @@ def _guarantee(record: Mapping[str, Any] | None, args: Any, unit: str) -> list[s
         *_router_release(record, args),
     ]
     return [head, "", "| | |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)]
+
+
+def _scope(args: Any, *, neighbours: bool = False) -> str:
+    """What one unit is in the dataset: one row, or (``privacy_unit="user"``) all the rows of one user."""
+    if getattr(args, "privacy_unit", "record") != "user":
+        return "one row" if neighbours else "one row of the training dataset"
+    column = f"`{args.privacy_user_column}`"
+    return f"all the rows of one {column}" if neighbours else f"all the rows sharing one value of {column}"
+
+
+def _users(record: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The user-level rows of the table: how many users, and what one contributes to a step."""
+    if record.get("privacy_unit") != "user":
+        return []
+    return [
+        ("users", f"{record['users']} (the sample rate q is per user)"),
+        ("rows of a user per step", f"at most {record['max_rows_per_user']}, the {record['user_reduction']} of "
+                                    "their gradients clipped together"),
+    ]  # fmt: skip
 
 
 def _router_release(record: Mapping[str, Any], args: Any) -> list[tuple[str, str]]:
@@ -198,6 +219,8 @@ def _number(value: Any) -> str:
 def _sampler(record: Mapping[str, Any], args: Any) -> str:
     mode = record["sampling_mode"]
     text = f"{SAMPLERS.get(mode, mode)}; q = {_number(record['sample_rate'])}"
+    if record.get("privacy_unit") == "user":  # the sampler draws users, and each sampled user gives its rows
+        text = text.replace(" rows", " users").replace(" row ", " user ").replace("every row", "every user")
     if record.get("expected_batch_size") is not None:
         text += f", expected batch {_number(record['expected_batch_size'])}"
     cap = (getattr(args, "sampling_kwargs", None) or {}).get("truncated_batch_size")
@@ -211,6 +234,14 @@ def _mechanism(name: str) -> str:
 
 
 def _clipping(args: Any) -> str:
+    text = _example_clipping(args)
+    if getattr(args, "privacy_unit", "record") == "user":
+        rows = f"each user's gradient (the {args.privacy_user_reduction} of its rows')"
+        return text.replace("each example's gradient", rows)
+    return text
+
+
+def _example_clipping(args: Any) -> str:
     bound, mode = args.clipping_norm, args.clipping_mode
     if isinstance(bound, dict):
         groups = ", ".join(f"`{k}`: {_number(v)}" for k, v in bound.items())
@@ -330,6 +361,6 @@ def write_trainer_card(
         "datasets": _as_list(dataset_tags or dataset),
     }
     block = trainer.packed_block
-    unit = privacy_unit(trainer.task, trainer.privacy_unit, block=block)
+    unit = "one user" if args.privacy.user_level else privacy_unit(trainer.task, trainer.privacy_unit, block=block)
     name = model_name or Path(folder).resolve().name
     return write_model_card(folder, record, args, unit=unit, metadata=metadata, model_name=name, block=block)

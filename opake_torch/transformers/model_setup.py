@@ -23,6 +23,7 @@ from opake_torch.patches.activation_checkpointing import check_memory_knobs, ena
 from opake_torch.patches.compat import check_attention_implementation
 from opake_torch.patches.families import apply_family_patches, family_of
 from opake_torch.patches.performance import apply_performance_kernels, runtime_patches
+from opake_torch.patches.router_fp32 import apply_router_fp32
 from opake_torch.patches.runtime import VMAP_PATCHES, RuntimePatch, apply_runtime_patches
 from opake_torch.transformers.loss import infer_task, per_example_loss
 
@@ -135,6 +136,9 @@ def prepare_model(model: nn.Module, args: Any, topology: Any) -> tuple[nn.Module
     returns them. :func:`training_patches` turns both into the process-level patches of a run."""
     vmap = [patch.name for patch in VMAP_PATCHES]
     compat = vmap + apply_family_patches(model) if args.use_compat_patches else []
+    if args.router_fp32:  # changes the function the model computes: on whenever asked, like a model option
+        apply_router_fp32(model)
+        compat.append("router_fp32")
     check_attention_implementation(model)
     if args.gradient_checkpointing:
         enable_vmap_checkpointing(model)

@@ -27,6 +27,7 @@ from opake_torch.transformers.data import collate, fetch, on_device
 from opake_torch.transformers.dataset_check import DataSummary, check_dataset, dataset_schema
 from opake_torch.transformers.model_setup import probe_outputs
 from opake_torch.transformers.routers import router_logits_off, with_load
+from opake_torch.transformers.users import slot_array
 
 __all__ = ["check_data", "independent_engine", "routing", "verified_engine"]
 
@@ -50,9 +51,10 @@ def check_data(trainer: Any, dataset: Any, name: str, *, training: bool, own_los
 
 def verified_engine(trainer: Any, layerwise: Any, *, loss_fn: Callable[..., torch.Tensor], geometry: Any) -> Any:
     """``layerwise`` after its check against ``grad`` of ``loss_fn`` (one example's loss) on the first two training
-    examples; None: ``'auto'`` fell back to vmap (:func:`.engines.verified`)."""
-    dataset = trainer.train_dataset
-    batch = _with_uniform_load(trainer.fetch_batch(dataset, np.arange(min(2, len(dataset)))), geometry)
+    examples (users, with ``privacy_unit="user"``); None: ``'auto'`` fell back to vmap (:func:`.engines.verified`)."""
+    dataset, users = trainer.train_dataset, trainer._users
+    first = np.arange(min(2, len(dataset))) if users is None else users.first(2)
+    batch = _with_uniform_load(trainer.fetch_batch(dataset, first), geometry)
     topology = trainer.topology
     with routing(trainer.model, geometry):
         return engines.verified(
@@ -81,8 +83,17 @@ def independent_engine(
         return _with_uniform_load(trainer.fetch_batch(rows, np.arange(len(rows))), geometry)
 
     read = functools.partial(fetch, dataset, keep=trainer.dataset_columns)
-    sample = coupling.neighbour_rows(dataset, read, empty=own_loss and trainer.data_collator is None)
-    if sample is not None and _draws_at_random(trainer, sample[0]):
+    users = trainer._users
+    if users is not None:  # the records are users: the test adds one user, all its rows
+
+        def batch_of(records: list[list[dict[str, Any]]]) -> dict[str, torch.Tensor]:
+            rows = [row for record in records for row in record]
+            return trainer.fetch_batch(rows, slot_array([len(record) for record in records]))
+
+        sample = coupling.neighbour_users(read, users.row_users, users.max_rows)
+    else:
+        sample = coupling.neighbour_rows(dataset, read, empty=own_loss and trainer.data_collator is None)
+    if users is None and sample is not None and _draws_at_random(trainer, sample[0]):
         # a collator that draws (MLM masking) would give the rows of S other draws in the second batch; the test
         # compares the rows with one draw each, padded by the trainer's own collation
         *rows, extra = _drawn_once(trainer, [*sample[0], sample[1]])

@@ -208,16 +208,25 @@ def build_plan(
     done: int = 0,
     resumed_multiplier: float | None = None,
     delta: float | None = None,
+    users: Any = None,
 ) -> PrivacyPlan:
     """The plan of a run of ``args`` over ``dataset_size`` records (see :func:`opake_core.plan.plan` for ``spent``,
     ``done`` and ``resumed_multiplier``: what a resumed or repeated run already released); ``delta``: the one a
     resume keeps (None: :func:`resolve_delta`).
 
     ``args``: training arguments, whose privacy settings (``args.privacy``) are everything the plan reads, and whose
-    ``process_index`` is this rank's part of a DDP sampler; or the privacy settings themselves (rank 0)."""
+    ``process_index`` is this rank's part of a DDP sampler; or the privacy settings themselves (rank 0).
+
+    ``users`` (:class:`.users.Users`, required with ``privacy_unit="user"``): the plan is over the users, not the
+    rows: its sampler draws ``users.count`` users (each contributing at most ``users.max_rows`` rows,
+    :func:`opake_core.sampling.by_user`), and its rate, horizon, default delta and accountant are theirs."""
     if dataset_size < 1:
         raise ConfigurationError("the training dataset is empty.")
     privacy = settings_of(args)
+    if privacy.user_level != (users is not None):
+        raise ConfigurationError("privacy_unit='user' plans over the dataset's users: pass them (and only then).")
+    if users is not None:
+        dataset_size = users.count
     rank = 0 if isinstance(args, PrivacySettings) else args.process_index
     steps = total_steps(privacy, dataset_size)
     calibration = privacy.noise_calibration_kwargs
@@ -238,6 +247,8 @@ def build_plan(
     )
     accounted = privacy.privacy_accounting is not False or resolved.noise_multiplier == 0
     fields = {f.name: getattr(resolved, f.name) for f in dataclasses.fields(resolved)}
+    if users is not None:  # the accounting above is over users; the run draws each one's rows
+        fields["sampler"] = users.sampler(resolved.sampler)
     return PrivacyPlan(**fields, accounted=accounted, clipping=clipping)
 
 

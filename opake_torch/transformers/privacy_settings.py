@@ -51,6 +51,7 @@ __all__ = [
     "MECHANISM_DEFAULTS",
     "MECHANISM_KWARGS",
     "PRIVACY_LIMITS",
+    "PRIVACY_UNITS",
     "ROUTER_AUX_DEFAULTS",
     "SAMPLING_KWARGS",
     "PrivacySettings",
@@ -83,11 +84,15 @@ ROUTER_AUX_DEFAULTS: dict[str, Any] = {"ratio": 0.02, "mean_tokens": None, "filt
 ROUTER_AUX_KWARGS = ("max_tokens", *ROUTER_AUX_DEFAULTS)
 # The numeric fields checked by range before any other rule (opake_torch.limits gives the reasons). The budget and
 # the clipping bound have rules of their own below, which read strings and raise PrivacyBudgetError.
+PRIVACY_UNITS = ("record", "user")
+REDUCTIONS = ("mean", "sum")
+"""How a user's row gradients combine before the clip (:func:`opake_core.clipping.user_loss`)."""
 PRIVACY_LIMITS: dict[str, p.Limit] = {
     "per_device_train_batch_size": p.Limit(True, 1, MAX_COUNT, p.COUNT),
     "world_size": p.Limit(True, 1, MAX_COUNT, "the WORLD_SIZE of torchrun; " + p.COUNT),
     "max_steps": p.Limit(True, -1, MAX_COUNT, "a count, or -1 to use num_train_epochs"),
     "num_train_epochs": p.Limit(False, 0, MAX_SCALE, p.SCALE, open_low=True),
+    "privacy_max_rows_per_user": p.Limit(True, 1, MAX_COUNT, p.COUNT),
 }
 
 
@@ -109,6 +114,10 @@ class PrivacySettings:
         noise_calibration_kwargs: ``min``, ``max`` and ``tolerance`` of the multiplier search.
         sampling_mode, sampling_kwargs: the sampler (``"auto"`` resolved for the mechanism).
         router_aux_loss_coef, router_aux_kwargs: the private MoE router release (off: None or 0.0).
+        privacy_unit, privacy_user_column, privacy_max_rows_per_user, privacy_user_reduction: what one neighbour
+            adds or removes: a row (``"record"``), or a user and all its rows (``"user"``: the users are the values
+            of the dataset column ``privacy_user_column``; a sampled user contributes at most
+            ``privacy_max_rows_per_user`` rows, and the ``"mean"`` or ``"sum"`` of their gradients is clipped).
     """
 
     per_device_train_batch_size: int
@@ -130,6 +139,10 @@ class PrivacySettings:
     sampling_kwargs: dict[str, Any] | None
     router_aux_loss_coef: float | None
     router_aux_kwargs: dict[str, Any] | None
+    privacy_unit: str = "record"
+    privacy_user_column: str | None = None
+    privacy_max_rows_per_user: int | None = None
+    privacy_user_reduction: str = "mean"
 
     def __post_init__(self) -> None:
         p.check_types(self, PRIVACY_LIMITS)
@@ -139,6 +152,7 @@ class PrivacySettings:
         self._resolve_budget()
         self._resolve_clipping()
         self._resolve_router()
+        self._resolve_unit()
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # the canonical value, once, while the frozen value is built
@@ -265,6 +279,41 @@ class PrivacySettings:
                 f"router_aux_loss_coef={coefficient!r} (the private router release) needs fixed scalar clipping "
                 f"(clipping_mode='fixed', one clipping_norm), got {what}. Use a scalar clipping_norm with "
                 "clipping_mode='fixed', or set router_aux_loss_coef=0.0."
+            )
+
+    @property
+    def user_level(self) -> bool:
+        """Whether the privacy unit is a user (all its rows) rather than one row."""
+        return self.privacy_unit == "user"
+
+    def _resolve_unit(self) -> None:
+        unit = p.as_choice(self.privacy_unit, "privacy_unit", PRIVACY_UNITS)
+        self._set("privacy_unit", unit)
+        self._set("privacy_user_reduction", p.as_choice(self.privacy_user_reduction, "privacy_user_reduction",
+                                                        REDUCTIONS))  # fmt: skip
+        column, rows = self.privacy_user_column, self.privacy_max_rows_per_user
+        if unit == "record":
+            if column is not None or rows is not None:
+                raise ConfigurationError(
+                    "privacy_user_column and privacy_max_rows_per_user apply to privacy_unit='user', got "
+                    f"privacy_unit='record' with privacy_user_column={column!r}, privacy_max_rows_per_user={rows!r}. "
+                    "Set privacy_unit='user' to protect users, or drop them."
+                )
+            return
+        if not isinstance(column, str) or not column:
+            raise ConfigurationError(
+                f"privacy_unit='user' needs privacy_user_column, the dataset column that names each row's user (or "
+                f"document), got {column!r}. Example: privacy_user_column='user_id'."
+            )
+        if rows is None:
+            raise ConfigurationError(
+                "privacy_unit='user' needs privacy_max_rows_per_user, the most rows a sampled user contributes to a "
+                "step (for example 8; a user's rows beyond it are left out of that step, chosen at random)."
+            )
+        if self.router_release:
+            raise ConfigurationError(
+                "privacy_unit='user' is not combined with the private router release (router_aux_loss_coef > 0): its "
+                "load statistic is released per row. Set router_aux_loss_coef=0.0, or privacy_unit='record'."
             )
 
 

@@ -34,6 +34,7 @@ from opake_torch.transformers.keys import RunKeys, next_keys
 from opake_torch.transformers.privacy import PrivacyPlan, build_plan, check_next_segment, resolve_delta
 from opake_torch.transformers.run_state import DPTrainerState, Run
 from opake_torch.transformers.saving import copy_into, mechanism_fields
+from opake_torch.transformers.users import Users
 
 __all__ = [
     "check_replay",
@@ -66,6 +67,7 @@ def resume(
     model: nn.Module,
     topology: Any,
     start: Callable[[PrivacyPlan, RunKeys, accounting.Ledger], Run],
+    users: Users | None = None,
 ) -> Run:
     """The run of a ``train()`` call on ``dataset`` (the rows' ``columns`` kept), at the step it continues from.
 
@@ -75,6 +77,8 @@ def resume(
     may not change. ``start(plan, keys, ledger)`` builds the run's step and the :class:`.run_state.Run` before its
     first step, from the ledger it starts with (a horizon run's whole release recorded at its start); a
     checkpoint's state is then loaded into it (:func:`restore`), and every DDP rank must agree on the result.
+    ``users``: the dataset's users under ``privacy_unit="user"`` (the plan is over them, and their column is part of
+    the data a resume compares).
     """
     folder, saved = resume_point(resume_from_checkpoint, args.output_dir)
     if saved is None and trained:
@@ -84,9 +88,13 @@ def resume(
         ledger = saved_ledger(saved, folder)
     unchanged = saved is not None and saved["configuration"] == ckpt.configuration(args)
     unchanged = unchanged and saved["world_size"] == args.privacy.world_size  # other ranks draw other batches
+    if users is not None and columns is not None:
+        columns = {*columns, users.column}
     data = dataset_fingerprint(dataset, columns)  # one pass: what a resume compares
     same_data = resumed_data(args, saved, folder, data)
-    plan = planned(args, len(dataset), ledger, saved=saved, folder=folder, continued=unchanged and same_data)
+    plan = planned(
+        args, len(dataset), ledger, saved=saved, folder=folder, continued=unchanged and same_data, users=users
+    )
     fresh = lambda: next_keys(args, released=ledger.releases, share=topology.shared_key)  # noqa: E731
     if saved is None:  # the trainer's keys, or new ones for its next segment
         keys = fresh() if trained else keys
@@ -108,18 +116,21 @@ def planned(
     saved: dict[str, Any] | None = None,
     folder: Path | None = None,
     continued: bool = False,
+    users: Users | None = None,
 ) -> PrivacyPlan:
     """The plan of a ``train()`` call on ``dataset_size`` records after ``ledger``: without ``saved`` (a checkpoint's
     ``dp_state.json``, in ``folder``), that of a call that resumes nothing; with it, the checkpoint's steps are done
     and its delta kept (:func:`resumed_delta`), and its multiplier too when the call ``continued`` its trajectory
-    (same arguments, same data)."""
+    (same arguments, same data). With ``users`` (``privacy_unit="user"``), the plan is over the users."""
+    units = dataset_size if users is None else users.count
     return build_plan(
         args,
         dataset_size,
         spent=ledger,
         done=saved["global_step"] if saved else 0,
         resumed_multiplier=saved["noise_multiplier"] if saved and continued else None,
-        delta=resumed_delta(args, saved, folder, dataset_size),
+        delta=resumed_delta(args, saved, folder, units),
+        users=users,
     )
 
 

@@ -115,6 +115,22 @@ def accountant_record(args: Any, plan: PrivacyPlan, ledger: accounting.Ledger) -
         "sampling_mode": args.sampling_mode,
         "mechanism": args.privacy_noise_mechanism,
         "horizon": plan.horizon,
+        **unit_record(args, plan),
+    }
+
+
+def unit_record(args: Any, plan: PrivacyPlan) -> dict[str, Any]:
+    """The privacy unit in the public record: ``"record"``, or ``"user"`` with the number of users (the plan's sample
+    rate and expected batch are per user then), the cap on a user's rows per step and how they are combined."""
+    privacy = args.privacy
+    if not privacy.user_level:
+        return {"privacy_unit": "record"}
+    return {
+        "privacy_unit": "user",
+        "user_column": privacy.privacy_user_column,
+        "users": plan.sampler.num_users,
+        "max_rows_per_user": privacy.privacy_max_rows_per_user,
+        "user_reduction": privacy.privacy_user_reduction,
     }
 
 

@@ -29,6 +29,7 @@ from transformers.trainer_utils import PredictionOutput, TrainOutput, enable_ful
 from opake_core import accounting
 from opake_core.errors import ConfigurationError
 from opake_torch.functional import functional_model
+from opake_torch.state_files import check_savable
 from opake_torch.transformers import checkpoint_folder as ckpt
 from opake_torch.transformers import coupling, engines, preemption, preflight, resume, saving
 from opake_torch.transformers.arguments import TrainingArguments, as_training_arguments
@@ -57,13 +58,22 @@ from opake_torch.transformers.loss import (
 from opake_torch.transformers.microbatch import ShrinkingStep
 from opake_torch.transformers.model_card import write_trainer_card
 from opake_torch.transformers.model_setup import check_inputs, prepare_model, with_training_patches
-from opake_torch.transformers.optimizer import build_optimizer, build_schedule
+from opake_torch.transformers.optimizer import build_optimizer, build_schedule, check_optimizer_factory
 from opake_torch.transformers.privacy import PrivacyPlan
 from opake_torch.transformers.released_norm import ReleasedNorm
 from opake_torch.transformers.routers import RouterSetup, router_logits_off, with_load
 from opake_torch.transformers.run_state import DPTrainerState, Run, ledger_result
 from opake_torch.transformers.step_losses import batched_loss, example_loss
+from opake_torch.transformers.step_perf import StepPerf, TimedOptimizer
 from opake_torch.transformers.topology import topology
+from opake_torch.transformers.users import (
+    Users,
+    check_trainer,
+    user_batch_losses,
+    user_example_loss,
+    users_of,
+    without_column,
+)
 
 __all__ = ["DPTrainer", "DPTrainerState"]
 
@@ -94,6 +104,10 @@ class DPTrainer(HFSurface, DataLoaders):
             before they are kept for ``compute_metrics`` (the loss reads the logits themselves), as Hugging Face's.
         callbacks: ``transformers.TrainerCallback`` instances or classes.
         optimizers: must be ``(None, None)``; choose the optimizer with ``args.optim``.
+        optimizer_cls_and_kwargs: ``(factory, kwargs)``, Hugging Face's argument for a custom optimizer: the run's
+            optimizer is ``factory(lr=schedule, **kwargs)`` (``schedule``: step -> learning rate, from
+            ``learning_rate``, ``lr_scheduler`` and ``warmup_steps``), which must be an
+            :class:`opake_core.optim.Optimizer`; ``args.optim`` and ``args.optim_args`` are then unused.
 
     A subclass that overrides ``compute_loss``, ``training_step`` or ``create_optimizer`` is refused (they would be
     ignored); override :meth:`compute_per_example_loss` and :meth:`compute_batch_losses` instead. The batches
@@ -142,6 +156,7 @@ class DPTrainer(HFSurface, DataLoaders):
         compute_metrics: Any = None,
         callbacks: list[Any] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
+        optimizer_cls_and_kwargs: tuple[Any, dict[str, Any]] | None = None,
         preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
     ) -> None:
         refuse_overrides(type(self))
@@ -152,6 +167,7 @@ class DPTrainer(HFSurface, DataLoaders):
             enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         model = build_model(model, model_init)
         check_inputs(model, args, optimizers, TrainingArguments)
+        self._optimizer_factory = check_optimizer_factory(optimizer_cls_and_kwargs)
         self.model_init = model_init
         self.packed_block: int | None = None  # the block length where the training rows look packed (the card's unit)
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
@@ -159,6 +175,7 @@ class DPTrainer(HFSurface, DataLoaders):
         # schedule (step -> rate) of the train() in progress, else of the last one; None before the first
         self.optimizer: Any = None
         self.lr_scheduler: Any = None
+        self._step_perf: StepPerf | None = None  # the phase clock of the run in progress (args.step_perf)
         self.args = args
         apply_log_level(args)
         self.topology = topology(args)  # one process, or DDP ranks under torchrun
@@ -201,10 +218,21 @@ class DPTrainer(HFSurface, DataLoaders):
                 "router_aux_loss_coef=0.0, or drop example_metrics."
             )
         self._router_state = None  # the last train()'s RouterState (the public, noised load estimate)
+        self._users: Users | None = None  # privacy_unit="user": the users of the training dataset, read by train()
+        if args.privacy.user_level:
+            check_trainer(self)
+            if self.topology.is_sharded:
+                raise ConfigurationError(
+                    "privacy_unit='user' is not combined with fsdp yet: the sharded step's idle passes and its "
+                    "engine check run one row, not one user. Train user-level under DDP (torchrun without fsdp) or "
+                    "on one process."
+                )
         self._live: Run | None = None  # the run of the train() in progress
         unbatched = not self._own_loss and type(self).compute_batch_losses is DPTrainer.compute_batch_losses
         metrics = self._example_metrics is not None
         batched, reasons = batched_loss(self, self._router, with_metrics=metrics, unbatched=unbatched)
+        if args.privacy.user_level and batched is not None:  # a user's rows as one example of the layerwise engine
+            batched = user_batch_losses(batched, args.privacy_user_reduction)
         self._layerwise = engines.layerwise_engine(self.model, self._params, args, batched, reasons=reasons)
         if self.topology.is_sharded:  # FSDP2: sharded now, before the model reaches the device
             self._shard()
@@ -255,8 +283,12 @@ class DPTrainer(HFSurface, DataLoaders):
 
     def _loss_fn(self, with_metrics: bool = False, router: bool = False) -> Any:
         """One example's loss under the run's autocast, with its log values or the router release's surrogate and
-        statistic (:func:`.step_losses.example_loss`)."""
-        return example_loss(self, self._router if router else None, with_metrics=with_metrics)
+        statistic (:func:`.step_losses.example_loss`); with ``privacy_unit="user"``, one user's
+        (:func:`.users.user_example_loss`)."""
+        loss = example_loss(self, self._router if router else None, with_metrics=with_metrics)
+        if self.args.privacy.user_level:
+            return user_example_loss(loss, self.args.privacy_user_reduction)
+        return loss
 
     # -- training --------------------------------------------------------------------------------------------------
 
@@ -273,6 +305,7 @@ class DPTrainer(HFSurface, DataLoaders):
             resume_from_checkpoint, args=args, dataset=self.train_dataset, columns=self.dataset_columns,
             ledger=self._ledger, keys=self._keys, trained=self._trained, model=self.model, topology=self.topology,
             router_settings=None if self._router is None else self._router.settings(), start=self._start_run,
+            users=self._users,
         )  # fmt: skip
         self._keys, self._live, self.state = run.keys, run, run.trainer_state(args)
         self.optimizer, self.lr_scheduler = run.optimizer, run.schedule
@@ -303,8 +336,13 @@ class DPTrainer(HFSurface, DataLoaders):
         release = None if router is None else router.release(
             noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.expected_batch_size, noise_key=keys.noise
         )  # fmt: skip
-        optimizer = build_optimizer(args, plan.planned_steps)  # a target epsilon's predicted stop ends the schedule
+        # a target epsilon's predicted stop ends the schedule
+        optimizer = build_optimizer(args, plan.planned_steps, self._optimizer_factory)
+        opt_state = optimizer.init(self._params)
+        if self._optimizer_factory is not None:  # refused now, not at the first save after budget was spent
+            check_savable(opt_state, "the state of the optimizer from optimizer_cls_and_kwargs")
         released = ReleasedNorm(optimizer)  # what the step's optimizer receives, for grad_norm
+        self._step_perf = perf = StepPerf(args.device) if args.step_perf else None  # off: no mark in the step
         transform = engines.chunk_transform(args, keep=lambda graphs: setattr(self, "chunk_graphs", graphs))
         factory = functools.partial(
             step_factory,
@@ -312,11 +350,12 @@ class DPTrainer(HFSurface, DataLoaders):
             args,
             loss_fn,
             params=self._params,
-            optimizer=released,
+            optimizer=released if perf is None else TimedOptimizer(released, perf),
             clipping=plan.clipping_for(self._params),
             key=keys.noise,
             topology=self.topology,
             has_aux=metrics or release is not None,
+            perf=perf,
         )
         make_step = factory(engine=engines.engine(args, self._layerwise, transform, microbatch=microbatch))
         step_fn, dp_state = make_step(microbatch)
@@ -332,7 +371,7 @@ class DPTrainer(HFSurface, DataLoaders):
         if not args.auto_find_microbatch_size:  # (whose retries rebuild the step; one process only)
             step_fn = self.topology.model_step(step_fn, self.model, microbatch=microbatch, idle=idle)
         return Run.start(
-            plan, keys, ledger, params=self._params, opt_state=optimizer.init(self._params), dp_state=dp_state,
+            plan, keys, ledger, params=self._params, opt_state=opt_state, dp_state=dp_state,
             schedule=build_schedule(args, plan.planned_steps), device=args.device, step=step_fn, optimizer=optimizer,
             released=released,
             example_metrics=self._example_metrics() if metrics else None,
@@ -361,9 +400,20 @@ class DPTrainer(HFSurface, DataLoaders):
     def _check_data(self, dataset: Any, name: str, *, training: bool) -> None:
         """Refuse a row the loss cannot take and a model output it cannot read (:func:`.preflight.check_data`);
         ``training``: labels are required."""
+        privacy = self.args.privacy
+        if training and privacy.user_level:  # the user column names the unit: no model input, never in a batch
+            self.dataset_columns = without_column(self.dataset_columns, dataset, privacy.privacy_user_column)
         summary = preflight.check_data(self, dataset, name, training=training, own_loss=self._own_loss)
-        if training:
-            self.packed_block = packed_block(summary, self.task)
+        if training and privacy.user_level:
+            self._users = users_of(privacy, dataset)
+            logger.info(
+                "privacy unit: a user (all its rows): %d users in column %r over %d rows, at most %d rows of a user "
+                "a step, the %s of their gradients clipped to %s.",
+                self._users.count, privacy.privacy_user_column, len(dataset), privacy.privacy_max_rows_per_user,
+                privacy.privacy_user_reduction, privacy.clipping_norm,
+            )  # fmt: skip
+        if training:  # packed blocks are a row-level unit; under privacy_unit="user" the column names the unit
+            self.packed_block = None if privacy.user_level else packed_block(summary, self.task)
         if training and self.packed_block is not None:
             logger.warning(
                 "%s looks packed: its %d rows all hold exactly %d tokens, without padding, labelled by their own "
@@ -409,10 +459,14 @@ class DPTrainer(HFSurface, DataLoaders):
                     break
                 epoch_before = int(self.state.epoch)
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+                if self._step_perf is not None:
+                    self._step_perf.begin()
                 indices, run.sampler_state = plan.sampler.sample(run.keys.sampler, run.sampler_state)
                 batch = self.fetch_batch(self.train_dataset, indices)
                 if run.router_state is not None:  # the estimate released up to the previous step
                     batch = with_load(batch, run.router_state.load)
+                if self._step_perf is not None:
+                    self._step_perf.mark("sample")
                 inputs = (run.params, run.opt_state, run.dp_state, (batch,))
                 with router_logits_off(self.model) if self._router is not None else contextlib.nullcontext():
                     if args.auto_find_microbatch_size and len(indices):
@@ -422,6 +476,8 @@ class DPTrainer(HFSurface, DataLoaders):
                     else:
                         outputs = run.step(*inputs)
                 run.params, run.opt_state, run.dp_state, metrics = outputs
+                if self._step_perf is not None:
+                    self._step_perf.end()
                 if run.router_state is not None:  # released: the un-noised statistic goes no further
                     metrics = run.release_router(metrics, reduce=self.topology.reduce)
                 if not plan.horizon:  # a horizon run recorded its whole release at the start
@@ -489,6 +545,8 @@ class DPTrainer(HFSurface, DataLoaders):
         if squared is not None:  # the last step's noised gradient; FSDP2: each rank holds its rows of it
             squared = total(squared) if self.topology.is_sharded else squared
             logs = {"loss": logs["loss"], "grad_norm": float(squared.sqrt()), **logs}
+        if self._step_perf is not None:
+            logs.update(self._step_perf.drain())
         self.log(logs)
         if run.noise_only:  # the steps that ran were released and charged: train() keeps them in the ledger
             raise run.noise_only_error()

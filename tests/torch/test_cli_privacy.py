@@ -398,3 +398,17 @@ def test_demo_passes_its_flags_to_the_run(capsys, monkeypatch, tmp_path):
     assert main(["demo", "--epochs", "2.5", "--target-epsilon", "5", "--output-dir", str(tmp_path / "d")]) == 0
     assert (seen["config"].epochs, seen["config"].target_epsilon) == (2.5, 5.0)
     assert seen["output_dir"] == tmp_path / "d"
+
+
+def test_privacy_unit_user_accounts_over_users(capsys):
+    # 5000 users, 50 expected a step: dp-accounting's Poisson-subsampled Gaussian at q = 50 / 5000
+    args = ("privacy", "epsilon", "--noise-multiplier", "1.0", "--batch-size", "50", "--dataset-size", "5000",
+            "--steps", "300", "--json")  # fmt: skip
+    out = _run(capsys, *args, "--privacy-unit", "user", "--max-rows-per-user", "8")
+    event = dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.0))
+    direct = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4).compose(event, 300)
+    assert out["privacy_unit"] == "user" and out["max_rows_per_user"] == 8
+    assert out["delta"] == pytest.approx(1 / 5000**1.1)
+    assert out["epsilon"] == pytest.approx(direct.get_epsilon(out["delta"]), rel=1e-6)
+    assert _run(capsys, *args)["privacy_unit"] == "record"
+    assert "--max-rows-per-user applies to --privacy-unit user" in _refused(capsys, *args, "--max-rows-per-user", "8")

@@ -170,6 +170,7 @@ SPEC = {
     "privacy_target_delta": optional(real(0, 1, open_low=True, open_high=True)),
     "gradient_checkpointing": lambda v: v is None or isinstance(v, bool),  # None: Hugging Face's default, off
     "load_best_model_at_end": lambda v: v is False,  # True needs the eval and save strategies the base lacks
+    "privacy_max_rows_per_user": lambda v: v is None,  # any count is refused at the base's privacy_unit="record"
     "tf32": lambda v: v is None or v is False or (v is True and TF32),
     # SFTConfig
     "loss_chunk_size": count(1, INT32),

@@ -18,6 +18,7 @@ MAKERS = {
     "adagrad_bc": lambda: optim.adagrad(1e-2, noise_bias_correction=True),
     "radam_bc": lambda: optim.radam(1e-2, noise_bias_correction=True),
     "ademamix_bc": lambda: optim.ademamix(1e-2, noise_bias_correction=True),
+    "adafactor_bc": lambda: optim.adafactor(1e-2, weight_decay=0.1, noise_bias_correction=True),
     "stable_adamw": lambda: optim.stable_adamw(1e-2),
     "stable_adamw_bc": lambda: optim.stable_adamw(1e-2, noise_bias_correction=True),
     "schedule_free_adam_bc": lambda: optim.schedule_free(optim.adam(1e-2, noise_bias_correction=True)),

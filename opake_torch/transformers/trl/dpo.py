@@ -172,7 +172,7 @@ class DPOTrainer(DPTrainer):
         processing_class: the tokenizer (a copy gets ``args.chat_template`` and an EOS pad fallback).
         quantization_config: TRL's argument; None only (quantized base weights are refused).
         peft_config: wrap ``model`` with ``peft.get_peft_model`` first.
-        compute_metrics, callbacks, optimizers: as in :class:`DPTrainer`.
+        compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs: as in :class:`DPTrainer`.
 
     Besides the loss, :meth:`compute_per_example_loss_and_metrics` gives TRL's ``rewards/*``, ``logps/*``,
     ``logits/*``, ``mean_token_accuracy``, ``entropy`` and ``num_tokens`` per pair
@@ -210,6 +210,7 @@ class DPOTrainer(DPTrainer):
         compute_metrics: Any = None,
         callbacks: list[Any] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
+        optimizer_cls_and_kwargs: tuple[Any, dict[str, Any]] | None = None,
         quantization_config: Any = None,
         peft_config: Any = None,
     ) -> None:
@@ -245,6 +246,7 @@ class DPOTrainer(DPTrainer):
             compute_metrics=compute_metrics,
             callbacks=callbacks,
             optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
         self.dataset_columns = None  # the formatted rows hold exactly the preference columns
         if ref_model is not None:

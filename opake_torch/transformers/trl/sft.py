@@ -159,7 +159,7 @@ class SFTTrainer(DPTrainer):
         quantization_config: TRL's argument; None only (quantized base weights are refused).
         peft_config: wrap ``model`` with ``peft.get_peft_model`` first.
         formatting_func: ``row -> str`` written into ``args.dataset_text_field``.
-        compute_metrics, callbacks, optimizers: as in :class:`DPTrainer`.
+        compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs: as in :class:`DPTrainer`.
 
     Besides the loss, :meth:`compute_per_example_loss_and_metrics` gives TRL's ``mean_token_accuracy``, ``entropy``
     and ``num_tokens`` per example (:mod:`opake_torch.transformers.trl.metrics`; outside the guarantee).
@@ -195,6 +195,7 @@ class SFTTrainer(DPTrainer):
         compute_metrics: Any = None,
         callbacks: list[Any] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
+        optimizer_cls_and_kwargs: tuple[Any, dict[str, Any]] | None = None,
         quantization_config: Any = None,
         peft_config: Any = None,
         formatting_func: Callable[[Any], str] | None = None,
@@ -223,6 +224,7 @@ class SFTTrainer(DPTrainer):
             compute_metrics=compute_metrics,
             callbacks=callbacks,
             optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
         self.dataset_columns = COLUMNS
         self._head = output_embedding_name(self.model) if args.loss_type == "chunked_nll" else None

@@ -210,7 +210,7 @@ REFUSED = [
     ({"optim": "adamw_8bit"}, ConfigurationError, "no functional torchopt"),
     ({"optim": "paged_adamw_32bit"}, ConfigurationError, "no functional torchopt"),
     ({"optim": "galore_adamw"}, ConfigurationError, "no functional torchopt"),
-    ({"optim": "schedule_free_sgd"}, ConfigurationError, "optim must be one of"),
+    ({"optim": "schedule_free_lion"}, ConfigurationError, "optim must be one of"),
     ({"lr_scheduler": "exponential"}, ConfigurationError, "lr_scheduler must be one of"),
     ({"lr_scheduler_kwargs": {"num_cycles": 2}}, ConfigurationError, "unsupported keys"),
     ({"cuda_graphs": True}, ConfigurationError, r"cuda_graphs must be in \[0"),

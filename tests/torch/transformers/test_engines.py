@@ -42,14 +42,17 @@ def test_compiled_chunks_are_padded_to_the_microbatch_and_eager_ones_are_not():
 
 def test_the_compute_arguments_reach_the_engine():
     """``per_example_row_multiple`` rounds the rows of chunks run without a transform, whichever engine runs them, and
-    ``layerwise_ghost_advantage`` is the layerwise engine's weight on the size of the Gram factors."""
+    ``layerwise_ghost_advantage`` is the layerwise engine's weight on the size of the Gram factors; under
+    ``privacy_unit="user"`` the layerwise engine takes grouped examples (a user's rows)."""
     args = SimpleNamespace(
         cuda_graphs=0, device=torch.device("cpu"), bf16=False, per_example_gradients="auto",
-        per_example_row_multiple=4, layerwise_ghost_advantage=1.5,
+        per_example_row_multiple=4, layerwise_ghost_advantage=1.5, privacy_unit="record",
     )  # fmt: skip
     model = torch.nn.Linear(3, 2)
     layerwise = engines.layerwise_engine(model, dict(model.named_parameters()), args, lambda p, b: b, reasons=[])
-    assert layerwise.ghost_advantage == 1.5
+    assert layerwise.ghost_advantage == 1.5 and not layerwise.grouped
+    users = SimpleNamespace(**{**vars(args), "privacy_unit": "user"})
+    assert engines.layerwise_engine(model, dict(model.named_parameters()), users, lambda p, b: b, reasons=[]).grouped
     assert engines.engine(args, layerwise, None, microbatch=16).row_multiple == 4
     assert engines.engine(args, None, None, microbatch=16).row_multiple == 4
 
