@@ -174,6 +174,12 @@ def _release(sampler: Any, strategy: Any, clipping: Any, steps: int, *, second: 
         return lambda z: _single(sampler.process(z, 1))
     if getattr(sampler, "truncated_batch_size", None) is not None:
         raise ConfigurationError("adaptive clipping is accounted for plain (untruncated) Poisson sampling only.")
+    if getattr(sampler, "sharding", "per_rank") != "per_rank":
+        raise ConfigurationError(
+            f"adaptive clipping's count release is accounted for a record counted at most once per step, but "
+            f"sharding={sampler.sharding!r} lets {sampler.world_size} ranks draw the same record. Use fixed "
+            "clipping, or sharding='per_rank'."
+        )
 
     def step(z: float) -> Any:
         count = accounting.adaptive_clipping(

@@ -160,7 +160,8 @@ def mf_process(
             none, or the same strategy as ``strategy``); see the module docstring for where it is covered.
 
     Raises:
-        ConfigurationError: an incompatible mechanism/sampler pair (the message names the compatible samplers),
+        ConfigurationError: an incompatible mechanism/sampler pair (the message names the compatible samplers), a
+            Poisson sampler with ``sharding="global"`` (a record can join a step several times),
             BandMF bands > n_steps, bands != the cyclic sampler's groups or > min_sep, a balls-in-bins horizon that
             is not a multiple of the bins, a negative coefficient under balls-in-bins, a second-moment strategy
             that the process does not cover.
@@ -189,6 +190,12 @@ def mf_process(
         raise ConfigurationError(
             f"mechanism {mechanism!r} cannot be accounted with the {name!r} sampler; use one of {list(allowed)} "
             f"for {mechanism!r}{hint}."
+        )
+    if getattr(sampler, "sharding", "per_rank") != "per_rank":
+        raise ConfigurationError(
+            f"matrix-factorization noise is accounted for a record that joins a step at most once, but the "
+            f"{name!r} sampler with sharding={sampler.sharding!r} lets {sampler.world_size} ranks draw the same record "
+            "in one step. Use sharding='per_rank' (disjoint shards), or DP-SGD (gaussian) with the global sharding."
         )
     n = validate.integer("n_steps", n_steps, minimum=1)
     z = validate.noise_multiplier("noise_multiplier", noise_multiplier)

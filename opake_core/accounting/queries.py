@@ -4,7 +4,8 @@
   random allocation (k-out-of-t, balls-in-bins with ``C = I``) from the numerical PLD of
   :mod:`opake_core.accounting.allocation_pld`.
 * ``"rdp"``: dp-accounting's ``RdpAccountant`` with its default orders (looser; no truncated Poisson, no random
-  allocation).
+  allocation; a group under Poisson sampling through the Poisson step that dominates it,
+  :func:`opake_core.accounting.group.rdp_dominating`).
 * ``"monte_carlo"``: the estimators of :mod:`opake_core.accounting.random_allocation` (on request, for processes with
   a random-allocation part; ``monte_carlo=`` settings need it named) and :mod:`opake_core.accounting.mf_monte_carlo`,
   the only accountant for the Monte Carlo DP-FTRL processes (chosen automatically for them when ``accountant=None``;
@@ -44,6 +45,7 @@ from opake_core import validate
 from opake_core.accounting import mf_monte_carlo as _mf_mc
 from opake_core.accounting import random_allocation as _ra
 from opake_core.accounting.allocation_pld import AllocationPLDAccountant
+from opake_core.accounting.group import rdp_dominating
 from opake_core.accounting.mf_monte_carlo import MonteCarloMF
 from opake_core.accounting.processes import (
     Compose,
@@ -154,6 +156,7 @@ def _steps(process: Process) -> int:
 def _rdp_bound(event: dp_accounting.DpEvent, relation: _Rel) -> float | None:
     """RDP's epsilon of ``event`` at delta 1e-10 (cheap; an upper bound of the PLD answer), None if unsupported."""
     accountant = rdp.RdpAccountant(neighboring_relation=relation)
+    event = rdp_dominating(event)
     if not accountant.supports(event):
         return None
     with _quiet_absl():
@@ -235,6 +238,7 @@ def _composed(
         _check_rdp_replace_one(process)
     if name == "rdp":
         accountant = rdp.RdpAccountant(neighboring_relation=relation)
+        event = rdp_dominating(event)  # a group of records: the Poisson step that dominates it
     else:
         accountant = AllocationPLDAccountant(relation, value_discretization_interval=discretization)
     if not accountant.supports(event):

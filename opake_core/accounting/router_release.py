@@ -22,6 +22,7 @@ from opake_core.accounting.processes import (
     Compose,
     Gaussian,
     Poisson,
+    PoissonGroup,
     Process,
     RandomAllocation,
     Repeat,
@@ -52,7 +53,7 @@ def moe_aux(process: Process, *, ratio: float) -> Process:
 
     Args:
         process: the run's process without the router release, built from ``gaussian`` (plain, Poisson, truncated
-            Poisson, random allocation, repeated or composed).
+            Poisson, Poisson seen by a group, random allocation, repeated or composed).
         ratio: ``rho > 0``, the router release's share (its own multiplier is ``z / sqrt(rho)``).
 
     Raises:
@@ -82,7 +83,7 @@ def moe_aux(process: Process, *, ratio: float) -> Process:
             "moe_aux accounts the router release under add-or-remove adjacency; sampling without replacement is "
             "accounted under replace-one only. Use Poisson sampling with the router release."
         )
-    if isinstance(process, Poisson | TruncatedPoisson | RandomAllocation):
+    if isinstance(process, Poisson | PoissonGroup | TruncatedPoisson | RandomAllocation):
         return dataclasses.replace(process, inner=moe_aux(process.inner, ratio=rho))
     if isinstance(process, Repeat):
         return Repeat(moe_aux(process.process, ratio=rho), process.count)

@@ -28,6 +28,10 @@ anchor among the inputs), so that the engine's hooks tap the recomputed layers a
 gradients there. The engine hands its anchor to the checkpointed layers of its model for the duration of its pass
 (:func:`recompute_linked_to`); nothing else carries it.
 
+With ``offload`` (``activation_offloading``) the Function keeps the tensors of the call in pinned host memory until
+the backward (:mod:`opake_torch.offloading`): the only offloading that runs under ``vmap(grad)``, which refuses
+saved-tensor hooks. The recompute in plain autograd keeps its own activations on the device.
+
 First-order only (the backward is not itself differentiable twice). It also works outside functorch, in plain
 autograd. It cannot be traced by ``torch.compile`` (the recompute runs a nested ``torch.func.vjp`` inside a
 backward), hence :func:`check_memory_knobs`.
@@ -46,6 +50,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from opake_core.errors import ConfigurationError
+from opake_torch import offloading
 
 __all__ = [
     "check_memory_knobs",
@@ -83,11 +88,19 @@ class _Recompute(torch.autograd.Function):
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         run, *tensors = inputs
         ctx.run = run
+        # functorch also calls this at the levels below grad, where no input needs a gradient and no backward
+        # reads what is saved: copying there would only cost time
+        offload = run.offload if any(x.requires_grad for x in tensors) else 0
+        ctx.devices = [x.device for x in tensors[:offload]]
+        tensors[:offload] = [offloading.to_host(x) for x in tensors[:offload]]
         ctx.save_for_backward(*tensors)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inputs = ctx.saved_tensors
+        if ctx.devices:
+            moved = [offloading.to_device(x, device) for x, device in zip(inputs, ctx.devices, strict=False)]
+            inputs = (*moved, *inputs[len(moved) :])
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
         if not wanted:
             return (None,) * (len(inputs) + 1)
@@ -114,7 +127,7 @@ def _plain_recompute(
 ) -> list[torch.Tensor | None]:
     """The gradients of ``run``'s inputs at ``wanted`` by a recompute in plain autograd; the last input is the
     layerwise anchor (``run.anchor``, the object the recomputed layers' taps link to)."""
-    with torch.enable_grad():
+    with torch.enable_grad(), offloading.on_device():  # read at once: offloading them would only cost copies
         full = [x.detach().requires_grad_(i in wanted) for i, x in enumerate(inputs[:-1])] + [run.anchor]
         outputs = run(*full, recompute=True)
         pairs = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if o.requires_grad and g is not None]
@@ -150,7 +163,11 @@ def _is_cache(value: Any) -> bool:
 
 
 def checkpoint_layer(
-    layer: nn.Module, function: Callable[..., Any], *args: Any, anchor: torch.Tensor | None = None
+    layer: nn.Module,
+    function: Callable[..., Any],
+    *args: Any,
+    anchor: torch.Tensor | None = None,
+    offload: bool = False,
 ) -> Any:
     """Run ``function(*args)`` (a call of ``layer``'s forward) with recomputation instead of saved activations.
 
@@ -158,7 +175,9 @@ def checkpoint_layer(
     ``function`` reads ``layer``'s parameters and buffers, which are swapped for the Function's inputs while it
     runs. Keyword arguments bound in a ``functools.partial`` are searched for tensors as well. ``anchor``: the
     layerwise engine's anchor (:func:`recompute_linked_to`), taken as an input, so that the backward recomputes the
-    layer in plain autograd with its taps linked to it; None under vmap or plain autograd.
+    layer in plain autograd with its taps linked to it; None under vmap or plain autograd. ``offload``: the tensors
+    of the call (hidden states, masks, rotary tables; not the weights) wait for the backward in pinned host memory
+    (:func:`opake_torch.offloading.to_host`), the offloading that runs under ``vmap(grad)``.
     """
     keywords: dict[str, Any] = {}
     call = function
@@ -201,6 +220,7 @@ def checkpoint_layer(
         return tuple(leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor))
 
     run.anchor = anchor  # type: ignore[attr-defined]
+    run.offload = len(positions) if offload else 0  # type: ignore[attr-defined]
     results = iter(_Recompute.apply(run, *tensors))
     count = out_spec[0].num_leaves
     return pytree.tree_unflatten([constants[i] if i in constants else next(results) for i in range(count)], out_spec[0])
@@ -229,8 +249,9 @@ def recompute_linked_to(model: nn.Module, anchor: torch.Tensor) -> Iterator[None
             module._gradient_checkpointing_func = func
 
 
-def enable_vmap_checkpointing(model: nn.Module) -> int:
-    """Checkpoint every Hugging Face decoder layer of ``model`` with :func:`checkpoint_layer` (idempotent).
+def enable_vmap_checkpointing(model: nn.Module, *, offload: bool = False) -> int:
+    """Checkpoint every Hugging Face decoder layer of ``model`` with :func:`checkpoint_layer` (idempotent), its
+    inputs kept in host memory until the backward with ``offload``.
 
     Sets ``gradient_checkpointing = True`` and a vmap-safe ``_gradient_checkpointing_func`` on every
     ``transformers.modeling_layers.GradientCheckpointingLayer`` (the repeated blocks of every current decoder);
@@ -244,7 +265,7 @@ def enable_vmap_checkpointing(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer):
             module.gradient_checkpointing = True
-            module._gradient_checkpointing_func = functools.partial(checkpoint_layer, module)
+            module._gradient_checkpointing_func = functools.partial(checkpoint_layer, module, offload=offload)
             count += 1
         elif hasattr(module, "gradient_checkpointing"):  # the stacks, which drop their KV cache on this flag
             module.gradient_checkpointing = True

@@ -65,6 +65,8 @@ HELP: dict[str, str] = {
     "privacy_max_rows_per_user": "With privacy_unit='user': the most rows a sampled user contributes to one step.",
     "privacy_user_reduction": "With privacy_unit='user': clip the 'mean' (default) or the 'sum' of a user's row "
     "gradients.",
+    "ddp_shard": "Under DDP: 'per_rank' (disjoint shards at the cluster rate) or 'global' (each rank draws the whole "
+    "dataset; accounted as a group of world_size records).",
     "router_aux_loss_coef": "Weight of the private router load-balancing loss of an MoE model (a privacy release).",
     "router_aux_kwargs": "Keys of the router release (max_tokens, ratio, mean_tokens, filter_beta).",
     "router_fp32": "Compute the MoE routers' logits, softmax and top-k in float32 (no bf16 ties between experts).",
@@ -74,6 +76,8 @@ HELP: dict[str, str] = {
     "tf32": "Switch TF32 matmuls and convolutions on or off for the process; None leaves them alone.",
     "gradient_checkpointing": "Recompute activations in the backward (a vmap-safe recompute) to save memory.",
     "gradient_checkpointing_kwargs": "Hugging Face's keys the recompute honours (use_reentrant, ...).",
+    "activation_offloading": "Keep the activations saved for the backward in pinned host memory (vmap: with "
+    "gradient_checkpointing).",
     "torch_compile": "Compile the per-microbatch function; falls back to eager with a warning.",
     "torch_compile_backend": "The torch.compile backend (None: inductor).",
     "torch_compile_mode": "The torch.compile mode: default, reduce-overhead, max-autotune, ...",
@@ -190,6 +194,9 @@ DPO_HELP: dict[str, str] = {
     "use_weighting": "WPO: weigh each pair by its completions' probabilities under the policy.",
     "precompute_ref_log_probs": "Score every example with the reference once, when the trainer is built.",
     "precompute_ref_batch_size": "Batch size of that pass; None: per_device_eval_batch_size.",
+    "sync_ref_model": "TR-DPO: move the reference towards the released policy every ref_model_sync_steps steps.",
+    "ref_model_mixup_alpha": "TR-DPO: the policy's weight in a sync, in (0, 1]: ref = a * policy + (1 - a) * ref.",
+    "ref_model_sync_steps": "TR-DPO: the steps between two syncs of the reference.",
     "disable_dropout": "Set every dropout probability of the policy and the reference to 0.",
 }
 

@@ -210,6 +210,7 @@ class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceN
     privacy_user_column: str | None = None
     privacy_max_rows_per_user: int | None = None
     privacy_user_reduction: str = "mean"
+    ddp_shard: str = "per_rank"
     # mixture of experts: the private router load-balancing release
     router_aux_loss_coef: float | None = None
     router_aux_kwargs: dict[str, Any] | str | None = None
@@ -222,6 +223,7 @@ class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceN
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata=_option("gradient_checkpointing_kwargs")
     )
+    activation_offloading: bool = False  # saved activations in pinned host memory (opake_torch.offloading)
     torch_compile: bool = False
     torch_compile_backend: str | None = None
     torch_compile_mode: str | None = None

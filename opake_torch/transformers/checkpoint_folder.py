@@ -9,6 +9,7 @@ A checkpoint is a folder ``checkpoint-<step>`` holding
                            the SHA-256 of every other file, and a checksum of its own content
 ``dp_state.safetensors``   the step state (clipping and DP-FTRL noise buffers) and the torch RNG state
 ``dp_optimizer.safetensors`` the optimizer state
+``ref_model.safetensors``  DPO with ``sync_ref_model`` only: the synced reference's parameters
 ``accountant.json``        the public privacy record: the ledger and the epsilon spent (when accounted)
 ``trainer_state.json``     Hugging Face ``TrainerState`` (log history, best metric, ...)
 ``training_args.json``     the arguments of the run (secrets masked)

@@ -1,10 +1,10 @@
 """``ComputeSettings``: the training arguments that choose how a private step computes, never what it releases.
 
-Precision (``bf16``, ``tf32``), memory (``microbatch_size``, gradient checkpointing), the per-example gradient engine
-and its tuning (``per_example_gradients``, ``per_example_row_multiple``, ``layerwise_ghost_advantage``), compilation
-and CUDA graphs, kernels and the device. None of them changes the sampler, the noise or the epsilon: the clipped sum
-is the same for any chunking or engine (to float rounding), so two runs whose arguments differ only here have equal
-:class:`~opake_torch.transformers.privacy_settings.PrivacySettings`.
+Precision (``bf16``, ``tf32``), memory (``microbatch_size``, gradient checkpointing, activation offloading), the
+per-example gradient engine and its tuning (``per_example_gradients``, ``per_example_row_multiple``,
+``layerwise_ghost_advantage``), compilation and CUDA graphs, kernels and the device. None of them changes the
+sampler, the noise or the epsilon: the clipped sum is the same for any chunking or engine (to float rounding), so two
+runs whose arguments differ only here have equal :class:`~opake_torch.transformers.privacy_settings.PrivacySettings`.
 
 A value is frozen: ``__post_init__`` reads each field, stores the canonical value and applies every rule of these
 fields; :class:`~opake_torch.transformers.TrainingArguments` builds one (``args.compute``) from its fields of the same
@@ -22,6 +22,7 @@ import torch
 
 from opake_core.errors import ConfigurationError
 from opake_torch.limits import MAX_COUNT, MAX_SCALE
+from opake_torch.offloading import VMAP_NEEDS_CHECKPOINTING
 from opake_torch.transformers import _parsing as p
 
 __all__ = ["CHECKPOINTING_KWARGS", "COMPILE_MODES", "COMPUTE_LIMITS", "ComputeSettings"]
@@ -57,6 +58,9 @@ class ComputeSettings:
             memory), never changing a norm beyond rounding.
         bf16, bf16_full_eval, tf32: precision of the per-example loss, of evaluation, of float32 matmuls.
         gradient_checkpointing, gradient_checkpointing_kwargs: the vmap-safe recompute.
+        activation_offloading: the tensors the per-example gradient pass saves for its backward wait in pinned host
+            memory (:mod:`opake_torch.offloading`): all of them under the layerwise engine, the checkpointed layers'
+            inputs under ``vmap(grad)`` (which needs ``gradient_checkpointing`` for it).
         torch_compile, torch_compile_backend, torch_compile_mode, cuda_graphs: how each chunk runs.
         use_compat_patches, use_performance_kernels, performance_kernels_config: model patches and fused kernels.
         use_cpu: run on the CPU.
@@ -72,6 +76,7 @@ class ComputeSettings:
     tf32: bool | None
     gradient_checkpointing: bool
     gradient_checkpointing_kwargs: dict[str, Any] | None
+    activation_offloading: bool
     torch_compile: bool
     torch_compile_backend: str | None
     torch_compile_mode: str | None
@@ -92,6 +97,7 @@ class ComputeSettings:
             "per_example_gradients",
             p.as_choice(self.per_example_gradients, "per_example_gradients", ("auto", "layerwise", "vmap")),
         )
+        self._resolve_offloading()
         if (kernels := self.performance_kernels_config) is not None:
             self._set("performance_kernels_config", p.as_dict(kernels, "performance_kernels_config"))
         if self.bf16 and not self.use_cpu and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
@@ -137,3 +143,16 @@ class ComputeSettings:
             )
         if self.torch_compile and self.gradient_checkpointing:
             raise ConfigurationError("gradient_checkpointing is incompatible with torch_compile; disable one of them.")
+
+    def _resolve_offloading(self) -> None:
+        if not self.activation_offloading:
+            return
+        if self.torch_compile or self.cuda_graphs:
+            # a compiled graph does not run saved-tensor hooks, and a captured one cannot allocate host memory
+            knob = "torch_compile=True" if self.torch_compile else f"cuda_graphs={self.cuda_graphs}"
+            raise ConfigurationError(
+                f"activation_offloading=True is incompatible with {knob}: a compiled or captured chunk cannot copy "
+                "its saved tensors to host memory. Disable one of them."
+            )
+        if self.per_example_gradients == "vmap" and not self.gradient_checkpointing:
+            raise ConfigurationError(VMAP_NEEDS_CHECKPOINTING)

@@ -5,6 +5,9 @@
   per-example loss; otherwise ``vmap(grad)``, with the fused Triton norms and scaled sums on CUDA.
 * How each chunk runs: captured as CUDA graphs (``cuda_graphs``), compiled (``torch_compile``: the layerwise engine
   as its traced pass, :mod:`opake_torch.layerwise.compiled`, in one graph), or as it is.
+* Activation offloading (``activation_offloading``, :mod:`opake_torch.offloading`): the layerwise engine runs under
+  the saved-tensor hooks that hold what autograd saves in host memory; ``vmap(grad)``, which refuses such hooks,
+  offloads the inputs its checkpointed layers keep, and so needs ``gradient_checkpointing``.
 * Whichever engine serves the run, :func:`independent` then checks that the records stay independent under it (the
   neighbour test of :mod:`.coupling`), before any step.
 
@@ -27,6 +30,7 @@ from opake_core.errors import ConfigurationError
 from opake_core.step import dp_ftrl, dp_sgd
 from opake_torch.layerwise import LayerwiseGradients, unsupported_parameters
 from opake_torch.layerwise.compiled import KINDS, MIN_TORCH, CompiledLayerwise, torch_supported, unserved
+from opake_torch.offloading import VMAP_NEEDS_CHECKPOINTING, OffloadedGradients
 from opake_torch.patches.kernels import FusedGradients
 from opake_torch.transformers import coupling
 from opake_torch.transformers.compile import CudaGraphChunk, compile_chunk
@@ -209,7 +213,12 @@ def engine(
     graph each; compiled ``vmap(grad)`` chunks are padded to ``microbatch`` (vmap fixes the shapes it traces); the
     compiled layerwise pass and chunks without ``transform`` round to ``args.per_example_row_multiple`` (1: the real
     rows only).
+
+    With ``activation_offloading``: the layerwise engine under
+    :class:`~opake_torch.offloading.OffloadedGradients`; ``vmap(grad)`` as it is (its checkpointed layers offload
+    their inputs), and ConfigurationError without ``gradient_checkpointing``, where it would offload nothing.
     """
+    offload = getattr(args, "activation_offloading", False)
     if transform is None:
         row_multiple = args.per_example_row_multiple
     elif args.cuda_graphs:
@@ -225,7 +234,10 @@ def engine(
             transform = lambda chunk: compile_chunk(chunk, backend=backend, mode=mode, around=compiled.around)  # noqa: E731
             # the traced pass keeps the rows and positions of a chunk symbolic: the real rows only, no dead ones
             return Engine(gradients=compiled, transform=transform, row_multiple=args.per_example_row_multiple)
-        return Engine(gradients=layerwise, transform=transform, row_multiple=row_multiple)
+        gradients = OffloadedGradients(layerwise) if offload else layerwise
+        return Engine(gradients=gradients, transform=transform, row_multiple=row_multiple)
+    if offload and not args.gradient_checkpointing:
+        raise ConfigurationError(VMAP_NEEDS_CHECKPOINTING)
     fused = args.device.type == "cuda" and transform is None
     gradients = VmapGradients(FusedGradients if fused else MaterializedGradients)
     return Engine(gradients=gradients, transform=transform, row_multiple=row_multiple)

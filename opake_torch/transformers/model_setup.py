@@ -141,7 +141,7 @@ def prepare_model(model: nn.Module, args: Any, topology: Any) -> tuple[nn.Module
         compat.append("router_fp32")
     check_attention_implementation(model)
     if args.gradient_checkpointing:
-        enable_vmap_checkpointing(model)
+        enable_vmap_checkpointing(model, offload=args.activation_offloading)
     check_memory_knobs(model, args)
     if not topology.is_sharded:  # FSDP2 moves each rank's rows to the device as it shards the model
         model = model.to(args.device)

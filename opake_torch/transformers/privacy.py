@@ -167,10 +167,17 @@ DDP_SAMPLING_MODES = ("poisson", "cyclic_poisson", "fixed_size")
 
 
 def _rank_sampler(privacy: PrivacySettings, dataset_size: int, rate: float, rank: int) -> Any:
-    """Under DDP: this rank's sampler at the global rate (the accountant sees the cluster-wide rate).
+    """Under DDP: this rank's sampler at the global rate (the accountant sees the cluster-wide rate); with
+    ``ddp_shard="global"``, this rank's draw of the whole dataset at ``rate / world_size`` (per device batch / N),
+    accounted as a group of ``world_size`` records.
 
     The core refuses what has no per-rank form (truncated Poisson, fewer examples than ranks)."""
     mode, world = privacy.sampling_mode, privacy.world_size
+    if mode == "poisson" and privacy.ddp_shard == "global":  # the settings allow no truncation with it
+        rate = privacy.per_device_train_batch_size / dataset_size
+        return sampling.poisson(
+            dataset_size=dataset_size, sample_rate=rate, world_size=world, rank=rank, sharding="global"
+        )
     if mode == "poisson":
         cap = privacy.sampling_kwargs.get("truncated_batch_size")
         return sampling.poisson(

@@ -28,6 +28,9 @@ Decisions on points where the reference designs disagree:
   semantics of :func:`opake_core.tree.per_group`; the patterns are compiled here.
 - ``privacy_accounting`` is on unless set to ``False``: a fixed-noise run reports its epsilon. A non-private run
   (``privacy_noise_multiplier=0.0``) always reports epsilon = inf.
+- ``ddp_shard="global"`` (every rank draws the whole dataset independently) is accepted on one process, where it is
+  the plain sampler (a group of one rank is the Poisson step itself), so the same arguments run on one GPU and on
+  many; its combination rules (Poisson, DP-SGD, fixed clipping, record-level) are checked there too.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from opake_torch.transformers import _parsing as p
 __all__ = [
     "CALIBRATION_DEFAULTS",
     "CLIPPING_KWARGS",
+    "DDP_SHARDS",
     "MECHANISM_DEFAULTS",
     "MECHANISM_KWARGS",
     "PRIVACY_LIMITS",
@@ -85,6 +89,8 @@ ROUTER_AUX_KWARGS = ("max_tokens", *ROUTER_AUX_DEFAULTS)
 # The numeric fields checked by range before any other rule (opake_torch.limits gives the reasons). The budget and
 # the clipping bound have rules of their own below, which read strings and raise PrivacyBudgetError.
 PRIVACY_UNITS = ("record", "user")
+DDP_SHARDS = ("per_rank", "global")
+"""How data-parallel ranks draw a step's sample (:data:`opake_core.sampling.poisson.SHARDINGS`)."""
 REDUCTIONS = ("mean", "sum")
 """How a user's row gradients combine before the clip (:func:`opake_core.clipping.user_loss`)."""
 PRIVACY_LIMITS: dict[str, p.Limit] = {
@@ -118,6 +124,9 @@ class PrivacySettings:
             adds or removes: a row (``"record"``), or a user and all its rows (``"user"``: the users are the values
             of the dataset column ``privacy_user_column``; a sampled user contributes at most
             ``privacy_max_rows_per_user`` rows, and the ``"mean"`` or ``"sum"`` of their gradients is clipped).
+        ddp_shard: under DDP, ``"per_rank"`` (disjoint strided shards at the cluster rate) or ``"global"`` (every
+            rank draws the whole dataset at ``per_device_train_batch_size / N``, accounted as a group of
+            ``world_size`` records).
     """
 
     per_device_train_batch_size: int
@@ -143,6 +152,7 @@ class PrivacySettings:
     privacy_user_column: str | None = None
     privacy_max_rows_per_user: int | None = None
     privacy_user_reduction: str = "mean"
+    ddp_shard: str = "per_rank"
 
     def __post_init__(self) -> None:
         p.check_types(self, PRIVACY_LIMITS)
@@ -153,6 +163,7 @@ class PrivacySettings:
         self._resolve_clipping()
         self._resolve_router()
         self._resolve_unit()
+        self._resolve_ddp_shard()
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # the canonical value, once, while the frozen value is built
@@ -315,6 +326,37 @@ class PrivacySettings:
                 "privacy_unit='user' is not combined with the private router release (router_aux_loss_coef > 0): its "
                 "load statistic is released per row. Set router_aux_loss_coef=0.0, or privacy_unit='record'."
             )
+
+    def _resolve_ddp_shard(self) -> None:
+        shard = p.as_choice(self.ddp_shard, "ddp_shard", DDP_SHARDS)
+        self._set("ddp_shard", shard)
+        if shard == "per_rank":
+            return
+        rules = (
+            (self.sampling_mode != "poisson", f"sampling_mode={self.sampling_mode!r}", "sampling_mode='poisson'"),
+            (
+                self.privacy_noise_mechanism != "gaussian",
+                f"privacy_noise_mechanism={self.privacy_noise_mechanism!r}",
+                "privacy_noise_mechanism='gaussian' (matrix-factorization noise assumes one participation per step)",
+            ),
+            (
+                "truncated_batch_size" in self.sampling_kwargs,
+                "sampling_kwargs['truncated_batch_size']",
+                "untruncated Poisson sampling",
+            ),
+            (
+                self.clipping_mode == "adaptive",
+                "clipping_mode='adaptive'",
+                "a fixed or AUTO-S bound (the adaptive count release counts a record once)",
+            ),
+            (self.user_level, "privacy_unit='user'", "privacy_unit='record'"),
+        )
+        for broken, seen, instead in rules:
+            if broken:
+                raise ConfigurationError(
+                    f"ddp_shard='global' (parallel Poisson sampling, accounted as a group of world_size records under "
+                    f"Poisson sampling) has no accountant with {seen}. Use {instead}, or ddp_shard='per_rank'."
+                )
 
 
 # -- the rules of the dict-shaped and string-read fields -------------------------------------------------------------

@@ -312,7 +312,7 @@ def restore(folder: Path, saved: dict[str, Any], run: Run, *, args: Any, model: 
         run.router_state = routers.rekeyed(router_state, router)
     torch.set_rng_state(rng_state)
     run.sampler_state = topology.sampler_state(sampler, run.sampler_state)
-    run.restored = loaded
+    run.restored, run.checkpoint = loaded, folder
 
 
 def read_sharded(folder: Path, shards: Any, run: Run, *, args: Any, topology: Any) -> tuple[dict[str, Any], Any]:

@@ -96,6 +96,7 @@ class Run:
     optimizer: Any = None  # the core optimizer (its eval_params give the published weights)
     released: Any = None  # the step's optimizer as a ReleasedNorm: the norm of the last noised gradient (grad_norm)
     restored: Any = None  # the checkpoint's TrainerState a resume continues (RESTORED_FIELDS), None for a fresh start
+    checkpoint: Any = None  # the folder of that checkpoint (a Path), None for a fresh start
     count: int = 0
     examples: int = 0  # the examples of the steps since the last row (this rank's)
     total_loss: float = 0.0
@@ -306,6 +307,7 @@ class Run:
             "noise_multiplier": plan.noise_multiplier,
             "expected_batch_size": plan.expected_batch_size,
             "sample_rate": plan.sample_rate,
+            "ddp_shard": args.ddp_shard,
             "total_steps": plan.total_steps,
             "delta": plan.delta,
             "mechanism": args.privacy_noise_mechanism,

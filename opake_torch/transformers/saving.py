@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from opake_core import accounting
@@ -55,8 +56,11 @@ def save(
     processing_class: Any,
     topology: Any,
     metrics: dict[str, float] | None,
+    files: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Write ``checkpoint-<step>`` under ``output_dir`` atomically (on the writing rank), then rotate old ones."""
+    """Write ``checkpoint-<step>`` under ``output_dir`` atomically (on the writing rank), then rotate old ones.
+    ``files``: a trainer's own state, ``{file name: {name: tensor}}``, written as safetensors with the DP state (not
+    under ``save_only_model``) and sealed with it."""
     folder = Path(args.output_dir) / f"{ckpt.PREFIX}-{state.global_step}"
     copy_into(model, run.params)
     update_best(args, state, folder, metrics)
@@ -72,6 +76,8 @@ def save(
         state.save_to_json(str(tmp / ckpt.TRAINER_STATE))
         (tmp / ckpt.TRAINING_ARGS).write_text(json.dumps(args.to_dict(), indent=2, default=str))
         if not args.save_only_model:
+            for name, tensors in (files or {}).items():
+                save_file(tensors, str(tmp / name))
             manifest = _manifest(args, state.global_step, run)
             if shards is not None:
                 sharded_state.unstage(sharded_state.staging(args.output_dir, folder), tmp, args.world_size)
@@ -113,6 +119,7 @@ def accountant_record(args: Any, plan: PrivacyPlan, ledger: accounting.Ledger) -
         "sample_rate": plan.sample_rate,
         "expected_batch_size": plan.expected_batch_size,
         "sampling_mode": args.sampling_mode,
+        "ddp_shard": getattr(plan.sampler, "sharding", "per_rank"),  # what was accounted ("per_rank" on one process)
         "mechanism": args.privacy_noise_mechanism,
         "horizon": plan.horizon,
         **unit_record(args, plan),
@@ -166,8 +173,6 @@ def save_weights(
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(folder, safe_serialization=safe, state_dict=state_dict)
     elif state_dict is not None:
-        from safetensors.torch import save_file
-
         save_file({k: v.contiguous() for k, v in state_dict.items()}, str(folder / "model.safetensors"))
     else:
         from safetensors.torch import save_model

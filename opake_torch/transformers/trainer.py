@@ -485,6 +485,7 @@ class DPTrainer(HFSurface, DataLoaders):
                 run.add(metrics)
                 self.state.global_step += 1
                 self.state.epoch = self.state.global_step / plan.steps_per_epoch
+                self._step_boundary(run)
                 if stop is not None and self.state.global_step >= stop:
                     self._target_reached(run)
                     self.control.should_training_stop = True
@@ -564,8 +565,19 @@ class DPTrainer(HFSurface, DataLoaders):
                 processing_class=self.processing_class,
                 topology=self.topology,
                 metrics=metrics,
+                files=self._checkpoint_files(),
             )
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _step_boundary(self, run: Run) -> None:
+        """A subclass's own state that follows the released weights ``run.params``, updated at the end of each step:
+        after the optimizer update and ``global_step``'s increment, before the callbacks, checkpoint and evaluation
+        of that step (:class:`~.trl.DPOTrainer`'s synced reference)."""
+
+    def _checkpoint_files(self) -> dict[str, dict[str, torch.Tensor]]:
+        """A subclass's own training state as safetensors files ``{file name: {name: tensor}}``, sealed into every
+        resumable checkpoint; its ``_start`` reads them back from ``run.checkpoint``."""
+        return {}
 
     # -- saving ----------------------------------------------------------------------------------------------------
 

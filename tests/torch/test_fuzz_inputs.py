@@ -179,6 +179,8 @@ SPEC = {
     # DPOConfig (loss_type "sigmoid")
     "beta": real(0, SCALE, open_low=True),
     "discopop_tau": real(0, SCALE, open_low=True),
+    "ref_model_mixup_alpha": real(0, 1, open_low=True),  # TR-DPO's alpha, in (0, 1]
+    "ref_model_sync_steps": count(1, INT32),
     "label_smoothing": real(0, 1, open_high=True),
     "precompute_ref_batch_size": optional(count(1, INT32)),
     "simpo_gamma": real(0, SCALE),

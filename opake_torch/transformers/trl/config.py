@@ -165,7 +165,6 @@ def _same(value: Any, default: Any) -> bool:
 
 
 _PER_ROW = "rows are formatted once, in this process, when the trainer is built; pre-tokenized rows are used as given"
-_OFFLOAD = "activations are not offloaded to the CPU; bound memory with microbatch_size and gradient_checkpointing"
 _PACK = (
     "one row must be one example: packing puts several examples into one row, so one example's gradient could no "
     "longer be clipped on its own and the privacy unit would be lost"
@@ -185,7 +184,6 @@ _AUX = (
     "the MoE load-balancing loss is computed over all the tokens routed in a batch, so one example's loss would "
     "depend on the others and its gradient could not be clipped alone"
 )
-_TRDPO = "it only serves sync_ref_model (TR-DPO), which is refused"
 
 SFT_NAMES: dict[str, TRLName] = {
     "model_init_kwargs": _field(),
@@ -207,7 +205,7 @@ SFT_NAMES: dict[str, TRLName] = {
     "completion_only_loss": _field(),
     "assistant_only_loss": _field(),
     "loss_type": _field(),
-    "activation_offloading": _inert(False, _OFFLOAD),
+    "activation_offloading": _field(),
     "pad_token": _refused(None, _PAD_TOKEN, "set pad_token on the tokenizer you pass as processing_class"),
 }
 DPO_NAMES: dict[str, TRLName] = {
@@ -231,14 +229,10 @@ DPO_NAMES: dict[str, TRLName] = {
     "beta": _field(),
     "use_weighting": _field(),
     "discopop_tau": _field(),
-    "activation_offloading": _inert(False, _OFFLOAD),
-    "sync_ref_model": _refused(
-        False,
-        "TR-DPO reference syncing is not implemented in the private trainer",
-        "keep the reference fixed (sync_ref_model=False)",
-    ),
-    "ref_model_mixup_alpha": _inert(0.6, _TRDPO),
-    "ref_model_sync_steps": _inert(512, _TRDPO),
+    "activation_offloading": _field(),
+    "sync_ref_model": _field(),
+    "ref_model_mixup_alpha": _field(),
+    "ref_model_sync_steps": _field(),
     "pad_token": _refused(None, _PAD_TOKEN, "set pad_token on the tokenizer you pass as processing_class"),
 }
 
@@ -458,6 +452,13 @@ class DPOConfig(TrainingArguments):
             results as the ``ref_chosen_logps`` / ``ref_rejected_logps`` columns; False runs the reference in every
             step.
         precompute_ref_batch_size: batch size of that pass; None uses ``per_device_eval_batch_size``.
+        sync_ref_model: TR-DPO (arXiv 2404.09656): every ``ref_model_sync_steps`` steps the reference becomes
+            ``ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * reference``, from the released
+            weights (post-processing: no privacy cost; :mod:`opake_torch.transformers.trl.reference_sync`). Needs a
+            loss that reads the reference, a separate reference (no PEFT policy), and neither
+            ``precompute_ref_log_probs`` nor ``fsdp``.
+        ref_model_mixup_alpha: the weight of the policy in a sync, in (0, 1] (1: the paper's hard update).
+        ref_model_sync_steps: the steps between two syncs (a sync ends steps tau, 2 tau, ...), >= 1.
         disable_dropout: set every dropout probability of the policy and the reference to 0.
         chat_template: a Jinja chat template (the text or a file path) set on the tokenizer before formatting.
         model_init_kwargs, trust_remote_code: as in :class:`SFTConfig`, for a policy given by name or path.
@@ -491,6 +492,9 @@ class DPOConfig(TrainingArguments):
     use_weighting: bool = False
     precompute_ref_log_probs: bool = False
     precompute_ref_batch_size: int | None = None
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
     disable_dropout: bool = True
     chat_template: str | None = None
     model_init_kwargs: dict[str, Any] | str | None = None
@@ -510,6 +514,10 @@ class DPOConfig(TrainingArguments):
         "orpo_lambda": p.Limit(False, 0, MAX_SCALE, "the weight of ORPO's odds-ratio term; its default is 1.0"),
         "ld_alpha": p.Limit(False, 0, 1, "LD-DPO's weight of the tokens past the shorter completion"),
         "f_alpha_divergence_coef": p.Limit(False, 0, MAX_SCALE, "the alpha of f_divergence_type='alpha_divergence'"),
+        "ref_model_mixup_alpha": p.Limit(
+            False, 0, 1, "the weight of the policy in a TR-DPO sync; TRL's default is 0.6", open_low=True
+        ),
+        "ref_model_sync_steps": p.Limit(True, 1, MAX_COUNT, "the steps between two TR-DPO syncs; TRL's is 512"),
     }
 
     @classmethod
@@ -527,8 +535,41 @@ class DPOConfig(TrainingArguments):
         if self.loss_weights is not None:
             self.loss_weights = [float(w) for w in self.loss_weights]
         PairOptions.from_args(self)  # the combinations: weights per loss, f-DPO's losses, ld_alpha's range
+        self._check_sync()
         self.chat_template = _resolve_chat_template(self.chat_template)
         self.model_init_kwargs = _model_init_kwargs(self.model_init_kwargs)
+
+    def _check_sync(self) -> None:
+        """TR-DPO's combinations: its two numbers warn when it is off; on, it needs a reference that a loss reads,
+        that is scored in every step, and that every rank holds whole."""
+        self.ref_model_mixup_alpha = float(self.ref_model_mixup_alpha)
+        if not self.sync_ref_model:
+            for name, default in (("ref_model_mixup_alpha", 0.6), ("ref_model_sync_steps", 512)):
+                if getattr(self, name) != default:
+                    warnings.warn(
+                        f"DPOConfig: {name}={getattr(self, name)!r} has no effect: it only serves sync_ref_model "
+                        "(TR-DPO), which is False.",
+                        RuntimeWarning,
+                        stacklevel=5,
+                    )
+            return
+        if not PairOptions.from_args(self).needs_reference:
+            raise ConfigurationError(
+                f"sync_ref_model=True with loss_type={self.loss_type!r}: no loss of it reads the reference model, so "
+                "there is nothing to sync. Set sync_ref_model=False, or use a loss with a reference (e.g. 'sigmoid')."
+            )
+        if self.precompute_ref_log_probs:
+            raise ConfigurationError(
+                "sync_ref_model=True with precompute_ref_log_probs=True: the precomputed reference log-probabilities "
+                "would go stale at the first sync (TRL refuses the pair too). Set precompute_ref_log_probs=False (the "
+                "reference then scores every batch) or sync_ref_model=False."
+            )
+        if self.fsdp:
+            raise ConfigurationError(
+                f"sync_ref_model=True with fsdp={self.fsdp!r}: the sync mixes whole policy weights into the "
+                "reference, while each rank holds only its rows of them. Train with DDP (torchrun without fsdp) or set "
+                "sync_ref_model=False."
+            )
 
     def _resolve_label_smoothing(self) -> None:
         smoothing = float(self.label_smoothing)

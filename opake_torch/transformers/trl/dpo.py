@@ -12,6 +12,10 @@ step, they reach the released model only through the clipped, noised gradient of
 saved; the TRL log values that read them (``rewards/*``), like every logged statistic of the training data, are
 outside the guarantee. (A reference trained on the private data without DP would void this argument.)
 
+TR-DPO (``sync_ref_model``) moves the reference towards the policy every ``ref_model_sync_steps`` steps, from the
+released weights only: post-processing, at no privacy cost, and saved in the checkpoints
+(:mod:`~opake_torch.transformers.trl.reference_sync`).
+
 Losses: TRL's per-pair losses with TRL's formulas (:func:`dpo_loss`, :data:`~.config.DPO_LOSS_TYPES`), the
 reference-free ones (SimPO, CPO, ORPO, the chosen NLL) and the per-pair options (MPO weights, WPO, LD-DPO, f-DPO) of
 :mod:`~opake_torch.transformers.trl.dpo_losses`; the losses that couple the pairs of a batch are refused by
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -33,7 +38,9 @@ from torch import nn
 from opake_core.errors import ConfigurationError
 from opake_torch.functional import functional_model
 from opake_torch.transformers.arguments import TrainingArguments
+from opake_torch.transformers.run_state import Run
 from opake_torch.transformers.trainer import DPTrainer
+from opake_torch.transformers.trl import reference_sync
 from opake_torch.transformers.trl.config import DPO_LOSS_TYPES, DPOConfig
 from opake_torch.transformers.trl.data import default_collator, preference_example
 from opake_torch.transformers.trl.dpo_losses import PairOptions, pair_logps, pair_loss, summed_logps, token_logps
@@ -44,6 +51,8 @@ from opake_torch.transformers.trl.sft import prepare_model, prepare_tokenizer, u
 __all__ = ["DPOTrainer", "adapters_disabled", "dpo_loss", "sequence_logps"]
 
 SIDES = ("chosen", "rejected")
+
+logger = logging.getLogger(__name__)
 
 
 def sequence_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
@@ -162,8 +171,9 @@ class DPOTrainer(DPTrainer):
     Args:
         model: the policy, a causal LM (PEFT models train their adapters only), or its name or path, loaded as TRL
             does (:mod:`opake_torch.transformers.trl.loading`).
-        ref_model: the frozen reference. None: for a PEFT policy, the base model with adapters disabled; otherwise a
-            frozen deep copy of the initial policy. Must not be ``model`` itself.
+        ref_model: the reference, frozen (moved towards the policy by ``args.sync_ref_model`` only). None: for a
+            PEFT policy, the base model with adapters disabled; otherwise a frozen deep copy of the initial policy.
+            Must not be ``model`` itself.
         args: :class:`DPOConfig`; a plain :class:`TrainingArguments` is upcast, a ``trl.DPOConfig`` converted
             (:func:`~opake_torch.transformers.trl.sft.upcast_args`).
         data_collator: defaults to right-padding every column (ids with the pad token, masks with 0).
@@ -222,6 +232,12 @@ class DPOTrainer(DPTrainer):
             )
         processing_class = load_tokenizer(processing_class, model, args)
         model = prepare_model(model, args, peft_config, quantization_config)
+        if args.sync_ref_model and _is_peft(model):
+            raise ConfigurationError(
+                "sync_ref_model=True with a PEFT policy is refused, as TRL refuses it: the reference is the base model "
+                "with the adapters disabled, which shares its weights with the policy, so there is no separate "
+                "reference to mix the policy into. Train the full model (no peft_config) or set sync_ref_model=False."
+            )
         if ref_model is None and not _is_peft(model):
             ref_model = copy.deepcopy(model)
         if ref_model is not None:
@@ -251,7 +267,9 @@ class DPOTrainer(DPTrainer):
         self.dataset_columns = None  # the formatted rows hold exactly the preference columns
         if ref_model is not None:
             self._ref_apply, ref_params, ref_frozen = functional_model(ref_model)
-            self._ref_tensors = {**ref_frozen, **ref_params}
+            self._ref_tensors = {**ref_frozen, **ref_params}  # share the module's storage: a sync shows through
+        if args.sync_ref_model:
+            reference_sync.check_pair(ref_model, {**self._frozen, **self._params})
         if args.precompute_ref_log_probs:
             for dataset in (self.train_dataset, self.eval_dataset):
                 if dataset is not None:
@@ -267,6 +285,31 @@ class DPOTrainer(DPTrainer):
         ]
 
     # -- reference -------------------------------------------------------------------------------------------------
+
+    def _step_boundary(self, run: Run) -> None:
+        """TR-DPO: at the end of every ``ref_model_sync_steps``-th step, the reference moves towards the released
+        policy weights (:func:`~opake_torch.transformers.trl.reference_sync.mix_into`)."""
+        args = self.args
+        if args.sync_ref_model and self.state.global_step % args.ref_model_sync_steps == 0:
+            reference_sync.mix_into(self.ref_model, {**self._frozen, **run.params}, args.ref_model_mixup_alpha)
+
+    def _checkpoint_files(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The synced reference's parameters (TR-DPO), which a resume cannot rebuild from the policy alone."""
+        if not self.args.sync_ref_model:
+            return {}
+        return {reference_sync.FILE: reference_sync.saved_state(self.ref_model)}
+
+    def _start(self, resume_from_checkpoint: str | bool | None) -> Run:
+        """:meth:`DPTrainer._start`, and the synced reference of the checkpoint a TR-DPO run resumes."""
+        run = super()._start(resume_from_checkpoint)
+        if self.args.sync_ref_model and run.checkpoint is not None:
+            if not reference_sync.restore(self.ref_model, run.checkpoint):
+                logger.warning(
+                    "%s holds no synced reference (%s): it was written without sync_ref_model, so the run resumes "
+                    "from the ref_model of this trainer, which its syncs move from now on.",
+                    run.checkpoint, reference_sync.FILE,
+                )  # fmt: skip
+        return run
 
     def _reference_logits(self, params: dict[str, torch.Tensor], **inputs: torch.Tensor) -> torch.Tensor:
         """Reference logits ``[B, T, V]``: the separate reference, or the PEFT policy with its adapters disabled."""

@@ -93,6 +93,8 @@ def _trainer_args(out: Path, kind: str, save_steps: int):
         extra = {"router_aux_loss_coef": 0.1, "router_aux_kwargs": {"max_tokens": 6, "mean_tokens": 5.0}}
     if kind == "fixed":
         extra = {"sampling_mode": "fixed_size"}
+    if kind == "global":
+        extra = {"ddp_shard": "global"}
     if kind == "mf":
         extra = {
             "privacy_noise_mechanism": "mf_band",

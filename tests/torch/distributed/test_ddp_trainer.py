@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _launch import launch
 
+from opake_core import accounting as acc
 from opake_core import sampling
 from opake_core.errors import ConfigurationError, StateError
 from opake_core.sampling.state import SamplerState
@@ -108,6 +110,46 @@ def test_ddp_trainer_equals_single_process(tmp_path, kind):
         assert any(0 in step for step in sizes), sizes  # some rank had an empty local batch and still stepped
     if kind == "fixed":
         assert sizes == [[PER_DEVICE, PER_DEVICE]] * STEPS
+
+
+def test_ddp_global_shard_is_one_process_on_the_union_with_repeats_accounted_as_a_group(tmp_path):
+    """ddp_shard="global": each of the 2 ranks draws the whole dataset at per_device_train_batch_size / N. The
+    weights equal those of one process fed, at every step, the two draws concatenated (a record drawn by both ranks
+    is in it twice) and normalized by the same expected union batch; the epsilon is that of a group of 2 under
+    Poisson sampling at the per-rank rate, computed here from the accounting process directly, and exceeds that of
+    the strided shards at the same union batch."""
+    per_device = 8  # q_r = 0.2: some record is drawn by both ranks within the 5 steps (checked below)
+    ranks = launch("trainer_global", tmp_path / "ddp", DDP_TEST_BATCH=str(per_device))
+    single = DPTrainer(
+        tiny_model("llama"), _args(tmp_path, per_device_train_batch_size=2 * per_device), train_dataset=DATA
+    )
+    run = single._start(None)
+    assert run.plan.expected_batch_size == 2 * per_device  # the union's normalizer is the single process's
+    rate = per_device / len(DATA)
+    shards = [
+        sampling.poisson(dataset_size=len(DATA), sample_rate=rate, world_size=2, rank=r, sharding="global")
+        for r in (0, 1)
+    ]
+    states, repeats = [s.init() for s in shards], 0
+    for _ in range(STEPS):
+        parts = []
+        for r, shard in enumerate(shards):
+            idx, states[r] = shard.sample(run.keys.sampler, states[r])
+            parts.append(idx)
+        repeats += len(np.intersect1d(*parts))
+        batch = single.fetch_batch(DATA, np.sort(np.concatenate(parts)))
+        run.params, run.opt_state, run.dp_state, _ = run.step(run.params, run.opt_state, run.dp_state, (batch,))
+    assert repeats > 0
+    for name, value in run.params.items():
+        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name
+        torch.testing.assert_close(ranks[0]["params"][name], value, rtol=0, atol=1e-6)
+    delta = 1 / len(DATA) ** 1.1
+    group = acc.repeat(acc.poisson_group(acc.gaussian(1.0), rate, group_size=2), STEPS)
+    assert ranks[0]["epsilon"] == ranks[1]["epsilon"] == pytest.approx(acc.epsilon(group, delta=delta).value, rel=1e-9)
+    strided = acc.repeat(acc.poisson(acc.gaussian(1.0), 2 * rate), STEPS)
+    assert ranks[0]["epsilon"] > acc.epsilon(strided, delta=delta).value
+    record = json.loads((tmp_path / "ddp" / "run" / "checkpoint-5" / "accountant.json").read_text())
+    assert record["ddp_shard"] == "global" and record["expected_batch_size"] == 2 * per_device
 
 
 def test_ddp_router_release_equals_single_process_on_the_union_batch(tmp_path, monkeypatch):

@@ -309,8 +309,8 @@ def test_trl_configs_with_trls_script_dataclasses(fresh_inert_warnings):
     argv = ["--dataset_name", "data", *DP, "--loss_type", "robust", "--label_smoothing", "0.1", "--beta", "0.2"]
     _, config, _ = parser.parse_args_into_dataclasses(args=argv)
     assert (config.loss_type, config.label_smoothing, config.beta) == ("robust", 0.1, 0.2)
-    with pytest.raises(ConfigurationError, match="sync_ref_model=True is refused"):
-        parser.parse_args_into_dataclasses(args=[*argv, "--sync_ref_model"])
+    _, config, _ = parser.parse_args_into_dataclasses(args=[*argv, "--sync_ref_model", "--ref_model_sync_steps", "4"])
+    assert (config.sync_ref_model, config.ref_model_sync_steps, config.ref_model_mixup_alpha) == (True, 4, 0.6)
 
 
 def test_the_command_line_value_reader():

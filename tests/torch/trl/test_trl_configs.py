@@ -128,7 +128,12 @@ CONVERTED = [
     ("DPOConfig", {"use_weighting": True}, "use_weighting", True),
     ("DPOConfig", {"f_divergence_type": "js_divergence"}, "f_divergence_type", "js_divergence"),
     ("DPOConfig", {"f_alpha_divergence_coef": 0.3}, "f_alpha_divergence_coef", 0.3),
+    ("DPOConfig", {"sync_ref_model": True}, "sync_ref_model", True),
+    ("DPOConfig", {"sync_ref_model": True, "ref_model_mixup_alpha": 0.9}, "ref_model_mixup_alpha", 0.9),
+    ("DPOConfig", {"sync_ref_model": True, "ref_model_sync_steps": 8}, "ref_model_sync_steps", 8),
     ("SFTConfig", {"do_train": True}, "do_train", True),  # an HF field the base honours
+    ("SFTConfig", {"activation_offloading": True}, "activation_offloading", True),
+    ("DPOConfig", {"activation_offloading": True}, "activation_offloading", True),
 ]
 
 
@@ -156,7 +161,6 @@ REFUSED = [
     ("SFTConfig", {"pad_token": "<pad>"}, "pad_token"),
     ("SFTConfig", {"neftune_noise_alpha": 5.0}, "neftune_noise_alpha"),  # an HF field, refused by from_hf
     ("DPOConfig", {"padding_free": True}, "padding_free"),
-    ("DPOConfig", {"sync_ref_model": True}, "sync_ref_model"),
     ("DPOConfig", {"router_aux_loss_coef": 0.01}, "router_aux_loss_coef"),
 ]
 
@@ -176,10 +180,8 @@ def test_from_trl_unsupported_dpo_loss_names_the_supported_ones(tmp_path, loss_t
 
 DROPPED = [
     ("SFTConfig", {"dataset_num_proc": 2}, "dataset_num_proc"),
-    ("SFTConfig", {"activation_offloading": True}, "activation_offloading"),
     ("SFTConfig", {"torch_empty_cache_steps": 5}, "torch_empty_cache_steps"),  # an HF field, dropped by from_hf
     ("DPOConfig", {"dataset_num_proc": 2}, "dataset_num_proc"),
-    ("DPOConfig", {"ref_model_sync_steps": 8}, "ref_model_sync_steps"),
 ]
 
 
