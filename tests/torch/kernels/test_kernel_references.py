@@ -313,10 +313,13 @@ def test_patched_model_computes_the_same_function(monkeypatch, family):
         return F.cross_entropy(out.logits[0, :-1], ids[1:])
 
     before = vmap(grad(loss), in_dims=(None, 0))(params, ids)
-    applied = performance.apply_performance_kernels(model)
+    applied = performance.apply_performance_kernels(model, performance_kernels_config={"fused_add_rms_norm": True})
     assert {"rms_norm", "fused_add_rms_norm", "activation"} <= set(applied)
+    assert "fused_add_rms_norm" not in performance.apply_performance_kernels(tiny_model(family))  # opt-in
     assert any(a.startswith("rope:") for a in applied)
-    assert performance.apply_performance_kernels(model) == applied  # idempotent
+    assert (
+        performance.apply_performance_kernels(model, performance_kernels_config={"fused_add_rms_norm": True}) == applied
+    )
     with apply_runtime_patches(performance.runtime_patches(applied)):  # the family's RoPE kernel, for this scope
         after = vmap(grad(loss), in_dims=(None, 0))(params, ids)
     for name in before:
