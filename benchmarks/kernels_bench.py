@@ -53,6 +53,11 @@ def _kernel_cases(batch: int, seq: int, dtype: torch.dtype, repeats: int) -> lis
     rms = {k: per_example(lambda w, x, f=f: f(x, w).float().sum(), w, x, in_dims=(None, 0))
            for k, f in (("ref", R.rms_norm), ("ours", K.opake_rms_norm))}  # fmt: skip
     out.append(_compare("rms_norm fwd+per-example bwd", rms["ours"], rms["ref"], repeats))
+    r = torch.randn(batch, seq, hidden, device=dev, dtype=dtype)
+    add_rms = {k: per_example(lambda w, x, r, f=f: sum(t.float().sum() for t in f(x, r, w)), w, x, r,
+                              in_dims=(None, 0, 0))
+               for k, f in (("ref", R.fused_add_rms_norm), ("ours", K.opake_fused_add_rms_norm))}  # fmt: skip
+    out.append(_compare("fused_add_rms_norm fwd+per-example bwd", add_rms["ours"], add_rms["ref"], repeats))
     g, u = (
         torch.randn(batch, seq, inter, device=dev, dtype=dtype),
         torch.randn(batch, seq, inter, device=dev, dtype=dtype),

@@ -1,7 +1,8 @@
 """Performance kernels applied as model patches: :func:`apply_performance_kernels`.
 
 Supported families: Llama, Mistral and Qwen2 (``model.config.model_type``), their ``*RMSNorm`` modules, the SwiGLU
-activation of their ``*MLP`` modules, ``apply_rotary_pos_emb``, and PEFT LoRA ``Linear`` layers (any model).
+activation of their ``*MLP`` modules, the residual add and post-attention RMSNorm of their ``*DecoderLayer`` modules
+(one fused kernel), ``apply_rotary_pos_emb``, and PEFT LoRA ``Linear`` layers (any model).
 Each patch replaces a forward of one module of the model given (never a class) with the Triton kernel of
 :mod:`opake_torch.patches.kernels`, which computes the same function (see
 :mod:`~opake_torch.patches.kernels.reference`), with per-example gradients under ``vmap``. The patches are
@@ -36,6 +37,7 @@ from opake_core.errors import ConfigurationError, InputTypeError
 from opake_torch.patches.kernels import (
     _triton,
     available,
+    opake_fused_add_rms_norm,
     opake_lora_mlp,
     opake_lora_w,
     opake_rms_norm,
@@ -56,9 +58,20 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("rms_norm", "activation", "rope", "lora", "cross_entropy", "fused_linear_cross_entropy")
+KERNELS = (
+    "rms_norm",
+    "fused_add_rms_norm",
+    "activation",
+    "rope",
+    "lora",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
+)
 SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+OPT_IN = ("fused_add_rms_norm",)
+"""Switches off unless named in ``performance_kernels_config``: kernels not yet measured and checked on a GPU."""
 _SWIGLU_ACTIVATIONS = ("silu", "swish")
+_DECODER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _ROPE = "rope:"  # "rope:<module>": the RoPE of that modeling module, a process-level patch (module docstring)
 
 
@@ -96,7 +109,7 @@ def resolve_performance_kernels(
         else:
             logger.info("performance kernels off: %s.", reason)
         return dict.fromkeys(KERNELS, False)
-    return {name: config.get(name, True) for name in KERNELS}
+    return {name: config.get(name, name not in OPT_IN) for name in KERNELS}
 
 
 def _unavailable_reason() -> str:
@@ -116,7 +129,8 @@ def apply_performance_kernels(
     """Patch the supported modules of ``model`` (this instance) with the Triton kernels (idempotent).
 
     Returns:
-        The names of the patches in effect (``"rms_norm"``, ``"activation"``, ``"fused_linear_cross_entropy"``,
+        The names of the patches in effect (``"rms_norm"``, ``"fused_add_rms_norm"``, ``"activation"``,
+        ``"fused_linear_cross_entropy"``,
         ``"cross_entropy"``, ``"lora"``) and ``"rope:<module>"``, the process-level RoPE patch the model needs
         while it trains (not applied here: :func:`runtime_patches`); empty where nothing applies (CPU, no Triton,
         switched off, unsupported family); the reason is logged.
@@ -136,6 +150,13 @@ def apply_performance_kernels(
             name = type(module).__name__
             if switches["rms_norm"] and name.endswith("RMSNorm") and _patch(module, "rms_norm", _rms_norm_forward):
                 _note(applied, "rms_norm")
+            elif (
+                switches["fused_add_rms_norm"]
+                and name.endswith("DecoderLayer")
+                and all(hasattr(module, a) for a in _DECODER_PARTS)
+                and _patch(module, "fused_add_rms_norm", _decoder_layer_forward)
+            ):
+                _note(applied, "fused_add_rms_norm")
             elif (
                 switches["activation"]
                 and name.endswith("MLP")
@@ -176,6 +197,34 @@ def _rms_norm_forward(module: torch.nn.Module, original: Any, hidden_states: tor
     if eps is None:
         return original(hidden_states)
     return opake_rms_norm(hidden_states, module.weight, eps)
+
+
+def _decoder_layer_forward(
+    module: torch.nn.Module, original: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """The Llama/Mistral/Qwen2 decoder layer with its residual add and post-attention norm fused
+    (:func:`~opake_torch.patches.kernels.opake_fused_add_rms_norm`); keyword arguments go to the attention as the
+    stock layer passes them. The original runs for positional extras, a norm without ``variance_epsilon``, and a norm
+    with forward hooks: the fused path never calls the norm module, so hooks that read its inputs (the layerwise
+    per-example engine's) would miss it."""
+    norm = module.post_attention_layernorm
+    eps = getattr(norm, "variance_epsilon", None)
+    if args or eps is None or _hooked(norm):
+        return original(hidden_states, *args, **kwargs)
+    attention, _ = module.self_attn(hidden_states=module.input_layernorm(hidden_states), **kwargs)
+    normed, residual = opake_fused_add_rms_norm(attention, hidden_states, norm.weight, eps)
+    return residual + module.mlp(normed)
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether a forward (pre-)hook would see a call of ``module``: its own or a global one."""
+    hooks = torch.nn.modules.module
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+    )
 
 
 def _swiglu_mlp_forward(module: torch.nn.Module, original: Any, x: torch.Tensor, *, lora: bool) -> torch.Tensor:

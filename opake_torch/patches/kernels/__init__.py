@@ -9,6 +9,7 @@ from opake_torch.patches.kernels._triton import available
 from opake_torch.patches.kernels.activation import opake_geglu, opake_swiglu
 from opake_torch.patches.kernels.clip_sum import FusedGradients
 from opake_torch.patches.kernels.cross_entropy import opake_cross_entropy_loss, opake_fused_linear_cross_entropy
+from opake_torch.patches.kernels.fused_add_rms_norm import opake_fused_add_rms_norm
 from opake_torch.patches.kernels.lora import LoRAProjection, opake_lora_mlp, opake_lora_w
 from opake_torch.patches.kernels.rms_norm import opake_rms_norm
 from opake_torch.patches.kernels.rope import opake_rope
@@ -18,6 +19,7 @@ __all__ = [
     "LoRAProjection",
     "available",
     "opake_cross_entropy_loss",
+    "opake_fused_add_rms_norm",
     "opake_fused_linear_cross_entropy",
     "opake_geglu",
     "opake_lora_mlp",

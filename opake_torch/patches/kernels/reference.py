@@ -18,6 +18,7 @@ import torch.nn.functional as F
 __all__ = [
     "LoRAProjection",
     "cross_entropy",
+    "fused_add_rms_norm",
     "fused_linear_cross_entropy",
     "geglu",
     "lora_mlp",
@@ -51,6 +52,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     x32 = x.to(torch.float32)
     variance = x32.pow(2).mean(-1, keepdim=True)
     return weight * (x32 * torch.rsqrt(variance + eps)).to(input_dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(h, weight, eps), h)`` with ``h = residual + x`` in the input dtype: a decoder layer's residual add
+    then post-attention norm."""
+    h = residual + x
+    return rms_norm(h, weight, eps), h
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,17 @@ def test_rms_norm_reference_casts_like_llama():
     assert torch.equal(R.rms_norm(x, w, 1e-5), module(x))
 
 
+def test_fused_add_rms_norm_reference_is_the_add_then_the_norm():
+    x, res, w = torch.randn(3, 5, 12), torch.randn(3, 5, 12), torch.randn(12)
+    y, h = R.fused_add_rms_norm(x, res, w, 1e-6)
+    h64 = x.double() + res.double()
+    expected = w.double() * h64 / torch.sqrt(h64.square().mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(h.double(), h64, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y.double(), expected, rtol=1e-6, atol=1e-6)
+    xb, rb = x.bfloat16(), res.bfloat16()  # the sum is rounded to the input dtype before the norm, as in the layer
+    assert torch.equal(R.fused_add_rms_norm(xb, rb, w.bfloat16())[1], rb + xb)
+
+
 def test_activation_references_are_the_formulas():
     g, u = torch.randn(4, 9, dtype=torch.float64), torch.randn(4, 9, dtype=torch.float64)
     torch.testing.assert_close(R.swiglu(g, u), g / (1 + torch.exp(-g)) * u)
@@ -125,6 +136,8 @@ def test_available_is_false_without_cuda():
 def test_public_kernels_fall_back_to_the_reference_on_cpu():
     x, w = torch.randn(2, 3, 8), torch.randn(8)
     assert torch.equal(K.opake_rms_norm(x, w, 1e-5), R.rms_norm(x, w, 1e-5))
+    fused, fused_ref = K.opake_fused_add_rms_norm(x, x.flip(0), w, 1e-5), R.fused_add_rms_norm(x, x.flip(0), w, 1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(fused, fused_ref, strict=True))
     assert torch.equal(K.opake_swiglu(x, x.flip(-1)), R.swiglu(x, x.flip(-1)))
     assert torch.equal(K.opake_geglu(x, x, "tanh"), R.geglu(x, x, "tanh"))
     q, cos = torch.randn(2, 2, 3, 8), torch.randn(2, 3, 8)
@@ -300,13 +313,106 @@ def test_patched_model_computes_the_same_function(monkeypatch, family):
         return F.cross_entropy(out.logits[0, :-1], ids[1:])
 
     before = vmap(grad(loss), in_dims=(None, 0))(params, ids)
-    applied = performance.apply_performance_kernels(model)
-    assert {"rms_norm", "activation"} <= set(applied) and any(a.startswith("rope:") for a in applied)
-    assert performance.apply_performance_kernels(model) == applied  # idempotent
+    applied = performance.apply_performance_kernels(model, performance_kernels_config={"fused_add_rms_norm": True})
+    assert {"rms_norm", "fused_add_rms_norm", "activation"} <= set(applied)
+    assert "fused_add_rms_norm" not in performance.apply_performance_kernels(tiny_model(family))  # opt-in
+    assert any(a.startswith("rope:") for a in applied)
+    assert (
+        performance.apply_performance_kernels(model, performance_kernels_config={"fused_add_rms_norm": True}) == applied
+    )
     with apply_runtime_patches(performance.runtime_patches(applied)):  # the family's RoPE kernel, for this scope
         after = vmap(grad(loss), in_dims=(None, 0))(params, ids)
     for name in before:
         torch.testing.assert_close(after[name], before[name], msg=name)
+
+
+def _tiny_decoder(family: str) -> torch.nn.Module:
+    """A two-layer float64 decoder of ``family`` (the fused add feeds the next layer's residual stream)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        family, vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").double()
+    for name, p in model.named_parameters():
+        if "layernorm" in name:  # away from the initial ones, so that a wrong weight gradient shows
+            p.data.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_fused_add_rms_norm_patch_computes_the_same_per_example_gradients(monkeypatch, family):
+    """Only the fused add + RMSNorm patch on (falling back to the reference on CPU): every decoder layer takes the
+    fused path, and the per-example gradients of every parameter equal the unpatched model's."""
+    monkeypatch.setattr(performance, "available", lambda: True)
+    model = _tiny_decoder(family)
+    ids = torch.randint(0, 48, (3, 7))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(params, ids):
+        out = torch.func.functional_call(model, params, (ids.unsqueeze(0),))
+        return F.cross_entropy(out.logits[0, :-1], ids[1:])
+
+    before = vmap(grad(loss), in_dims=(None, 0))(params, ids)
+    only = {name: name == "fused_add_rms_norm" for name in performance.KERNELS}
+    assert performance.apply_performance_kernels(model, performance_kernels_config=only) == ["fused_add_rms_norm"]
+    calls = []
+    fused = performance.opake_fused_add_rms_norm
+    monkeypatch.setattr(performance, "opake_fused_add_rms_norm", lambda *a: calls.append(1) or fused(*a))
+    after = vmap(grad(loss), in_dims=(None, 0))(params, ids)
+    assert len(calls) == model.config.num_hidden_layers
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_fused_add_rms_norm_patch_lets_hooks_on_the_norm_see_it(monkeypatch):
+    """A forward hook on the post-attention norm (the layerwise engine reads the norm's input there) makes the
+    patched layer run the stock forward, so the hook sees the call; the output is unchanged."""
+    monkeypatch.setattr(performance, "available", lambda: True)
+    model = _tiny_decoder("llama")
+    ids = torch.randint(0, 48, (2, 5))
+    expected = model(ids).logits
+    only = {name: name == "fused_add_rms_norm" for name in performance.KERNELS}
+    performance.apply_performance_kernels(model, performance_kernels_config=only)
+    seen = []
+    handle = model.model.layers[0].post_attention_layernorm.register_forward_hook(lambda m, i, o: seen.append(i[0]))
+    try:
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-12, atol=1e-12)
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and seen[0].shape == (2, 5, 16)
+
+
+def test_fused_add_rms_norm_patch_keeps_the_layerwise_clipped_sum(monkeypatch):
+    """The layerwise engine, whose hooks read the norm layers, on a model with the fused patch: its clipped sum
+    (every example clipped) equals a float64 loop over examples on the unpatched model, leaf by leaf (the
+    post-attention norm weight's share of an example's squared norm is about 4e-8: the norms alone would not show
+    it missing)."""
+    from tiny_hf import functional_losses, tiny_model
+
+    from opake_core.clipping import Engine, clipped_grad
+    from opake_torch.layerwise import LayerwiseGradients
+
+    monkeypatch.setattr(performance, "available", lambda: True)
+    model = tiny_model("llama").double()
+    params, loss, batch_loss, batch = functional_losses(model, "llama")
+    bound = 0.05
+    expected = {k: torch.zeros_like(v) for k, v in params.items()}
+    for i in range(next(iter(batch.values())).shape[0]):
+        g = grad(loss)(params, {k: v[i] for k, v in batch.items()})
+        norm = math.sqrt(sum(v.square().sum().item() for v in g.values()))
+        for k in expected:
+            expected[k] += g[k] * min(1.0, bound / norm)
+    only = {name: name == "fused_add_rms_norm" for name in performance.KERNELS}
+    assert performance.apply_performance_kernels(model, performance_kernels_config=only) == ["fused_add_rms_norm"]
+    grad_fn, state = clipped_grad(
+        loss, clipping_norm=bound, batch_argnums=1, engine=Engine(gradients=LayerwiseGradients(model, batch_loss))
+    )
+    clipped, _ = grad_fn(params, batch, state=state)
+    for name in expected:
+        assert _rel(clipped.value[name], expected[name]) < 1e-9, name
 
 
 def test_patched_lora_model_computes_the_same_function(monkeypatch):

@@ -21,9 +21,9 @@ from torch.func import grad, vmap
 from opake_core.clipping import MaterializedGradients
 from opake_core.clipping.rules import ClipRule
 from opake_torch.patches import kernels as K
-from opake_torch.patches.kernels import FusedGradients, clip_sum, cross_entropy
+from opake_torch.patches.kernels import FusedGradients, clip_sum, cross_entropy, fused_add_rms_norm
 from opake_torch.patches.kernels import reference as R
-from opake_torch.patches.kernels._triton import can_launch
+from opake_torch.patches.kernels._triton import can_launch, interpreting
 
 pytestmark = pytest.mark.cuda
 
@@ -95,6 +95,110 @@ def test_rms_norm_plain_backward_and_nested_vmap():
     ours = vmap(vmap(grad(loss(K.opake_rms_norm)), in_dims=(None, 0)), in_dims=(None, 0))(w, x)
     ref = vmap(vmap(grad(loss(R.rms_norm)), in_dims=(None, 0)), in_dims=(None, 0))(w, x)
     _assert_close(ours, ref, torch.float32, "nested vmap")
+
+
+# --- fused residual add + RMSNorm ------------------------------------------------------------------------------------
+
+
+def _add_rms_f64(x, residual, w, eps):
+    """The float64 definition: ``h = x + residual`` rounded to the input dtype (as the unfused add rounds it), then
+    ``w * h / sqrt(mean(h^2) + eps)``."""
+    h = (x.double() + residual.double()).to(x.dtype).double()
+    return w.double() * (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)), h
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 3, 64), (3, 17, 127), (2, 5, 4097), (1, 1, 7)])
+def test_fused_add_rms_norm(shape, dtype):
+    x, res, w = _randn(*shape, dtype=dtype), _randn(*shape, dtype=dtype), (1 + 0.1 * _randn(shape[-1])).to(dtype)
+    ry, rh = _randn(*shape[1:]), _randn(*shape[1:])
+    y, h = K.opake_fused_add_rms_norm(x, res, w, 1e-5)
+    assert y.dtype == h.dtype == dtype
+    if dtype == torch.float32 or not interpreting():  # the interpreter truncates float32 -> bfloat16 casts
+        assert torch.equal(h, x + res)  # the residual stream is the unfused add, bit for bit
+    _assert_close((y, h), _add_rms_f64(x, res, w, 1e-5), dtype, "forward")
+
+    def loss(fn):  # both outputs carry gradient: y into the MLP, h along the residual path
+        def f(w, x, res):
+            y, h = fn(x, res, w, 1e-5)
+            return (y.to(ry.dtype) * ry).sum() + (h.to(rh.dtype) * rh).sum()
+
+        return f
+
+    ours = _per_example(loss(K.opake_fused_add_rms_norm), (0, 1, 2), (None, 0, 0), w, x, res)
+    ref = _per_example(loss(_add_rms_f64), (0, 1, 2), (None, 0, 0), w, x, res)
+    assert ours[0].shape == (shape[0], shape[-1])
+    _assert_close(ours, ref, dtype, "per-example grads (w, x, residual)")
+
+
+def test_fused_add_rms_norm_per_example_weight_grads_equal_a_loop():
+    """vmap(grad) over examples (the residual shared, unbatched) equals one plain backward per example."""
+    x, res, w = _randn(3, 5, 96), _randn(5, 96), 1 + 0.1 * _randn(96)
+
+    def loss(w, x):
+        y, h = K.opake_fused_add_rms_norm(x, res, w)
+        return y.sin().sum() + h.square().sum()
+
+    batched = vmap(grad(loss, argnums=(0, 1)), in_dims=(None, 0))(w, x)
+    for i in range(x.shape[0]):
+        wi, xi = w.clone().requires_grad_(), x[i].clone().requires_grad_()
+        loss(wi, xi).backward()
+        _assert_close((batched[0][i], batched[1][i]), (wi.grad, xi.grad), torch.float32, f"example {i}")
+
+
+def test_fused_add_rms_norm_plain_backward_and_nested_vmap():
+    x, res, w = _randn(2, 3, 5, 96), _randn(2, 3, 5, 96), 1 + 0.1 * _randn(96)
+    leaves = [t.clone().requires_grad_() for t in (x, res, w)]
+    y, h = K.opake_fused_add_rms_norm(*leaves)
+    (y.square().sum() + h.sin().sum()).backward()
+    refs = [t.double().requires_grad_() for t in (x, res, w)]
+    y, h = _add_rms_f64(*refs, 1e-6)
+    (y.square().sum() + h.sin().sum()).backward()
+    _assert_close([t.grad for t in leaves], [t.grad for t in refs], torch.float32, "plain backward")
+
+    def loss(fn):
+        return lambda w, x, res: sum(t.sin().sum() for t in fn(x, res, w, 1e-6))
+
+    def nested(fn):
+        return vmap(vmap(grad(loss(fn)), in_dims=(None, 0, 0)), in_dims=(None, 0, 0))(w, x, res)
+
+    _assert_close(nested(K.opake_fused_add_rms_norm), nested(_add_rms_f64), torch.float32, "nested vmap")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_fused_add_rms_norm_patched_decoder_per_example_gradients(monkeypatch, family):
+    """A two-layer decoder with only the fused add + RMSNorm patch (the kernel, not the fallback): per-example
+    gradients of every parameter equal the unpatched model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from opake_torch.patches import performance
+
+    config = AutoConfig.for_model(
+        family, vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(DEVICE)
+    for name, p in model.named_parameters():
+        if "layernorm" in name:
+            p.data.uniform_(0.5, 1.5)
+    ids = torch.randint(0, 48, (3, 7), device=DEVICE)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(params, ids):
+        out = torch.func.functional_call(model, params, (ids.unsqueeze(0),))
+        return torch.nn.functional.cross_entropy(out.logits[0, :-1], ids[1:])
+
+    before = vmap(grad(loss), in_dims=(None, 0))(params, ids)
+    monkeypatch.setattr(performance, "available", lambda: True)
+    only = {name: name == "fused_add_rms_norm" for name in performance.KERNELS}
+    assert performance.apply_performance_kernels(model, performance_kernels_config=only) == ["fused_add_rms_norm"]
+    launched = []
+    forward = fused_add_rms_norm._FusedAddRMSNorm.forward
+    monkeypatch.setattr(fused_add_rms_norm._FusedAddRMSNorm, "forward", lambda *a: launched.append(1) or forward(*a))
+    after = vmap(grad(loss), in_dims=(None, 0))(params, ids)
+    assert launched, "the kernel did not run"
+    for name in before:
+        _assert_close(after[name], before[name], torch.float32, name)
 
 
 # --- SwiGLU / GeGLU ---------------------------------------------------------------------------------------------------
