@@ -215,7 +215,7 @@ def run(config: DemoConfig, output_dir: Path) -> dict:
     )
     private = train(config, output_dir, private=True)
     unit = "one user with all its records" if config.privacy_unit == "user" else "one record"
-    print(f"DP-SGD: epsilon = {private['final_epsilon']:.3f} at delta = {private['delta']:.2e} per {unit}")
+    print(f"DP-SGD: epsilon = {private['final_epsilon']:.3f} at delta = {private['delta']:.2e} for {unit}")
     baseline = train(config, output_dir, private=False)
     result = {
         "config": asdict(config),
