@@ -22,7 +22,7 @@ import torch
 
 from opake_core.errors import ConfigurationError
 
-__all__ = ["REDUCTIONS", "user_loss", "user_weights"]
+__all__ = ["REDUCTIONS", "user_loss", "user_total", "user_weights"]
 
 REDUCTIONS = ("sum", "mean")
 
@@ -36,6 +36,13 @@ def user_weights(live: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "sum":
         return live
     return live / live.sum(dim=-1, keepdim=True).clamp(min=1.0)
+
+
+def user_total(losses: torch.Tensor, live: torch.Tensor, reduction: str) -> torch.Tensor:
+    """``[..., k]`` row losses -> ``[...]`` user losses: the empty slots' losses replaced by an exact 0 (their
+    gradient is then exactly 0 wherever their forward is finite), the others weighted by :func:`user_weights`."""
+    kept = torch.where(live, losses, torch.zeros_like(losses))
+    return (kept * user_weights(live, reduction).to(kept.dtype)).sum(dim=-1)
 
 
 def user_loss(row_loss: Callable[..., torch.Tensor], *, reduction: str = "sum") -> Callable[..., torch.Tensor]:
@@ -67,8 +74,6 @@ def user_loss(row_loss: Callable[..., torch.Tensor], *, reduction: str = "sum") 
     user_weights(torch.ones(1, dtype=torch.bool), reduction)  # refuses an unknown reduction now
 
     def loss(params: Any, live: torch.Tensor, *rows: Any) -> torch.Tensor:
-        losses = torch.vmap(row_loss, in_dims=(None, *[0] * len(rows)))(params, *rows)
-        kept = torch.where(live, losses, torch.zeros_like(losses))
-        return (kept * user_weights(live, reduction).to(kept.dtype)).sum()
+        return user_total(torch.vmap(row_loss, in_dims=(None, *[0] * len(rows)))(params, *rows), live, reduction)
 
     return loss

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from opake_core import sampling
-from opake_core.clipping.users import user_weights
+from opake_core.clipping.users import user_total
 from opake_core.errors import ConfigurationError, InputTypeError
 
 __all__ = [
@@ -173,20 +173,13 @@ def _rows(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: value for name, value in batch.items() if name != LIVE}
 
 
-def _total(losses: torch.Tensor, live: torch.Tensor, reduction: str) -> torch.Tensor:
-    """``[..., k]`` row losses -> ``[...]`` user losses: the empty slots' losses replaced by an exact 0 (their
-    gradient is then exactly 0), the others weighted by :func:`opake_core.clipping.users.user_weights`."""
-    kept = torch.where(live, losses, torch.zeros_like(losses))
-    return (kept * user_weights(live, reduction).to(kept.dtype)).sum(dim=-1)
-
-
 def user_example_loss(row_loss: Callable[..., torch.Tensor], reduction: str) -> Callable[..., torch.Tensor]:
     """``(params, user) -> loss``: one user's loss for ``vmap(grad)`` from ``row_loss(params, row)``, the record-level
     per-example loss (``user`` holds ``[k, ...]`` tensors and :data:`LIVE` ``[k]``)."""
 
     def loss(params: dict[str, torch.Tensor], user: dict[str, torch.Tensor]) -> torch.Tensor:
         losses = torch.vmap(row_loss, in_dims=(None, 0), randomness="different")(params, _rows(user))
-        return _total(losses, user[LIVE], reduction)
+        return user_total(losses, user[LIVE], reduction)
 
     return loss
 
@@ -198,6 +191,6 @@ def user_batch_losses(batch_losses: Callable[..., torch.Tensor], reduction: str)
     def losses(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
         live = batch[LIVE]
         rows = {name: value.flatten(0, 1) for name, value in _rows(batch).items()}
-        return _total(batch_losses(params, rows).reshape(live.shape), live, reduction)
+        return user_total(batch_losses(params, rows).reshape(live.shape), live, reduction)
 
     return losses

@@ -181,6 +181,11 @@ def test_bad_user_columns_are_refused_before_any_step(tmp_path):
         DPTrainer(tiny_model("llama"), _args(tmp_path), train_dataset=floats).train()
     with pytest.raises(ConfigurationError, match="needs privacy_max_rows_per_user"):
         _args(tmp_path, privacy_max_rows_per_user=None)
+    for bad in (0, -1, 2**31, 2.5, True):  # a count in [1, 2**31 - 1] (the fuzz table checks record level only)
+        with pytest.raises((ConfigurationError, InputTypeError), match="privacy_max_rows_per_user"):
+            _args(tmp_path, privacy_max_rows_per_user=bad)
+    with pytest.raises(ConfigurationError, match="apply to privacy_unit='user'"):
+        _args(tmp_path, privacy_unit="record")
 
 
 def test_the_train_dataloader_yields_the_sampled_users_rows(tmp_path):
