@@ -10,6 +10,12 @@ prints the installed version.
 cyclic_poisson, mf_identity: poisson, the others: balls_in_bins) and the strategy's parameters come from
 ``--bands``, ``--max-buffers``, ``--bandwidth``, ``--alpha``, ``--beta`` and ``--lambda``.
 
+``--ddp-shard global --world-size W`` accounts the trainer's parallel Poisson sampling (``ddp_shard="global"``): each
+of W ranks draws the whole dataset at its own rate (``--sample-rate``, or one rank's ``--batch-size`` / N), one step
+accounted as :func:`opake_core.accounting.poisson_group` of W records, and an epoch is ``1 / (W q)`` steps. The
+default ``per_rank`` needs no world size: its ranks split one draw at the cluster's rate, which ``--sample-rate`` or the
+cluster's ``--batch-size`` gives.
+
 Every flag is honoured or refused: a number outside :mod:`opake_torch.limits` is a usage error, and a flag that the
 chosen sampler or mechanism does not read (``--truncated-batch-size`` without ``--sampler truncated_poisson``,
 ``--mc-samples`` where no Monte Carlo accountant runs) is refused rather than ignored. Refused input exits with status
@@ -42,6 +48,7 @@ __all__ = ["build_parser", "main"]
 SAMPLERS = ("poisson", "truncated_poisson", "k_out_of_t", "fixed_size")
 MF_SAMPLERS = ("cyclic_poisson", "b_min_sep", "balls_in_bins")
 MECHANISMS = ("gaussian", *acc.COMPATIBLE_SAMPLERS)
+DDP_SHARDS = ("per_rank", "global")
 # The samplers whose runs only a Monte Carlo accountant covers (random allocation; DP-FTRL with balls-in-bins or
 # b-min-sep): the only ones that read --mc-samples.
 MONTE_CARLO_SAMPLERS = ("k_out_of_t", "balls_in_bins", "b_min_sep")
@@ -93,6 +100,15 @@ def _sampling_arguments(parser: argparse.ArgumentParser, *, steps_known: bool = 
         help="Monte Carlo samples per direction: for k_out_of_t, use the Monte Carlo estimator instead of the "
         "numerical PLD; for DP-FTRL with balls_in_bins or b_min_sep (default ceil(4 log(2G/beta) / delta))",
     )
+    ddp = parser.add_argument_group("data parallel")
+    ddp.add_argument(
+        "--ddp-shard",
+        choices=DDP_SHARDS,
+        default="per_rank",
+        help="the trainer's ddp_shard: per_rank (default; give the cluster's rate or batch) or global (each of "
+        "--world-size ranks draws the whole dataset at its own --sample-rate or --batch-size / N)",
+    )
+    ddp.add_argument("--world-size", type=count, help="--ddp-shard global: the number of ranks (WORLD_SIZE)")
     real = number(None, None)
     mech = parser.add_argument_group("mechanism")
     mech.add_argument("--mechanism", choices=MECHANISMS, default="gaussian", help="noise mechanism (default gaussian)")
@@ -169,12 +185,38 @@ def _delta(args: argparse.Namespace) -> float:
     return 1.0 / args.dataset_size**1.1
 
 
+def _ranks(args: argparse.Namespace) -> int:
+    """The ranks that each draw the whole dataset in a step: ``--world-size`` under ``--ddp-shard global``, else 1
+    (one draw, whatever the ranks that split it)."""
+    if args.ddp_shard == "per_rank":
+        if args.world_size is not None:
+            _fail(
+                "--world-size applies to --ddp-shard global, whose ranks each draw the whole dataset; under per_rank "
+                "the ranks split one draw at the cluster's rate (--sample-rate, or the cluster's --batch-size): drop "
+                "--world-size, or add --ddp-shard global."
+            )
+        return 1
+    if args.world_size is None:
+        _fail("--ddp-shard global needs --world-size, the number of ranks that each draw the whole dataset.")
+    for broken, seen, instead in (
+        (args.sampler != "poisson", f"--sampler {args.sampler}", "--sampler poisson"),
+        (args.mechanism != "gaussian", f"--mechanism {args.mechanism}", "--mechanism gaussian"),
+        (args.privacy_unit != "record", "--privacy-unit user", "--privacy-unit record"),
+    ):
+        if broken:
+            _fail(
+                f"--ddp-shard global (parallel Poisson sampling, accounted as a group of --world-size records under "
+                f"Poisson sampling) has no accountant with {seen}. Use {instead}, or --ddp-shard per_rank."
+            )
+    return args.world_size
+
+
 def _steps(args: argparse.Namespace, q: float | None) -> int:
     if (args.steps is None) == (args.epochs is None):
         _fail("give exactly one of --steps and --epochs.")
     if args.steps is not None:
         return args.steps
-    steps = math.ceil(args.epochs / q - 1e-9)
+    steps = math.ceil(args.epochs / (q * _ranks(args)) - 1e-9)  # a step draws W q N records under global
     if steps > limits.MAX_COUNT:
         _fail(f"--epochs {args.epochs} at sample rate {q} is {steps} steps, more than 2**31 - 1; give fewer epochs.")
     return steps
@@ -197,6 +239,9 @@ def _step_factory(args: argparse.Namespace, q: float) -> Callable[[float], acc.P
         return lambda sigma: acc.without_replacement(
             acc.gaussian(sigma), dataset_size=args.dataset_size, sample_size=args.batch_size
         )
+    ranks = _ranks(args)
+    if ranks > 1:
+        return lambda sigma: acc.poisson_group(acc.gaussian(sigma), q, group_size=ranks)
     return lambda sigma: acc.poisson(acc.gaussian(sigma), q)
 
 
@@ -271,6 +316,7 @@ def _resolve_sampler(args: argparse.Namespace) -> None:
             f"--mc-samples applies to the Monte Carlo accountant, which runs for --sampler "
             f"{' / '.join(MONTE_CARLO_SAMPLERS)} only, not {args.sampler}: drop --mc-samples."
         )
+    _ranks(args)  # --ddp-shard and --world-size refused here, before any accounting, where they do not apply
 
 
 def _strategy(args: argparse.Namespace) -> Any:
@@ -333,6 +379,8 @@ def _inputs(args: argparse.Namespace, **resolved: Any) -> dict[str, Any]:
     for name in ("truncated_batch_size", "k", "allocation"):
         if getattr(args, name, None) is not None:
             out[name] = getattr(args, name)
+    if args.ddp_shard == "global":
+        out.update(ddp_shard=args.ddp_shard, world_size=args.world_size)
     if _mc_samples(args, resolved["delta"]) is not None:
         out["mc_samples"] = _mc_samples(args, resolved["delta"])
     out["privacy_unit"] = args.privacy_unit
@@ -438,7 +486,7 @@ def run_steps(args: argparse.Namespace) -> dict[str, Any]:
         "epsilon": found.epsilon,
         "target_epsilon": args.target_epsilon,
         **_inputs(args, noise_multiplier=args.noise_multiplier, sample_rate=q, delta=delta, steps=int(found.value)),
-        "epochs": found.value * q,
+        "epochs": found.value * q * _ranks(args),
         "max_steps": args.max_steps,
         "accountant": found.accountant,
     }

@@ -61,6 +61,10 @@ class Optimizer:
             state's tensors and the updates into its input updates' tensors, with the bits of the out-of-place
             computation, and returns no tensor of its state as updates. Other optimizers run out of place whatever
             :meth:`update` is asked.
+        needs_whole_leaves: the update of an entry reads statistics over its whole leaf (Adafactor's row and column
+            factors and per-leaf RMS, StableAdamW's per-tensor RMS), so it needs every entry of a weight: run on some
+            rows of it (a rank's shard under FSDP) it computes another update. False: entry by entry, from the
+            entry's own gradient, state and parameter and the leaf's scalars (its noise std, the step count).
     """
 
     name: str
@@ -70,6 +74,7 @@ class Optimizer:
     noise_aware: bool = False
     eval_fn: Any = None
     in_place: bool = False
+    needs_whole_leaves: bool = False
 
     def init(self, params: Any) -> Any:
         """The initial state for a tree of parameter tensors (moments shaped like the parameters)."""

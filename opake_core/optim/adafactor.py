@@ -212,7 +212,7 @@ def adafactor(
         add_decayed_weights(weight_decay),
         scale_by_neg_lr(lr),
     )
+    flags = {"non_private": non_private, "needs_params": True, "needs_whole_leaves": True}  # factored, per-leaf RMS
     if noise_bias_correction:
-        transform = noise_aware_chain(*parts)
-        return Optimizer("adafactor", transform, non_private=non_private, needs_params=True, noise_aware=True)
-    return Optimizer("adafactor", chain(*parts), non_private=non_private, needs_params=True)
+        return Optimizer("adafactor", noise_aware_chain(*parts), noise_aware=True, **flags)
+    return Optimizer("adafactor", chain(*parts), **flags)

@@ -235,7 +235,8 @@ def schedule_free(base: Optimizer, *, beta: float = 0.9, warmup_steps: int = 0) 
     ``optimizer.eval_params(state, params)``, the average ``x`` (the module docstring's last table).
 
     ``update`` always needs ``params``. A noise-aware ``base`` (``noise_bias_correction=True``) keeps its
-    correction; a non-private ``base`` makes the wrapper non-private.
+    correction; a non-private ``base`` makes the wrapper non-private; a ``base`` that ``needs_whole_leaves``
+    (Adafactor, StableAdamW) makes the wrapper need them too.
 
     Args:
         base: an optimizer of this package (its learning rate, schedule and weight decay are its own); not a
@@ -316,4 +317,5 @@ def schedule_free(base: Optimizer, *, beta: float = 0.9, warmup_steps: int = 0) 
         needs_params=True,
         noise_aware=base.noise_aware,
         eval_fn=averaged,
+        needs_whole_leaves=base.needs_whole_leaves,
     )

@@ -125,11 +125,10 @@ def stable_optimizer(
     by :func:`stable_adamw` and :func:`~opake_core.optim.adamw` with ``update_rms_clip``)."""
     b1, b2 = betas
     head = scale_by_stable_adam(b1, b2, eps, weight_decay, update_rms_clip, noise_bias_correction=noise_bias_correction)
-    needs_params = weight_decay > 0
+    flags = {"non_private": non_private, "needs_params": weight_decay > 0, "needs_whole_leaves": True}  # per-tensor RMS
     if noise_bias_correction:
-        transform = noise_aware_chain(head, scale_by_neg_lr(lr))
-        return Optimizer(name, transform, non_private=non_private, needs_params=needs_params, noise_aware=True)
-    return Optimizer(name, chain(head, scale_by_neg_lr(lr)), non_private=non_private, needs_params=needs_params)
+        return Optimizer(name, noise_aware_chain(head, scale_by_neg_lr(lr)), noise_aware=True, **flags)
+    return Optimizer(name, chain(head, scale_by_neg_lr(lr)), **flags)
 
 
 def stable_adamw(

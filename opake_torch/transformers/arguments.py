@@ -63,7 +63,7 @@ from opake_torch.transformers import _parsing as p
 from opake_torch.transformers._outputs import OutputRules
 from opake_torch.transformers._process import LOG_LEVELS, ParallelMode, ProcessView
 from opake_torch.transformers.compute_settings import ComputeSettings
-from opake_torch.transformers.optimizer import check_schedule_free_base, check_schedule_kwargs
+from opake_torch.transformers.optimizer import check_schedule_free_base, check_schedule_kwargs, probe_optimizer
 from opake_torch.transformers.privacy_settings import PrivacySettings
 
 __all__ = ["LOG_LEVELS", "SECRET_FIELDS", "ParallelMode", "TrainingArguments", "as_training_arguments"]
@@ -554,8 +554,11 @@ class TrainingArguments(ProcessView, OutputRules, metaclass=_AcceptsHuggingFaceN
 
     @property
     def noise_bias_correction(self) -> bool:
-        """True for ``adam-bc`` / ``adamw-bc``: Adam's second moment is corrected for the noise variance."""
-        return self.optim.endswith("-bc")
+        """True when the optimizer that ``optim`` and ``optim_args`` build corrects its second moment for the noise
+        variance, read from that optimizer (its ``noise_aware``): ``adam-bc`` / ``adamw-bc``,
+        ``optim_args={"noise_bias_correction": True}`` with an optimizer that offers it, or a Schedule-Free base that
+        does. ``DPTrainer``'s ``optimizer_cls_and_kwargs`` replaces the named optimizer: ``trainer.optimizer`` tells."""
+        return probe_optimizer(self).noise_aware
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON-serializable values (dtypes by name, unknown objects as ``str``); the secrets (the hub

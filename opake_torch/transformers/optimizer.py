@@ -21,6 +21,7 @@ __all__ = [
     "check_optimizer_factory",
     "check_schedule_free_base",
     "check_schedule_kwargs",
+    "probe_optimizer",
 ]
 
 
@@ -257,7 +258,17 @@ def build_optimizer(
     ``factory``: ``optimizer_cls_and_kwargs`` (:func:`check_optimizer_factory`), called as ``factory(lr=schedule,
     **kwargs)`` in place of the named optimizer; ``optim`` and ``optim_args`` are then unused.
     """
-    lr = build_schedule(args, total_steps)
+    return _build(args, build_schedule(args, total_steps), _warmup_count(args, total_steps), factory)
+
+
+def probe_optimizer(args: Any, factory: tuple[OptimizerFactory, dict[str, Any]] | None = None) -> optim.Optimizer:
+    """The optimizer :func:`build_optimizer` builds for ``args`` (and ``factory``, called once more), at the constant
+    rate ``learning_rate`` and without a Schedule-Free warm-up, for what it does before the run's length is known:
+    whether it corrects for the noise (``noise_aware``) and whether it ``needs_whole_leaves``. Never used to train."""
+    return _build(args, schedules.constant(args.learning_rate), 0, factory)
+
+
+def _build(args: Any, lr: Any, warmup: int, factory: tuple[OptimizerFactory, dict[str, Any]] | None) -> optim.Optimizer:
     if factory is not None:
         return _custom(factory, lr, args)
     extra = dict(args.optim_args)
@@ -268,5 +279,5 @@ def build_optimizer(
     if base is None:
         return _named(args.optim, args, lr, extra)
     wrapper = {k: extra.pop(k) for k in _WRAPPER_KEYWORDS if k in extra}
-    wrapper.setdefault("warmup_steps", _warmup_count(args, total_steps))
+    wrapper.setdefault("warmup_steps", warmup)
     return optim.schedule_free(_named(base, args, lr, extra), **wrapper)

@@ -132,9 +132,14 @@ def _sampler(privacy: PrivacySettings, dataset_size: int, steps: int, rank: int)
     mode, kwargs = privacy.sampling_mode, privacy.sampling_kwargs
     batch = privacy.train_batch_size
     rate = batch / dataset_size
-    if rate > 1:
+    # ddp_shard="global": each rank draws the whole dataset at its own batch / N (a record may be in several ranks'
+    # draws), so only one rank's batch must fit; the strided shards split one draw at the cluster's batch / N
+    drawn, name = batch, "expected batch"
+    if privacy.ddp_shard == "global":
+        drawn, name = privacy.per_device_train_batch_size, "expected batch of a rank"
+    if drawn > dataset_size:
         raise ConfigurationError(
-            f"the expected batch {batch} exceeds the dataset size {dataset_size}: lower per_device_train_batch_size."
+            f"the {name} {drawn} exceeds the dataset size {dataset_size}: lower per_device_train_batch_size."
         )
     if privacy.world_size > 1:
         return _rank_sampler(privacy, dataset_size, rate, rank)

@@ -58,7 +58,7 @@ from opake_torch.transformers.loss import (
 from opake_torch.transformers.microbatch import ShrinkingStep
 from opake_torch.transformers.model_card import write_trainer_card
 from opake_torch.transformers.model_setup import check_inputs, prepare_model, with_training_patches
-from opake_torch.transformers.optimizer import build_optimizer, build_schedule, check_optimizer_factory
+from opake_torch.transformers.optimizer import build_optimizer, build_schedule, check_optimizer_factory, probe_optimizer
 from opake_torch.transformers.privacy import PrivacyPlan
 from opake_torch.transformers.released_norm import ReleasedNorm
 from opake_torch.transformers.routers import RouterSetup, router_logits_off, with_load
@@ -388,10 +388,12 @@ class DPTrainer(HFSurface, DataLoaders):
                 "Drop fsdp and launch as DDP under torchrun, or make the model's trainable layers served by the "
                 "layerwise engine (per_example_gradients='layerwise' says which are not)."
             )
-        if self.args.optim == "adafactor":
+        optimizer = probe_optimizer(self.args, self._optimizer_factory)  # what it does, however it was asked for
+        if optimizer.needs_whole_leaves:
             raise ConfigurationError(
-                "optim='adafactor' factors its second moment over a weight's rows and columns, which a rank sharding "
-                "the rows does not see whole; under fsdp use an elementwise optimizer (adamw, adam, sgd, lion...)."
+                f"the optimizer {optimizer.name} reads statistics over each whole weight (Adafactor's row and column "
+                "factors, a per-tensor update RMS), which a rank sharding the rows does not see whole; under fsdp use "
+                "an elementwise optimizer (adamw, adam, sgd, lion...), alone or inside schedule_free."
             )
         self._params = self.topology.shard(self.model, self._params)
         self._apply = lambda params, frozen, *args, **kwargs: self.model(*args, **kwargs)

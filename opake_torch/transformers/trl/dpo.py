@@ -29,11 +29,13 @@ import copy
 import logging
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.trainer_utils import TrainOutput
 
 from opake_core.errors import ConfigurationError
 from opake_torch.functional import functional_model
@@ -310,6 +312,22 @@ class DPOTrainer(DPTrainer):
                     run.checkpoint, reference_sync.FILE,
                 )  # fmt: skip
         return run
+
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        """:meth:`DPTrainer.train`. TR-DPO with ``load_best_model_at_end``: the reference comes back from the best
+        checkpoint with the policy (the reference mixed up to that checkpoint, which its :data:`~.reference_sync.FILE`
+        holds), so that evaluation and a later save read the pair as it was trained together. The policy is restored
+        before ``on_train_end``, the reference when ``train()`` returns."""
+        output = super().train(resume_from_checkpoint)
+        best = self.state.best_model_checkpoint
+        if self.args.sync_ref_model and self.args.load_best_model_at_end and best:
+            if not reference_sync.restore(self.ref_model, Path(best)):
+                logger.warning(
+                    "the best checkpoint %s holds no synced reference (%s): it was written without sync_ref_model, "
+                    "so the reference stays the one synced up to the last step, not the one of the restored policy.",
+                    best, reference_sync.FILE,
+                )  # fmt: skip
+        return output
 
     def _reference_logits(self, params: dict[str, torch.Tensor], **inputs: torch.Tensor) -> torch.Tensor:
         """Reference logits ``[B, T, V]``: the separate reference, or the PEFT policy with its adapters disabled."""

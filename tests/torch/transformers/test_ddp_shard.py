@@ -90,3 +90,18 @@ def test_global_refuses_what_has_no_accountant(tmp_path, extra, seen):
 def test_an_unknown_shard_is_refused(tmp_path):
     with pytest.raises(ConfigurationError, match=r"ddp_shard must be one of \['per_rank', 'global'\], got 'all'"):
         _args(tmp_path, ddp_shard="all")
+
+
+def test_global_needs_only_one_ranks_batch_to_fit_the_dataset(tmp_path, monkeypatch):
+    """3 ranks of 4 over 10 records: the cluster's expected batch (12) exceeds N, which the strided shards of one
+    draw at rate 12 / N cannot serve; each rank's own draw at 4 / N can, so only 4 <= N is needed under global."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "1")
+    plan = build_plan(_args(tmp_path, ddp_shard="global"), 10)
+    assert plan.sampler == sampling.poisson(dataset_size=10, sample_rate=0.4, world_size=3, rank=1, sharding="global")
+    assert plan.release == acc.poisson_group(acc.gaussian(1.0), 0.4, group_size=3)
+    assert plan.expected_batch_size == pytest.approx(12.0)  # the normalizer: the expected draws of the step
+    with pytest.raises(ConfigurationError, match="the expected batch 12 exceeds the dataset size 10"):
+        build_plan(_args(tmp_path), 10)
+    with pytest.raises(ConfigurationError, match="the expected batch of a rank 4 exceeds the dataset size 3"):
+        build_plan(_args(tmp_path, ddp_shard="global"), 3)

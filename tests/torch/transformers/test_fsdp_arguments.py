@@ -9,6 +9,7 @@ import pytest
 import transformers
 from tiny_hf import tiny_model, token_data
 
+from opake_core import optim
 from opake_core.errors import ConfigurationError
 from opake_torch.transformers import DPTrainer, TrainingArguments
 from opake_torch.transformers.topology import ShardedDataParallel
@@ -132,10 +133,38 @@ def test_sharded_topology_refuses_what_it_cannot_serve(tmp_path, kwargs, phrase)
     ("kwargs", "phrase"),
     [
         ({"per_example_gradients": "vmap"}, "fsdp needs the layerwise .* vmap\\(grad\\) .* cannot run on sharded"),
-        ({"optim": "adafactor"}, "optim='adafactor' factors its second moment"),
+        ({"optim": "adafactor"}, "optimizer adafactor reads statistics over each whole weight"),
+        ({"optim": "stable_adamw"}, "optimizer stable_adamw reads statistics over each whole weight"),
+        ({"optim": "adamw", "optim_args": {"update_rms_clip": 1.0}}, "optimizer stable_adamw reads statistics"),
+        ({"optim": "schedule_free", "optim_args": {"base": "adafactor"}}, "optimizer schedule_free_adafactor reads"),
     ],
 )
 def test_trainer_refuses_to_shard_what_needs_whole_weights(tmp_path, kwargs, phrase):
     trainer = DPTrainer(tiny_model("llama"), TrainingArguments(str(tmp_path), **kwargs, **DP), train_dataset=ROWS)
     with pytest.raises(ConfigurationError, match=phrase):
         trainer._shard()  # what train() does under fsdp once the checks passed, before any step
+
+
+ADAFACTOR_IN_SCHEDULE_FREE = (lambda lr: optim.schedule_free(optim.adafactor(lr)), {})
+
+
+@pytest.mark.parametrize(
+    ("factory", "refused"),
+    [
+        ((optim.adafactor, {"weight_decay": 0.01}), "adafactor"),
+        (ADAFACTOR_IN_SCHEDULE_FREE, "schedule_free_adafactor"),
+        ((optim.lion, {}), None),
+        ((lambda lr: optim.schedule_free(optim.adamw(lr)), {}), None),
+    ],
+    ids=["adafactor", "schedule_free(adafactor)", "lion", "schedule_free(adamw)"],
+)
+def test_the_refusal_reads_the_built_optimizer_of_a_factory(tmp_path, monkeypatch, factory, refused):
+    """optimizer_cls_and_kwargs replaces optim (left at its default, adamw): the factory's optimizer decides."""
+    args = TrainingArguments(str(tmp_path), **DP)
+    trainer = DPTrainer(tiny_model("llama"), args, train_dataset=ROWS, optimizer_cls_and_kwargs=factory)
+    monkeypatch.setattr(trainer.topology, "shard", lambda model, params: params, raising=False)  # one process here
+    if refused is None:
+        trainer._shard()
+        return
+    with pytest.raises(ConfigurationError, match=f"optimizer {refused} reads statistics over each whole weight"):
+        trainer._shard()

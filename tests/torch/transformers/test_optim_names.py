@@ -146,6 +146,34 @@ def test_optim_args_override_the_fields(tmp_path, name, optim_args, expected):
 
 
 @pytest.mark.parametrize(
+    ("name", "optim_args", "corrected"),
+    [
+        ("adamw-bc", {}, True),
+        ("adamw", {"noise_bias_correction": True}, True),
+        ("adam", {"noise_bias_correction": True}, True),
+        ("adafactor", {"noise_bias_correction": True}, True),
+        ("rmsprop", {"noise_bias_correction": True}, True),
+        ("schedule_free", {"base": "adamw-bc"}, True),
+        ("schedule_free", {"base": "ademamix", "noise_bias_correction": True}, True),
+        ("adamw", {}, False),
+        ("adafactor", {}, False),
+        ("schedule_free", {"base": "adamw"}, False),
+    ],
+)
+def test_noise_bias_correction_answers_from_the_built_optimizer(tmp_path, name, optim_args, corrected):
+    """Both spellings (the ``-bc`` name, ``optim_args["noise_bias_correction"]``) and a Schedule-Free base. The
+    oracle is the built optimizer's first update: a corrected one depends on the noise std it is told, a plain one
+    does not."""
+    args = _args(tmp_path, optim=name, optim_args=optim_args)
+    assert args.noise_bias_correction is corrected
+    built = build_optimizer(args, 10)
+    params = {"w": torch.arange(6.0).view(3, 2), "b": torch.ones(2)}
+    grads = {"w": torch.linspace(-1, 1, 6).view(3, 2), "b": torch.tensor([0.5, -2.0])}
+    first = [built.update(Noised(grads, 1.0, std), built.init(params), params=params)[0] for std in (0.0, 0.3)]
+    assert any(not torch.equal(first[0][k], first[1][k]) for k in params) is corrected
+
+
+@pytest.mark.parametrize(
     ("given", "expected"),
     [("lion_32bit", "lion"), ("schedule_free", "schedule_free_adamw"), ("rmsprop", "rmsprop"), ("radam", "radam")],
 )

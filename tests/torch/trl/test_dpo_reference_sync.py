@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tiny_hf import tiny_model
 from transformers import TrainerCallback
 from trl_support import preference_rows, tiny_tokenizer
@@ -109,6 +110,23 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path):
     (checkpoint / FILE).unlink()  # the seal lists it: a checkpoint without it is incomplete
     with pytest.raises(CheckpointError, match="is missing"):
         _trainer(tmp_path / "c", **sync).train(resume_from_checkpoint=str(checkpoint))
+
+
+def test_load_best_model_at_end_restores_the_reference_of_the_best_checkpoint(tmp_path):
+    """alpha = 1 and a sync after every step: at every checkpoint the reference equals the policy, so every eval loss
+    is log 2 and the first checkpoint stays the best (a later one must improve on it). Restoring it must bring back
+    its reference with its policy; the reference synced with the last step's policy would score another loss."""
+    sync = {"ref_model_mixup_alpha": 1.0, "ref_model_sync_steps": 1, "max_steps": 3}
+    saves = {"save_strategy": "steps", "save_steps": 1, "eval_strategy": "steps", "eval_steps": 1}
+    trainer = _trainer(tmp_path, load_best_model_at_end=True, **sync, **saves)
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-1")
+    best, last = (load_file(str(tmp_path / f"checkpoint-{step}" / FILE)) for step in (1, 3))
+    assert any(not torch.equal(best[name], last[name]) for name in best)  # the restore has something to undo
+    policy = dict(trainer.model.named_parameters())
+    for name, value in trainer.ref_model.named_parameters():
+        assert torch.equal(value, best[name]) and torch.equal(value, policy[name])
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
 def test_a_checkpoint_written_without_sync_resumes_from_the_given_reference(tmp_path, caplog):
