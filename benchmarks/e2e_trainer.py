@@ -192,7 +192,8 @@ def profiler(device: torch.device) -> Any:
 def step_profile(prof: Any, steps: int, top: int = 15) -> dict[str, Any]:
     """Where one step's time goes, averaged over ``steps`` profiled steps: the operators the host dispatched (top-level
     ``aten::`` calls), the GPU kernels launched and their summed time, the host time of each ``opake::`` range, and
-    the operators with the most host time of their own."""
+    the operators with the most host time of their own, and the GPU kernels with the most time (names cut to 90
+    characters)."""
     events = prof.events()
     ops = [
         e
@@ -213,6 +214,12 @@ def step_profile(prof: Any, steps: int, top: int = 15) -> dict[str, Any]:
             row[0] += e.self_cpu_time_total / 1e3 / steps
             row[1] += 1 / steps
     heaviest = sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]
+    by_kernel: dict[str, list[float]] = {}
+    for e in kernels:
+        row = by_kernel.setdefault(e.name[:90], [0.0, 0.0])
+        row[0] += getattr(e, "device_time_total", 0.0) / 1e3 / steps
+        row[1] += 1 / steps
+    longest = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "steps": steps,
         "host_ops_per_step": len(ops) / steps,
@@ -220,6 +227,7 @@ def step_profile(prof: Any, steps: int, top: int = 15) -> dict[str, Any]:
         "kernel_ms_per_step": sum(getattr(e, "device_time_total", 0.0) for e in kernels) / 1e3 / steps,
         "opake_ranges_host_ms": {k: round(v, 3) for k, v in sorted(ranges.items())},
         "top_host_ops_ms": {name: {"self_ms": round(ms, 3), "calls": round(n, 1)} for name, (ms, n) in heaviest},
+        "top_kernels_ms": {name: {"ms": round(ms, 3), "calls": round(n, 1)} for name, (ms, n) in longest},
     }
 
 
