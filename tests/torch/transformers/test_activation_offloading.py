@@ -175,7 +175,10 @@ class _Pinned:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         host = self.inner(x)
-        self.seen.append((host.device.type, host.is_pinned()))
+        physical = host  # under vmap, the batched wrapper's tensor (is_pinned has no batching rule)
+        while torch._C._functorch.is_functorch_wrapped_tensor(physical):
+            physical = torch._C._functorch.get_unwrapped(physical)
+        self.seen.append((physical.device.type, physical.is_pinned()))
         return host
 
 
