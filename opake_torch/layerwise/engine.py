@@ -73,11 +73,12 @@ class LayerwiseGradients:
             ``E * in * out`` of all experts); 1 keeps whichever holds less memory. It trades memory for time only
             (the clipped sum is the same either way). By their flops, instantiating is the faster of the two
             wherever it fits: it costs the weight gradient's flops at the matmul rate, where ghost norms add two
-            float64 Gram matrices (``T (in + out) / (in out)`` of those flops again) and a float32 sum at full
-            precision. A larger value instantiates the weights near the boundary (GPT-2 small at 512 tokens: its
-            ``c_attn``, ``c_fc`` and MLP ``c_proj``, whose factors hold 83% to 89% of their gradients) at the cost
-            of memory, which the instantiated buffers take from the start of the backward; the benchmark harness's
-            diagnostic mode ``dp_instantiate`` measures 1.5.
+            float64 Gram matrices (``T (in + out) / (in out)`` of those flops again) or, by the product route, the
+            weight gradient's flops again (``norm_route``), and the book-keeping sum. A larger value instantiates
+            the weights near the boundary (GPT-2 small at 512 tokens: its ``c_attn``, ``c_fc`` and MLP ``c_proj``,
+            whose factors hold 83% to 89% of their gradients) at the cost of memory, which the instantiated buffers
+            take from the start of the backward; the benchmark harness's diagnostic mode ``dp_instantiate``
+            measures 1.5.
         grouped: every example is a group of ``k`` rows (user-level privacy: a user's rows, whose summed gradient
             is clipped): every batched tensor is ``[m, k, ...]`` (one ``k`` for all), ``batch_loss`` receives the
             batch as given and returns the ``m`` examples' losses, and the model runs on the ``R = m k`` rows

@@ -173,12 +173,17 @@ def ghost_norms(
 
 
 def _row_norms(x: torch.Tensor) -> torch.Tensor:
-    """float64 ``[m, T]`` norms of the rows of ``x`` ``[m, T, d]``."""
-    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64)
+    """float64 ``[m, T]`` upper bounds of the norms of the rows of ``x`` ``[m, T, d]``: taken in float32 (float64 for
+    float64 ``x``), with no float64 copy of ``x``, and raised by their rounding bound
+    (:func:`~opake_torch.layerwise.precision.norm_rounding`)."""
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rows = torch.linalg.vector_norm(x, dim=-1, dtype=dtype)
+    return rows.to(torch.float64) * norm_rounding(x.shape[-1], dtype)
 
 
 def _spread(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """float64 ``[m]``: ``S_i = sum_t ||g_t|| ||a_t||``, which bounds ``sum_t |g_t| |a_t|^T`` in Frobenius norm."""
+    """float64 ``[m]``: an upper bound of ``S_i = sum_t ||g_t|| ||a_t||``, which bounds ``sum_t |g_t| |a_t|^T`` in
+    Frobenius norm."""
     return (_row_norms(g) * _row_norms(a)).sum(dim=1)
 
 
@@ -206,8 +211,8 @@ def product_norms(call: Call, m: int, precision: str) -> tuple[torch.Tensor, tor
     beyond about ``1e19``) reports an infinite norm: the example is dropped, as any non-finite one.
 
     Memory: ``m_c`` examples at a time, their ``[m_c, out, in]`` gradients holding at most the larger of
-    :data:`PRODUCT_CAP_BYTES` and the bytes of the call's two factors, freed before the next ``m_c``; the float64
-    row norms of the factors of those examples (``8 T (in + out)`` bytes each) for ``S``."""
+    :data:`PRODUCT_CAP_BYTES` and the bytes of the call's two factors, freed before the next ``m_c``, and their
+    float32 row norms; ``S`` from the row norms of the factors (no float64 copy of them)."""
     factors = _factors(call)
     g, a = by_example(call.grad, m), input_factor(call, m)
     positions, width, out = g.shape[1], a.shape[-1], g.shape[-1]
@@ -231,24 +236,32 @@ def route_costs(
     positions: int, width_in: int, width_out: int, factors: torch.dtype, device: torch.device | str, precision: str
 ) -> dict[str, float]:
     """The time of each norm route for one example of a linear or Conv1D call, in flops of the device's fastest
-    matmul (:data:`_RATES`; a device other than CUDA counts as a CPU): ``"gram"``, two float64 Gram matrices and their
-    inner product, ``2 T^2 (in + out + 1)`` flops at the float64 rate; ``"product"``, the gradient's matmul,
-    ``2 T in out`` flops at the rate of its factors (bf16: tensor cores; float32: the run's ``precision``; float64),
-    plus its memory traffic, the ``[out, in]`` gradient written and read once (8 bytes a number, 16 in float64).
-    ``T = positions`` (grouped: ``k T``)."""
+    matmul (:data:`_RATES`; a device other than CUDA counts as a CPU), ``T = positions`` (grouped: ``k T``), ``s``
+    the bytes of a factor's number (bf16 2, float32 4, float64 8):
+
+    * ``"gram"``: two float64 Gram matrices and their inner product, ``2 T^2 (in + out + 1)`` flops at the float64
+      rate, and its memory traffic: the factors read, written in float64 and read again (``T (in + out) (s + 16)``
+      bytes), the Gram matrices written and read (``32 T^2``);
+    * ``"product"``: the gradient's matmul, ``2 T in out`` flops at the rate of its factors (bf16: tensor cores;
+      float32: the run's ``precision``; float64), and its memory traffic: the ``[out, in]`` gradient written and read
+      once (8 bytes a number, 16 in float64), the factors read twice (the matmul, their row norms).
+    """
     kind = torch.device(device).type
     rates, per_byte = _RATES.get(kind, _RATES["cpu"]), _FLOPS_PER_BYTE.get(kind, _FLOPS_PER_BYTE["cpu"])
     if factors == torch.float64:
-        rate, size = rates["float64"], 16
+        rate, size = rates["float64"], 8
     elif factors == torch.bfloat16:
-        rate, size = rates["bf16"], 8
+        rate, size = rates["bf16"], 2
     else:
-        rate, size = rates.get(precision, rates["ieee"]), 8
+        rate, size = rates.get(precision, rates["ieee"]), 4
+    factor_numbers, weight_numbers = positions * (width_in + width_out), width_in * width_out
     gram_flops = 2 * positions**2 * (width_in + width_out + 1)
-    product_flops = 2 * positions * width_in * width_out
+    gram_bytes = factor_numbers * (size + 16) + 32 * positions**2
+    product_flops = 2 * positions * weight_numbers
+    product_bytes = weight_numbers * (16 if factors == torch.float64 else 8) + 2 * factor_numbers * size
     return {
-        "gram": gram_flops / rates["float64"],
-        "product": product_flops / rate + size * width_in * width_out * per_byte,
+        "gram": gram_flops / rates["float64"] + gram_bytes * per_byte,
+        "product": product_flops / rate + product_bytes * per_byte,
     }
 
 

@@ -216,8 +216,16 @@ def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def bf16_floor(x: torch.Tensor) -> torch.Tensor:
     """float32 ``x >= 0`` rounded down to a bf16 value (still float32): its 16 low bits cleared, which for a
-    non-negative float rounds toward zero. ``0 <= bf16_floor(x) <= x``, within ``2^-7`` of ``x`` relatively."""
-    return (x.contiguous().view(torch.int32) & -65536).view(torch.float32)
+    non-negative float rounds toward zero. ``0 <= bf16_floor(x) <= x``, within ``2^-7`` of ``x`` relatively (above
+    float32's subnormals)."""
+    return _truncate_(x.clone())
+
+
+def _truncate_(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` (contiguous) truncated toward zero to bf16 values, in place: its 16 low bits cleared. Integer
+    arithmetic, so a compiler cannot fold it away as it may fold a round trip through bf16."""
+    x.view(torch.int32).bitwise_and_(-65536)
+    return x
 
 
 def bf16_scaled_parts(g: torch.Tensor, scale: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
@@ -225,18 +233,19 @@ def bf16_scaled_parts(g: torch.Tensor, scale: torch.Tensor, drop: torch.Tensor) 
     ``[m, T, d]`` and ``c' = bf16_floor(scale)`` (``scale`` ``[m, 1, 1]`` float32, ``>= 0``); zero where ``drop``.
 
     Exactness: ``c'`` and ``g`` hold 8 significand bits each, so ``p = c' g`` holds at most 16 and is exact in float32:
-    ``p = M 2^e`` with an integer ``|M| < 2^16``. Its bf16 rounding ``h`` (to nearest) is a multiple of ``2^e`` as
-    well, and ``p - h`` is a multiple of ``2^e`` no larger than half of ``h``'s spacing, ``2^(e + 7)``: at most 8
-    significand bits, a bf16 number, so ``h + (p - h) = p`` exactly. The limit is bf16's smallest subnormal: the low
-    part is exact while ``2^e >= 2^-133``, which holds for ``|p| >= 2^-118``; below, it loses the bits under
-    ``2^-133``. The float32 temporary ``p`` is overwritten by the remainder, so ``p`` and the parts (8 bytes a number)
-    are alive at once."""
+    a multiple of ``2^(L - 15)`` for ``|p|`` in ``[2^L, 2^(L+1))``. Its truncation ``h`` to bf16 is a multiple of
+    ``2^(L - 7)`` with ``|p - h| < 2^(L - 7)``, so ``p - h`` is ``k 2^(L - 15)`` with ``|k| < 2^8``: at most 8
+    significand bits, a bf16 number, and ``h + (p - h) = p`` exactly. The limit is bf16's smallest subnormal: the low
+    part is exact while ``2^(L - 15) >= 2^-133``, which holds for ``|p| >= 2^-118``; below, it loses the bits under
+    ``2^-133``. Every value is formed exactly in float32 and converted exactly (no rounding to bf16 happens), so a
+    compiler that skips intermediate roundings forms the same parts. Temporaries: the float32 ``p`` (overwritten by
+    ``h``, then by ``p - h``) and the parts, 8 bytes a number."""
     d = g.shape[-1]
-    rest = (g * bf16_floor(scale)).masked_fill_(drop, 0.0)  # bf16 times float32: float32, exact
+    factor = bf16_floor(scale)
+    rest = _truncate_((g * factor).masked_fill_(drop, 0.0))  # h: bf16 times float32 is float32, exact, truncated
     parts = torch.empty(*rest.shape[:-1], 2 * d, dtype=torch.bfloat16, device=rest.device)
-    high, low = parts[..., :d], parts[..., d:]
-    high.copy_(rest)
-    low.copy_(rest.sub_(high))  # exact: p - h is a float32 number and a bf16 one
+    parts[..., :d].copy_(rest)
+    parts[..., d:].copy_(rest.neg_().addcmul_(g, factor).masked_fill_(drop, 0.0))  # p - h, exact
     return parts
 
 

@@ -370,16 +370,21 @@ LLAMA_1B = {  # (in, out) of the 1.1B Llama's ghost layers: hidden 2048, 4 KV he
 
 def _predicted(positions, width_in, width_out, factors, device, matmul) -> str:
     """The cost model as documented: flops at the device's rate for the dtype (CUDA: bf16 1, IEEE float32 and
-    float64 1/15, TF32 1/2; CPU: float32 1, float64 1/2), the product route's ``[out, in]`` gradient written and read
-    once (8 bytes a number) at 300 (CUDA) or 10 (CPU) flops a byte."""
+    float64 1/15, TF32 1/2; CPU: float32 1, float64 1/2) and memory traffic at 300 (CUDA) or 10 (CPU) flops a byte:
+    the Gram route reads its factors, copies them to float64 and reads them again, and writes and reads two float64
+    ``T x T`` matrices; the product route writes and reads the ``[out, in]`` float32 gradient once and reads its
+    factors twice."""
     cuda = device == "cuda"
-    fp64 = 1 / 15 if cuda else 1 / 2
+    fp64, per_byte = (1 / 15, 300) if cuda else (1 / 2, 10)
     if factors == torch.bfloat16:
-        rate = 1.0
+        rate, size = 1.0, 2
     else:
-        rate = {"ieee": 1 / 15, "tf32": 1 / 2, "bf16": 1.0}[matmul] if cuda else 1.0
-    gram = 2 * positions * positions * (width_in + width_out + 1) / fp64
-    product = 2 * positions * width_in * width_out / rate + 8 * width_in * width_out * (300 if cuda else 10)
+        rate, size = ({"ieee": 1 / 15, "tf32": 1 / 2, "bf16": 1.0}[matmul] if cuda else 1.0), 4
+    factor_numbers = positions * (width_in + width_out)
+    gram = 2 * positions**2 * (width_in + width_out + 1) / fp64
+    gram += (factor_numbers * (size + 8 + 8) + 2 * 2 * 8 * positions**2) * per_byte
+    product = 2 * positions * width_in * width_out / rate
+    product += (2 * 4 * width_in * width_out + 2 * factor_numbers * size) * per_byte
     return "product" if product < gram else "gram"
 
 
@@ -572,3 +577,18 @@ def test_product_norm_error_is_the_stated_bound():
         (1 + tf32) * (1 + gamma) - 1, rel=1e-12
     )
     assert precision.summation_error(2**23) == math.inf
+
+
+def test_the_parts_stay_exact_when_compiled():
+    """Inductor keeps a value that a kernel stores in bf16 and reads back in float32 (a split by rounding through
+    bf16 then loses its low part, and the sum its exactness); the parts are formed by integer masking and exact
+    float32 arithmetic instead, so the compiled split is the eager one, bit for bit, and exact."""
+    gen = torch.Generator().manual_seed(4)
+    g = torch.randn(16, 8, 32, generator=gen).to(torch.bfloat16)
+    scale, drop = torch.rand(16, 1, 1, generator=gen), torch.zeros(16, 1, 1, dtype=torch.bool)
+    eager = precision.bf16_scaled_parts(g, scale, drop)
+    compiled = torch.compile(precision.bf16_scaled_parts, fullgraph=True)(g, scale, drop)
+    assert torch.equal(compiled, eager)
+    exact = g.double() * _floor_bf16(scale)
+    assert torch.equal(compiled[..., :32].double() + compiled[..., 32:].double(), exact)
+    assert compiled[..., 32:].any()  # the low parts carry bits
