@@ -220,15 +220,15 @@ def _cancelling(positions: int = POSITIONS) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _edge(positions: int = POSITIONS, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pairs of positions whose inputs are neighbouring bf16 numbers and whose output gradients are opposite: each
-    pair adds ``v (x - x')^T``, a bf16 spacing's worth of a large term, so that the large terms cancel and the sum
-    is made of the rounding-sized remainders; plus random bf16 noise of every sign and scale."""
+    """Pairs of positions whose inputs are about one bf16 spacing apart and whose output gradients are opposite:
+    each pair adds ``v (x - x')^T``, a spacing's worth of a large term, so that the large terms cancel and the sum is
+    made of the rounding-sized remainders; plus small bf16 noise of either sign on the inputs."""
     gen = torch.Generator().manual_seed(seed)
     half = positions // 2
     x = (1 + torch.randint(0, 128, (half, WIDTH), generator=gen) / 128.0) * torch.exp2(
         torch.randint(-4, 4, (half, WIDTH), generator=gen).float()
     )
-    neighbour = x * (1 + 2.0**-7)  # the next bf16 number up (x holds 8 significand bits)
+    neighbour = x * (1 + 2.0**-7)  # about one bf16 spacing up, rounded to bf16 below
     v = torch.randint(1, 256, (half, WIDTH), generator=gen).float() * 2.0**-4
     noise = (torch.randn(positions, WIDTH, generator=gen) * 2.0**-10).to(torch.bfloat16).float()
     xs = torch.cat([x, neighbour]) + noise
