@@ -9,18 +9,20 @@ and forms no parameter gradient). From them, per layer:
 * **instantiate**: ``G_i`` itself (``[m, out, in]``), cheap when ``out * in`` is small (LoRA adapters, biases,
   norm weights), written into one buffer per (dtype, size) group so that norms and scaled sums take one launch per
   group;
-* **ghost norm** (Li et al. 2022, arXiv 2110.05679, section 4.2): ``||G_i||^2 = sum_{t,s} (a_it . a_is)(g_it . g_is)``,
-  taken in float64 from two ``T x T`` Gram matrices when ``T (in + out) < in * out`` (weighted by the engine's
-  ``ghost_advantage``); the clipped sum is then ``sum_i c_i G_i = g^T (c * a)``, one matmul, the same as a
-  non-private weight gradient ("book-keeping", Bu et al. 2023, arXiv 2210.00038); the scaled input ``c * a`` is
-  formed once for the layers that read the same input (q, k and v).
+* **ghost norm**, where ``T (in + out) < in * out`` (weighted by the engine's ``ghost_advantage``): the norm by the
+  cheaper of two routes (the engine's ``norm_route``, :func:`~opake_torch.layerwise.ghost.norm_route`), float64
+  ``T x T`` Gram matrices (Li et al. 2022, arXiv 2110.05679, section 4.2:
+  ``||G_i||^2 = sum_{t,s} (a_it . a_is)(g_it . g_is)``) or the example's gradient formed at the matmul rate for its
+  norm only, with a proven rounding margin (:func:`~opake_torch.layerwise.ghost.product_norms`); the clipped sum is
+  then ``sum_i c_i G_i = g^T (c * a)``, one matmul, the same as a non-private weight gradient ("book-keeping", Bu et
+  al. 2023, arXiv 2210.00038); the scaled input ``c * a`` is formed once for the layers that read the same input (q,
+  k and v).
 
 A linear layer that ran in bfloat16 (bf16 weights or bf16 autocast: its output gradient is bf16) has the weight
 gradient ``g^T bf16(a)``, a product of bf16 factors, so its norms are taken from the bf16-rounded input and its
-clipped sum runs on bf16 tensor cores with float32 accumulation: the scaled factor ``fl32(c_i g_it)`` of the float32
-sum is split exactly into three bf16 parts (8 + 8 + 8 significand bits), so the contribution of every example is the
-float32 one: three bf16 tensor-core products in place of one float32 matmul without tensor cores (see
-:func:`~opake_torch.layerwise.precision.bf16_parts`).
+clipped sum runs on bf16 tensor cores with float32 accumulation: the clip factor rounded down to a bf16 number
+``c'_i <= c_i`` makes ``c'_i g_it`` exactly two bf16 parts, so every example contributes ``c'_i G_i``, within the
+bound, by two bf16 tensor-core products (see :func:`~opake_torch.layerwise.precision.add_bf16_product`).
 
 :class:`LayerwiseGradients` is the ``gradients`` part of an :class:`opake_core.clipping.Engine`. Clipping itself
 stays in :mod:`opake_core.clipping.rules`, which takes the squared norms, forms the scales with the same rule and

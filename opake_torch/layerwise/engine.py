@@ -20,7 +20,7 @@ from torch import nn
 
 from opake_core.errors import ConfigurationError, InputTypeError
 from opake_torch.layerwise.calls import Call
-from opake_torch.layerwise.ghost import ghost_names
+from opake_torch.layerwise.ghost import NORM_ROUTES, ghost_names
 from opake_torch.layerwise.gradients import Gradients
 from opake_torch.layerwise.hooks import ChunkPass
 from opake_torch.layerwise.kinds import mixes, owners, unsupported_parameters
@@ -73,11 +73,12 @@ class LayerwiseGradients:
             ``E * in * out`` of all experts); 1 keeps whichever holds less memory. It trades memory for time only
             (the clipped sum is the same either way). By their flops, instantiating is the faster of the two
             wherever it fits: it costs the weight gradient's flops at the matmul rate, where ghost norms add two
-            float64 Gram matrices (``T (in + out) / (in out)`` of those flops again) and a float32 sum at full
-            precision. A larger value instantiates the weights near the boundary (GPT-2 small at 512 tokens: its
-            ``c_attn``, ``c_fc`` and MLP ``c_proj``, whose factors hold 83% to 89% of their gradients) at the cost
-            of memory, which the instantiated buffers take from the start of the backward; the benchmark harness's
-            diagnostic mode ``dp_instantiate`` measures 1.5.
+            float64 Gram matrices (``T (in + out) / (in out)`` of those flops again) or, by the product route, the
+            weight gradient's flops again (``norm_route``), and the book-keeping sum. A larger value instantiates
+            the weights near the boundary (GPT-2 small at 512 tokens: its ``c_attn``, ``c_fc`` and MLP ``c_proj``,
+            whose factors hold 83% to 89% of their gradients) at the cost of memory, which the instantiated buffers
+            take from the start of the backward; the benchmark harness's diagnostic mode ``dp_instantiate``
+            measures 1.5.
         grouped: every example is a group of ``k`` rows (user-level privacy: a user's rows, whose summed gradient
             is clipped): every batched tensor is ``[m, k, ...]`` (one ``k`` for all), ``batch_loss`` receives the
             batch as given and returns the ``m`` examples' losses, and the model runs on the ``R = m k`` rows
@@ -87,6 +88,13 @@ class LayerwiseGradients:
             gradients summed over the rows), never a per-row gradient. ``loss_fn`` (of ``clipped_grad`` and
             :meth:`check`) takes one example's ``[k, ...]`` tensors. A slot an example does not fill must hold one
             of its own rows with loss weight 0, so that no row mixes examples.
+        norm_route: how the ghost linear and Conv1D calls take their per-example norms: ``"auto"`` (the default)
+            chooses per call, by a cost model of flops at the device's rate for each dtype and memory traffic
+            (:func:`~opake_torch.layerwise.ghost.norm_route`), between ``"gram"`` (float64 Gram matrices, ``2 T^2
+            (in + out)`` flops per example) and ``"product"`` (the example's gradient formed at the matmul rate for
+            its norm and freed, ``2 T in out`` flops, its norm plus a proven rounding margin:
+            :func:`~opake_torch.layerwise.ghost.product_norms`); ``"gram"`` or ``"product"`` forces one route
+            (diagnostics, tests). Both bound the same norms; the clipped sum is formed the same way.
 
     With ``grouped``, the norms are ``[L, m]`` and the clipped sum is over the ``m`` examples, as for single rows;
     the coupling check of the first chunk replaces whole examples.
@@ -99,6 +107,7 @@ class LayerwiseGradients:
         *,
         ghost_advantage: float = 1.0,
         grouped: bool = False,
+        norm_route: str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InputTypeError(f"model must be an nn.Module, got {type(model).__name__}.")
@@ -107,8 +116,13 @@ class LayerwiseGradients:
                 f"ghost_advantage must be a positive number, got {ghost_advantage!r}; 1 keeps whichever of ghost norms "
                 "and instantiated gradients holds less memory."
             )
+        if norm_route not in NORM_ROUTES:
+            raise ConfigurationError(
+                f"norm_route must be one of {NORM_ROUTES}, got {norm_route!r}; 'auto' chooses per layer by cost."
+            )
         self.model = model
         self.batch_loss = batch_loss
+        self.norm_route = norm_route
         self.ghost_advantage = float(ghost_advantage)
         self.grouped = bool(grouped)
         self._layout: tuple[tuple[str, ...], dict[nn.Module, tuple[str, dict[str, str]]]] | None = None
@@ -276,8 +290,8 @@ class LayerwiseGradients:
 
     def _empty_gradients(self, params: dict[str, torch.Tensor], leaves: list[Any]) -> tuple[Gradients, int]:
         """The chunk's gradients before the pass (the trainable names in the clipped sums' leaf order, their shapes
-        and accumulation dtypes, the batch size and the error of the run's float32 products) and the rows the model
-        runs on (grouped: ``m k``)."""
+        and accumulation dtypes, the batch size, the error of the run's float32 products and the norm route) and the
+        rows the model runs on (grouped: ``m k``)."""
         names = [path[0] for path in optree.tree_paths(params)]
         first = next(iter(params.values()))
         shapes = {k: v.shape for k, v in params.items()}
@@ -297,9 +311,8 @@ class LayerwiseGradients:
                     "example's own rows with loss weight 0), or use grouped=False for one row per example."
                 )
             rows = m * slots.pop()
-        gradients = Gradients(
-            names, shapes, dtypes, m, first.device, product_error=product_error(matmul_precision(first.device))
-        )
+        error = product_error(matmul_precision(first.device))
+        gradients = Gradients(names, shapes, dtypes, m, first.device, product_error=error, norm_route=self.norm_route)
         return gradients, rows
 
     def _backward(

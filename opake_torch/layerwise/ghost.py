@@ -1,11 +1,21 @@
-"""Ghost norms and book-keeping sums: per-example norms of a layer's weight gradients from Gram matrices of its
-inputs and output gradients, and its clipped sum as one matmul, without forming a per-example gradient.
+"""Ghost norms and book-keeping sums: per-example norms of a layer's weight gradients from its inputs and output
+gradients, and its clipped sum as one matmul, without keeping a per-example gradient.
 
-Ghost norm (Li et al. 2022, arXiv 2110.05679, section 4.2): ``||G_i||^2 = sum_{t,s} (a_it . a_is)(g_it . g_is)``,
-taken in float64 from two ``T x T`` Gram matrices; the clipped sum is then ``sum_i c_i G_i = g^T (c * a)``, one matmul,
-the same as a non-private weight gradient ("book-keeping", Bu et al. 2023, arXiv 2210.00038); the scaled input
-``c * a`` is formed once for the layers that read the same input (q, k and v). A weight takes this path where its
-factors hold less memory than its instantiated gradients (:func:`prefers_ghost`).
+A linear or Conv1D call takes its norms by one of two routes (:data:`NORM_ROUTES`), chosen per call by their cost
+(:func:`norm_route`):
+
+* ``"gram"``, the ghost norm (Li et al. 2022, arXiv 2110.05679, section 4.2):
+  ``||G_i||^2 = sum_{t,s} (a_it . a_is)(g_it . g_is)`` in float64 from two ``T x T`` Gram matrices, ``2 T^2 (in +
+  out)`` float64 flops per example;
+* ``"product"``: the example's gradient ``G~_i = sum_t g_t a_t^T`` formed at the matmul rate for its norm only
+  (``2 T in out`` flops: bf16 factors on tensor cores with float32 accumulation), a few examples at a time and freed
+  at once, its norm plus the rounding margin ``gamma S_i`` (:func:`~opake_torch.layerwise.precision.product_norm_error`,
+  ``S_i = sum_t ||g_t|| ||a_t||``), so the reported norm bounds ``||G_i||`` from above (:func:`product_norms`).
+
+The clipped sum is then ``sum_i c_i G_i = g^T (c * a)``, one matmul, the same as a non-private weight gradient
+("book-keeping", Bu et al. 2023, arXiv 2210.00038), whichever route gave the norms; the scaled input ``c * a`` is
+formed once for the layers that read the same input (q, k and v). A weight takes this path where its factors hold
+less memory than its instantiated gradients (:func:`prefers_ghost`).
 """
 
 from __future__ import annotations
@@ -18,13 +28,24 @@ import torch
 
 from opake_torch.layerwise.calls import Call, by_example, cast, live_ids
 from opake_torch.layerwise.kinds import NORMS
-from opake_torch.layerwise.precision import add_bf16_product, bf16_factors, float32_matmuls, input_factor
+from opake_torch.layerwise.precision import (
+    add_bf16_product,
+    bf16_factors,
+    bmm_accumulated,
+    float32_matmuls,
+    input_factor,
+    matmul_precision,
+    norm_rounding,
+    product_norm_error,
+)
 from opake_torch.layerwise.uses import DEPTHWISE
 
 if TYPE_CHECKING:
     from opake_torch.layerwise.gradients import Gradients
 
 __all__ = [
+    "NORM_ROUTES",
+    "PRODUCT_CAP_BYTES",
     "InputGrams",
     "ScaledInputs",
     "add_ghost",
@@ -32,8 +53,29 @@ __all__ = [
     "ghost_names",
     "ghost_norms",
     "gram",
+    "norm_route",
     "prefers_ghost",
+    "product_norms",
+    "route_costs",
 ]
+
+NORM_ROUTES = ("auto", "gram", "product")
+"""How a ghost linear or Conv1D call takes its per-example norms: ``"auto"`` (:func:`norm_route`), or one route
+forced."""
+
+PRODUCT_CAP_BYTES = 64 * 2**20
+"""The product route forms ``[m_c, out, in]`` accumulated gradients at a time, ``m_c`` examples chosen so that they hold
+at most the larger of this and what the call's two factors hold (:func:`product_norms`)."""
+
+# Matmul rates relative to the device's fastest (CUDA: bf16 tensor cores; CPU: float32), per dtype of the
+# accumulated factors and float32 matmul precision; CUDA fp64 and IEEE fp32 ~1/15 of bf16 (H100: 67 against 990
+# TFLOP/s dense), TF32 ~1/2; CPU fp64 ~1/2 of fp32. Bytes: the flops one byte of memory traffic costs (H100: 990
+# TFLOP/s against 3.35 TB/s; a CPU: about 10).
+_RATES = {
+    "cuda": {"bf16": 1.0, "ieee": 1 / 15, "tf32": 1 / 2, "float64": 1 / 15},
+    "cpu": {"bf16": 1.0, "ieee": 1.0, "tf32": 1.0, "float64": 1 / 2},
+}
+_FLOPS_PER_BYTE = {"cuda": 300.0, "cpu": 10.0}
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:
@@ -99,12 +141,17 @@ def add_ghost(call: Call, scale: torch.Tensor, drop: torch.Tensor, total: torch.
     total.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1]))
 
 
-def ghost_norms(call: Call, m: int, input_gram: Callable[[Call], torch.Tensor], *, error: float = 0.0) -> torch.Tensor:
-    """float64 ``[m]`` squared norms of the call's per-example weight gradients, from Gram matrices (the input's
-    from ``input_gram``, which shares one among the calls that read the same tensor). ``error``: the relative error
-    of the products of the layer's float32 scaled sum (:func:`~opake_torch.layerwise.precision.product_error`): a
-    linear or Conv1D layer with float32 factors then reports ``(||G_i|| + error S_i)^2``,
-    ``S_i = sum_t ||g_t|| ||a_t||``, the bound of the norm of the gradient its sum forms."""
+def ghost_norms(
+    call: Call, m: int, input_gram: Callable[[Call], torch.Tensor], *, error: float = 0.0, route: str = "gram"
+) -> torch.Tensor:
+    """float64 ``[m]`` squared norms of the call's per-example weight gradients (an upper bound of them by the product
+    route); ``route`` (:data:`NORM_ROUTES`) says how a linear or Conv1D call takes them: from Gram matrices (the
+    input's from ``input_gram``, which shares one among the calls that read the same tensor), from the per-example
+    products (:func:`product_norms`), or the cheaper (``"auto"``: :func:`norm_route`). Embeddings and experts keep
+    their own paths. ``error``: the relative error of the products of the layer's float32 scaled sum
+    (:func:`~opake_torch.layerwise.precision.product_error`): a linear or Conv1D layer with float32 factors then
+    reports ``(||G_i|| + error S_i)^2``, ``S_i = sum_t ||g_t|| ||a_t||``, the bound of the norm of the gradient its
+    sum forms."""
     g = by_example(call.grad, m)
     if call.kind == "embedding":
         ids, live = live_ids(call, m)
@@ -112,12 +159,122 @@ def ghost_norms(call: Call, m: int, input_gram: Callable[[Call], torch.Tensor], 
         return frobenius(same.to(torch.float64), gram(g))
     if call.kind == "experts":
         return _expert_norms(call, m)
+    summed_margin = bool(error) and not bf16_factors(call) and g.dtype == torch.float32  # bf16 factors: exact sum
+    if route == "auto":
+        width = call.inputs.shape[-1]
+        route = norm_route(g.shape[1], width, g.shape[-1], _factors(call), g.device, matmul_precision(g.device))
+    if route == "product":
+        norms, spread = product_norms(call, m, matmul_precision(g.device))
+        return (norms + error * spread).square() if summed_margin else norms.square()
     squares = frobenius(input_gram(call), gram(g))
-    if not error or bf16_factors(call) or g.dtype != torch.float32:  # bf16 factors: exact products (three parts)
+    if not summed_margin:
         return squares
-    row_norms = lambda x: torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64)  # noqa: E731
-    spread = (row_norms(g) * row_norms(by_example(call.inputs, m))).sum(dim=1)
-    return (squares.sqrt() + error * spread).square()
+    return (squares.sqrt() + error * _spread(g, by_example(call.inputs, m))).square()
+
+
+def _row_norms(x: torch.Tensor) -> torch.Tensor:
+    """float64 ``[m, T]`` upper bounds of the norms of the rows of ``x`` ``[m, T, d]``: taken in float32 (float64 for
+    float64 ``x``), with no float64 copy of ``x``, and raised by their rounding bound
+    (:func:`~opake_torch.layerwise.precision.norm_rounding`)."""
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rows = torch.linalg.vector_norm(x, dim=-1, dtype=dtype)
+    return rows.to(torch.float64) * norm_rounding(x.shape[-1], dtype)
+
+
+def _spread(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """float64 ``[m]``: an upper bound of ``S_i = sum_t ||g_t|| ||a_t||``, which bounds ``sum_t |g_t| |a_t|^T`` in
+    Frobenius norm."""
+    return (_row_norms(g) * _row_norms(a)).sum(dim=1)
+
+
+def _factors(call: Call) -> torch.dtype:
+    """The dtype the product route multiplies a linear or Conv1D call's factors in: bf16 for a layer that ran in
+    bfloat16, float64 for float64 ones, else float32 (a float16 layer's factors are float32 numbers)."""
+    if bf16_factors(call):
+        return torch.bfloat16
+    return torch.float64 if torch.float64 in (call.grad.dtype, call.inputs.dtype) else torch.float32
+
+
+def product_norms(call: Call, m: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N, S)``, float64 ``[m]`` each: ``N_i >= ||G_i||`` from the example's gradient formed by a matmul, and
+    ``S_i = sum_t ||g_t|| ||a_t||``, for a linear or Conv1D call (``precision``: the run's float32 matmul setting,
+    :func:`~opake_torch.layerwise.precision.matmul_precision`).
+
+    ``G~_i = g_i^T a_i`` (``[out, in]``, the input as the weight gradient reads it,
+    :func:`~opake_torch.layerwise.precision.input_factor`) is accumulated in float32 (float64 for float64 factors):
+    bf16 factors on tensor cores, float32 ones at ``precision``. Its rounding is bounded entry by entry, so
+    ``||G_i|| <= ||G~_i|| + gamma S_i`` (:func:`~opake_torch.layerwise.precision.product_norm_error`, ``gamma``
+    about ``T 2^-23``: a relative margin about ``gamma sqrt(T)``, 1e-3 at ``T = 512``, where cancelling positions can
+    make ``||G~_i||`` smaller than ``||G_i||``). ``||G~_i||`` is the float64 norm of its rows' norms, each taken in
+    the accumulation dtype with no float64 copy of the gradient and raised by its rounding bound
+    (:func:`~opake_torch.layerwise.precision.norm_rounding`). A gradient whose float32 squares overflow (entries
+    beyond about ``1e19``) reports an infinite norm: the example is dropped, as any non-finite one.
+
+    Memory: ``m_c`` examples at a time, their ``[m_c, out, in]`` gradients holding at most the larger of
+    :data:`PRODUCT_CAP_BYTES` and the bytes of the call's two factors, freed before the next ``m_c``, and their
+    float32 row norms; ``S`` from the row norms of the factors (no float64 copy of them)."""
+    factors = _factors(call)
+    g, a = by_example(call.grad, m), input_factor(call, m)
+    positions, width, out = g.shape[1], a.shape[-1], g.shape[-1]
+    accumulated = torch.float64 if factors == torch.float64 else torch.float32
+    gamma = product_norm_error(positions, factors=factors, precision=precision)
+    rounding = norm_rounding(width, accumulated)
+    factor_bytes = g.numel() * g.element_size() + a.numel() * a.element_size()
+    per_example = out * width * accumulated.itemsize
+    step = max(1, max(PRODUCT_CAP_BYTES, factor_bytes) // per_example)
+    norms, spreads = [], []
+    for start in range(0, m, step):
+        gc, ac = cast(g[start : start + step], factors), cast(a[start : start + step], factors)
+        rows = torch.linalg.vector_norm(bmm_accumulated(gc.transpose(1, 2), ac), dim=-1)  # [m_c, out]; gradient freed
+        spread = _spread(gc, ac)
+        norms.append(torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64) * rounding + gamma * spread)
+        spreads.append(spread)
+    return torch.cat(norms), torch.cat(spreads)
+
+
+def route_costs(
+    positions: int, width_in: int, width_out: int, factors: torch.dtype, device: torch.device | str, precision: str
+) -> dict[str, float]:
+    """The time of each norm route for one example of a linear or Conv1D call, in flops of the device's fastest
+    matmul (:data:`_RATES`; a device other than CUDA counts as a CPU), ``T = positions`` (grouped: ``k T``), ``s``
+    the bytes of a factor's number (bf16 2, float32 4, float64 8):
+
+    * ``"gram"``: two float64 Gram matrices and their inner product, ``2 T^2 (in + out + 1)`` flops at the float64
+      rate, and its memory traffic: the factors read, written in float64 and read again (``T (in + out) (s + 16)``
+      bytes), the Gram matrices written and read (``32 T^2``);
+    * ``"product"``: the gradient's matmul, ``2 T in out`` flops at the rate of its factors (bf16: tensor cores;
+      float32: the run's ``precision``; float64), and its memory traffic: the ``[out, in]`` gradient written and read
+      once (8 bytes a number, 16 in float64), the factors read twice (the matmul, their row norms).
+    """
+    kind = torch.device(device).type
+    rates, per_byte = _RATES.get(kind, _RATES["cpu"]), _FLOPS_PER_BYTE.get(kind, _FLOPS_PER_BYTE["cpu"])
+    if factors == torch.float64:
+        rate, size = rates["float64"], 8
+    elif factors == torch.bfloat16:
+        rate, size = rates["bf16"], 2
+    else:
+        rate, size = rates.get(precision, rates["ieee"]), 4
+    factor_numbers, weight_numbers = positions * (width_in + width_out), width_in * width_out
+    gram_flops = 2 * positions**2 * (width_in + width_out + 1)
+    gram_bytes = factor_numbers * (size + 16) + 32 * positions**2
+    product_flops = 2 * positions * weight_numbers
+    product_bytes = weight_numbers * (16 if factors == torch.float64 else 8) + 2 * factor_numbers * size
+    return {
+        "gram": gram_flops / rates["float64"] + gram_bytes * per_byte,
+        "product": product_flops / rate + product_bytes * per_byte,
+    }
+
+
+def norm_route(
+    positions: int, width_in: int, width_out: int, factors: torch.dtype, device: torch.device | str, precision: str
+) -> str:
+    """``"gram"`` or ``"product"``, whichever :func:`route_costs` finds cheaper (a tie keeps ``"gram"``): a pure
+    function of the shapes, the factors' dtype, the device and the float32 matmul precision. On CUDA with bf16
+    factors the product route wins once ``T`` is a few hundred against widths of a few thousand (the 1.1B Llama at
+    ``T = 512``: every projection and the head), the Gram route where ``T`` is small against the widths; grouped
+    examples (``k T`` positions) favour the product route."""
+    costs = route_costs(positions, width_in, width_out, factors, device, precision)
+    return "product" if costs["product"] < costs["gram"] else "gram"
 
 
 class InputGrams:

@@ -48,6 +48,7 @@ class Gradients:
     groups: list[_Group] = field(default_factory=list)
     group_of: dict[str, _Group] = field(default_factory=dict)
     product_error: float = 0.0  # of the float32 ghost sums, at the run's matmul precision (precision.product_error)
+    norm_route: str = "gram"  # how ghost linear and Conv1D calls take their norms (ghost.NORM_ROUTES)
 
     def group(self, names: Sequence[str]) -> None:
         """The (dtype, size) groups of the instantiated gradients of ``names``."""

@@ -196,7 +196,7 @@ class ChunkPass:
         for attr, name in call.names.items():
             if name in out.ghost:
                 error = out.product_error if out.dtypes[name] == torch.float32 else 0.0
-                out.ghost[name] = (call, ghost_norms(call, out.m, self.grams, error=error))
+                out.ghost[name] = (call, ghost_norms(call, out.m, self.grams, error=error, route=out.norm_route))
             else:
                 add_dense(call, attr, out.block(name), first=name not in self.written)
                 self.written.add(name)

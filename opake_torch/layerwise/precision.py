@@ -1,6 +1,6 @@
 """The precision of the engine's products: the run's float32 matmul setting and the margin the norms carry for it,
-and the layers that ran in bfloat16, whose factors are rounded as their forward rounded them and whose clipped sums
-split the scaled factor into exact bf16 parts.
+the rounding bounds of the product norm route, and the layers that ran in bfloat16, whose factors are rounded as
+their forward rounded them and whose clipped sums split the scaled factor into two exact bf16 parts.
 
 Reduced-precision float32 matmuls (TF32, bf16) round the factors of a ghost layer's scaled sum; :func:`product_error`
 bounds that rounding, and the ghost norms of those layers carry it as a margin
@@ -9,12 +9,14 @@ bound. A linear layer that ran in bfloat16 (bf16 weights or bf16 autocast: its o
 weight gradient ``g^T bf16(a)``, a product of bf16 factors: its norms are taken from the bf16-rounded input
 (:func:`input_factor`) and its clipped sum runs on bf16 tensor cores with float32 accumulation
 (:func:`add_bf16_product`). The engine keeps such a layer's input rounded from the start (:class:`Bf16Inputs`): half
-the bytes of a float32 input, and the same factor.
+the bytes of a float32 input, and the same factor. The product norm route forms each example's gradient by a matmul
+and bounds its rounding (:func:`product_norm_error`, :func:`summation_error`, :func:`norm_rounding`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -28,11 +30,16 @@ __all__ = [
     "Bf16Inputs",
     "add_bf16_product",
     "bf16_factors",
-    "bf16_parts",
+    "bf16_floor",
+    "bf16_scaled_parts",
+    "bmm_accumulated",
     "float32_matmuls",
     "input_factor",
     "matmul_precision",
+    "norm_rounding",
     "product_error",
+    "product_norm_error",
+    "summation_error",
 ]
 
 
@@ -140,26 +147,57 @@ class Bf16Inputs:
         self._source = self._rounded = None
 
 
-def bf16_parts(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (float32 ``[..., d]``) as three bfloat16 parts concatenated on the last dimension (``[..., 3d]``) whose
-    sum in exact arithmetic is ``x``: each part rounds what the previous ones left to 8 significand bits, and the
-    remainders shrink by ``2^-8`` at least, so three parts hold a 24-bit float32 significand. Exact for ``|x| >=
-    2^-110``; below, the last part loses the bits under ``2^-133`` (bf16's smallest subnormal). Products with a bf16
-    factor accumulate in float32 as ``x``'s would."""
-    return _split(x.clone())
+def summation_error(n: int, dtype: torch.dtype = torch.float32) -> float:
+    """``gamma_n = n u / (1 - n u)``: a bound on the relative error of a sum of ``n`` products accumulated in ``dtype``
+    in any order (Higham, "Accuracy and Stability of Numerical Algorithms", 2002, lemma 3.1 and section 3.1):
+    ``|fl(sum_k x_k) - sum_k x_k| <= gamma_n sum_k |x_k|``. ``u`` is ``dtype``'s machine epsilon (``2^-23`` for
+    float32), twice the unit roundoff, so that accumulators that truncate (tensor cores, Fasi et al. 2021, "Numerical
+    behavior of NVIDIA tensor cores") are covered too. Infinite where ``n u >= 1``."""
+    nu = n * torch.finfo(dtype).eps
+    return nu / (1 - nu) if nu < 1 else math.inf
 
 
-def _split(rest: torch.Tensor) -> torch.Tensor:
-    """:func:`bf16_parts` of ``rest``, which it overwrites with the remainders: the parts are written in place,
-    so that no more than ``rest`` and the parts (10 bytes a number) are alive at once."""
-    d = rest.shape[-1]
-    parts = torch.empty(*rest.shape[:-1], 3 * d, dtype=torch.bfloat16, device=rest.device)
-    for k in range(3):
-        part = parts[..., k * d : (k + 1) * d]
-        part.copy_(rest)
-        if k < 2:
-            rest.sub_(part)  # exact: the bf16 part is a float32 number
-    return parts
+def product_norm_error(positions: int, *, factors: torch.dtype, precision: str) -> float:
+    """``gamma``: the relative error, entry by entry, of one example's weight gradient ``G~_i = sum_t g_t a_t^T``
+    formed by a matmul over its ``positions`` (``n = T``; grouped: ``k T``) with factors of dtype ``factors``:
+    ``|G~_i - G_i| <= gamma sum_t |g_t| |a_t|^T``, so ``||G~_i - G_i||_F <= gamma S_i``, ``S_i = sum_t ||g_t||
+    ||a_t||``, and ``||G_i|| <= ||G~_i|| + gamma S_i``.
+
+    bf16 factors: exact products (16 significand bits) accumulated in float32, ``gamma = gamma_n`` whatever the float32
+    matmul setting (a bf16 number is a TF32 one). float32 factors: products at the run's ``precision``, each with
+    relative error ``eps`` (:func:`product_error`; IEEE: one rounding, ``2^-23``), then the float32 sum:
+    ``gamma = (1 + eps)(1 + gamma_n) - 1``. float64 factors: the same in float64."""
+    accumulation = torch.float64 if factors == torch.float64 else torch.float32
+    gamma = summation_error(positions, accumulation)
+    if factors == torch.bfloat16:
+        return gamma
+    eps = torch.finfo(accumulation).eps if factors == torch.float64 or precision == "ieee" else product_error(precision)
+    return (1 + eps) * (1 + gamma) - 1
+
+
+def norm_rounding(width: int, dtype: torch.dtype) -> float:
+    """``f >= 1`` with ``||x|| <= f r~`` for the 2-norm ``r~`` of ``width`` numbers ``x`` of ``dtype`` that
+    ``torch.linalg.vector_norm`` returns in ``dtype``: the sum of squares, formed in any order, has at most ``width``
+    roundings on any path (a square, then the additions), so it is at least ``(1 - u)^width`` of the exact one, and the
+    square root loses one more: ``f = (1 - u)^-(width / 2 + 1)`` (``u``: machine epsilon, as in
+    :func:`summation_error`)."""
+    return (1 - torch.finfo(dtype).eps) ** -(width / 2 + 1)
+
+
+def bmm_accumulated(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` batched (``[c, n, k] @ [c, k, p]``), accumulated in float32 (float64 for float64 factors): bf16
+    factors on tensor cores with a float32 result on CUDA (``out_dtype``, torch >= 2.8), as float32 matmuls elsewhere
+    (the same sums of exact products); float32 factors at the run's matmul precision."""
+    if a.dtype != torch.bfloat16:
+        return torch.bmm(a, b)
+    if a.is_cuda:
+        try:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        except torch.OutOfMemoryError:
+            raise
+        except (NotImplementedError, RuntimeError, TypeError):
+            pass
+    return torch.bmm(a.float(), b.float())
 
 
 def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -176,19 +214,58 @@ def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
+def bf16_floor(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x >= 0`` rounded down to a bf16 value (still float32): its 16 low bits cleared, which for a
+    non-negative float rounds toward zero. ``0 <= bf16_floor(x) <= x``, within ``2^-7`` of ``x`` relatively (above
+    float32's subnormals)."""
+    return _truncate_(x.clone())
+
+
+def _truncate_(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` (contiguous) truncated toward zero to bf16 values, in place: its 16 low bits cleared. Integer
+    arithmetic, so a compiler cannot fold it away as it may fold a round trip through bf16."""
+    x.view(torch.int32).bitwise_and_(-65536)
+    return x
+
+
+def bf16_scaled_parts(g: torch.Tensor, scale: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    """``[..., 2 d]``: two bf16 parts, concatenated on the last dimension, whose exact sum is ``c' g`` for bf16 ``g``
+    ``[m, T, d]`` and ``c' = bf16_floor(scale)`` (``scale`` ``[m, 1, 1]`` float32, ``>= 0``); zero where ``drop``.
+
+    Exactness: ``c'`` and ``g`` hold 8 significand bits each, so ``p = c' g`` holds at most 16 and is exact in float32:
+    a multiple of ``2^(L - 15)`` for ``|p|`` in ``[2^L, 2^(L+1))``. Its truncation ``h`` to bf16 is a multiple of
+    ``2^(L - 7)`` with ``|p - h| < 2^(L - 7)``, so ``p - h`` is ``k 2^(L - 15)`` with ``|k| < 2^8``: at most 8
+    significand bits, a bf16 number, and ``h + (p - h) = p`` exactly. The limit is bf16's smallest subnormal: the low
+    part is exact while ``2^(L - 15) >= 2^-133``, which holds for ``|p| >= 2^-118``; below, it loses the bits under
+    ``2^-133``. Every value is formed exactly in float32 and converted exactly (no rounding to bf16 happens), so a
+    compiler that skips intermediate roundings forms the same parts. Temporaries: the float32 ``p`` (overwritten by
+    ``h``, then by ``p - h``) and the parts, 8 bytes a number."""
+    d = g.shape[-1]
+    factor = bf16_floor(scale)
+    rest = _truncate_((g * factor).masked_fill_(drop, 0.0))  # h: bf16 times float32 is float32, exact, truncated
+    parts = torch.empty(*rest.shape[:-1], 2 * d, dtype=torch.bfloat16, device=rest.device)
+    parts[..., :d].copy_(rest)
+    parts[..., d:].copy_(rest.neg_().addcmul_(g, factor).masked_fill_(drop, 0.0))  # p - h, exact
+    return parts
+
+
 def add_bf16_product(call: Call, drop: torch.Tensor, scale: torch.Tensor, total: torch.Tensor) -> None:
-    """``total += sum_i scale_i G_i`` for a layer with bf16 factors (float32 ``total``): the float32 scaled factor
-    ``fl32(scale_i g_it)`` in three exact bf16 parts times the bf16 input, one matmul, then the parts' three
-    products added, smallest first. ``drop`` (``[m, 1, 1]``) masks the examples with scale 0. So the contribution of
-    every example is the float32 one: three bf16 tensor-core products in place of one float32 matmul without tensor
-    cores (:func:`bf16_parts`). Temporaries: the scaled factor (4 bytes a number of the output gradient) and its
-    parts (6), then the ``[3, out, in]`` products."""
+    """``total += sum_i c'_i G_i`` for a layer with bf16 factors (float32 ``total``), ``c'_i`` the clip factor
+    ``scale_i`` rounded down to a bf16 value (:func:`bf16_floor`): ``c'_i g_it`` in two exact bf16 parts
+    (:func:`bf16_scaled_parts`) times the bf16 input, one matmul on tensor cores with float32 accumulation, then the
+    two parts' products added. ``drop`` (``[m, 1, 1]``) masks the examples with scale 0.
+
+    Rounding the factor down, never up, keeps every contribution within the bound: ``c'_i <= c_i``, so
+    ``||c'_i G_i|| <= ||c_i G_i|| <= C``. An unclipped example (scale 1, a bf16 value) is unchanged; a clipped one
+    contributes ``c'_i G_i``, at most ``2^-7`` (relatively) under the bound ``c_i G_i`` reaches. The norms reported
+    stay those of ``G_i``. Temporaries: the scaled factor (4 bytes a number of the output gradient) and its parts (4),
+    then the ``[2, out, in]`` products."""
     m, out = scale.shape[0], call.grad.shape[-1]
     g = by_example(call.grad, m)
-    parts = _split((g * scale).masked_fill_(drop, 0.0)).reshape(-1, 3 * out)  # bf16 times float32: float32
+    parts = bf16_scaled_parts(g, scale, drop).reshape(-1, 2 * out)
     a = torch.where(drop, 0.0, input_factor(call, m)).reshape(m * g.shape[1], -1)
     if call.kind == "linear":
-        high, mid, low = _mm_float32(parts.T, a).view(3, out, -1).unbind(0)
+        high, low = _mm_float32(parts.T, a).view(2, out, -1).unbind(0)
     else:  # conv1d: weight [in, out]
-        high, mid, low = _mm_float32(a.T, parts).view(-1, 3, out).unbind(1)
-    total.add_(mid.add_(low).add_(high))
+        high, low = _mm_float32(a.T, parts).view(-1, 2, out).unbind(1)
+    total.add_(low.add_(high))

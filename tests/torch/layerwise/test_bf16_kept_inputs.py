@@ -148,10 +148,11 @@ def test_the_linear_calls_keep_half_the_bytes_under_bf16_autocast(monkeypatch, a
 
 @pytest.mark.parametrize("kind", ["linear", "conv1d"])
 def test_bf16_product_equals_its_out_of_place_form(kind):
-    """The clipped sum of a layer with bf16 factors, formed in place (the scaled factor overwritten by its remainders,
-    the parts written into one buffer), is bit for bit the out-of-place form: ``fl32(scale_i g_it)`` split into three
-    bf16 parts by rounding and subtraction, times the bf16 input, the three products added smallest first; a dropped
-    example (scale 0) adds nothing even with an infinite output gradient."""
+    """The clipped sum of a layer with bf16 factors, formed in place (the scaled factor overwritten by its truncation,
+    then by its remainder, the parts written into one buffer), is bit for bit the out-of-place form: ``c'_i g_it``
+    (``c'_i``: the scale rounded down to bf16) split into two bf16 parts by truncation toward zero and subtraction,
+    times the bf16 input, the two products added; a dropped example (scale 0) adds nothing even with an infinite
+    output gradient."""
     from torch import nn
 
     from opake_torch.layerwise.calls import Call
@@ -169,18 +170,20 @@ def test_bf16_product_equals_its_out_of_place_form(kind):
     expected = total.clone()
     precision.add_bf16_product(call, drop, scale, total)
 
-    g = torch.where(drop, 0.0, grad.float() * scale)
-    high = g.to(torch.bfloat16)
-    rest = g - high.float()
-    mid = rest.to(torch.bfloat16)
-    low = (rest - mid.float()).to(torch.bfloat16)
-    parts = torch.cat([high, mid, low], dim=-1).reshape(-1, 3 * out).float()
+    spacing = torch.exp2(torch.floor(torch.log2(scale.double())) - 7)  # of bf16 numbers in the scale's binade
+    rounded = torch.where(drop, 0.0, torch.floor(scale.double() / spacing) * spacing).float()
+    g = torch.where(drop, 0.0, grad.double() * rounded.double())  # exact: 8 times 8 significand bits
+    exponent = torch.floor(torch.log2(g.abs().clamp(min=2.0**-126)))
+    spacing = torch.exp2(exponent - 7)  # of bf16 numbers in the binade of each value
+    high = (torch.sign(g) * torch.floor(g.abs() / spacing) * spacing).to(torch.bfloat16)
+    low = (g - high.double()).to(torch.bfloat16)
+    parts = torch.cat([high, low], dim=-1).reshape(-1, 2 * out).float()
     a = torch.where(drop, 0.0, inputs).reshape(-1, width).float()
     if kind == "linear":
-        p_high, p_mid, p_low = torch.mm(parts.T, a).view(3, out, -1).unbind(0)
+        p_high, p_low = torch.mm(parts.T, a).view(2, out, -1).unbind(0)
     else:
-        p_high, p_mid, p_low = torch.mm(a.T, parts).view(-1, 3, out).unbind(1)
-    expected.add_(p_high + (p_mid + p_low))
+        p_high, p_low = torch.mm(a.T, parts).view(-1, 2, out).unbind(1)
+    expected.add_(p_low + p_high)
     assert torch.isfinite(total).all()
     assert torch.equal(total, expected)
 
