@@ -3,12 +3,15 @@
 Build a process (``poisson(gaussian(1.0), 0.01)``, ``repeat(step, 1000)``, ``compose(a, b)``), then ask
 ``epsilon(process, delta=1e-5)`` or ``delta(process, epsilon=8.0)``, for DP-SGD and DP-FTRL processes alike; each
 answer says which accountant produced it (PLD by default, RDP on request, Monte Carlo where dp-accounting has no
-event). See ``docs/accounting.md``.
+event). ``calibrate(make_process, budget=Budget.delta(1e-6, epsilon=2.0), parameter="sample_rate")`` finds the
+least private value of a parameter that meets a budget. See ``docs/accounting.md``.
 """
 
-from opake_core.accounting.budget import check_delta
+from opake_core.accounting.budget import BUDGET_KINDS, Budget, check_delta
 from opake_core.accounting.calibration import (
+    PARAMETERS,
     Calibrated,
+    calibrate,
     calibrate_noise_multiplier,
     calibrate_steps,
     stop_step,
@@ -49,10 +52,13 @@ from opake_core.accounting.serialization import from_json, library_versions, to_
 
 __all__ = [
     "ACCOUNTANTS",
+    "BUDGET_KINDS",
     "COMPATIBLE_SAMPLERS",
+    "PARAMETERS",
     "AdaptiveClipping",
     "BMinSepMF",
     "BallsInBinsMF",
+    "Budget",
     "Calibrated",
     "Compose",
     "Gaussian",
@@ -71,6 +77,7 @@ __all__ = [
     "advantage",
     "bayes_risk",
     "beta",
+    "calibrate",
     "calibrate_noise_multiplier",
     "calibrate_steps",
     "check_delta",

@@ -1,9 +1,15 @@
-"""Calibration: the noise multiplier for a target, the steps that fit a budget, the stop-at-epsilon step.
+"""Calibration: a monotone parameter (noise multiplier, sample rate, steps) for any budget, the stop-at-epsilon step.
 
-Searches keep a bracket whose safe end never exceeds the target and return that end, so a calibrated run is
-never under-noised. Probes are Illinois (safeguarded regula falsi) steps on log epsilon, which is smooth and
-monotone in the multiplier and in the step count; with PLD, a cheap RDP answer gives the starting point. A
-search costs a handful of PLD queries.
+:func:`calibrate` finds the least private value of one parameter whose process meets a :class:`Budget` (epsilon at
+delta, delta at epsilon, advantage, beta at alpha, Bayes risk at a prior): the smallest noise multiplier, the largest
+sample rate or the most steps. It assumes the budget's number moves one way with the parameter (more noise, a lower
+rate or fewer steps is never less private), which holds for every process here; the assumption is checked at every
+probe against the most private end of the range, and the search refuses when that end misses the budget.
+
+Searches keep a bracket whose safe end meets the budget and return that end, so a calibrated run is never
+under-noised. Probes are Illinois (safeguarded regula falsi) steps on the log of the budget's number (its negative
+log where higher is more private), which is smooth and monotone in ``log z``, ``log q`` and the step count; for an
+epsilon budget with PLD, a cheap RDP answer gives the starting point. A search costs a handful of PLD queries.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from opake_core import validate
+from opake_core.accounting.budget import Budget
 from opake_core.accounting.mf_monte_carlo import MonteCarloMF, default_monte_carlo
 from opake_core.accounting.processes import (
     Process,
@@ -26,14 +33,18 @@ from opake_core.accounting.processes import (
 from opake_core.accounting.queries import _quiet_absl
 from opake_core.accounting.queries import epsilon as _epsilon
 from opake_core.accounting.random_allocation import MonteCarlo
-from opake_core.errors import CalibrationError, ConfigurationError
+from opake_core.errors import CalibrationError, ConfigurationError, InputTypeError
 
-__all__ = ["Calibrated", "calibrate_noise_multiplier", "calibrate_steps", "stop_step"]
+__all__ = ["PARAMETERS", "Calibrated", "calibrate", "calibrate_noise_multiplier", "calibrate_steps", "stop_step"]
+
+PARAMETERS = ("noise_multiplier", "sample_rate", "steps")
+"""The parameters :func:`calibrate` searches: more noise, a lower sample rate and fewer steps are more private."""
 
 
 @dataclass(frozen=True)
 class Calibrated:
-    """The calibrated value, the epsilon it achieves, the accountant, and how many queries it took.
+    """The calibrated value, the budget's number it achieves (``achieved``), the accountant that answered, how many
+    queries it took, and the budget. ``epsilon`` is ``achieved`` for an epsilon budget (refused for the others).
 
     Example:
 
@@ -45,9 +56,20 @@ class Calibrated:
     """
 
     value: float | int
-    epsilon: float
+    achieved: float
     accountant: str
     evaluations: int
+    budget: Budget
+
+    @property
+    def epsilon(self) -> float:
+        """The epsilon at the budget's delta (epsilon budgets only; ``achieved`` holds the other kinds' number)."""
+        if self.budget.kind != "epsilon":
+            raise ConfigurationError(
+                f"this calibration met a {self.budget.kind} budget ({self.budget}), not an epsilon one: read "
+                f"achieved={self.achieved:.6g}, or query epsilon(process, delta=...) at the calibrated value."
+            )
+        return self.achieved
 
 
 def _target(target_epsilon: float) -> float:
@@ -103,7 +125,7 @@ def calibrate_noise_multiplier(
     **query: object,
 ) -> Calibrated:
     """The smallest multiplier in [min, max] (up to ``tolerance``) with ``epsilon(make_process(m)) <=
-    target``.
+    target``: :func:`calibrate` with ``Budget.epsilon(target_epsilon, delta=delta)``.
 
     The returned multiplier's epsilon is <= ``target_epsilon`` and >= ``target_epsilon * (1 - tolerance)``
     (unless ``min`` already meets the target, when ``min`` is returned). Raises CalibrationError when even
@@ -128,37 +150,191 @@ def calibrate_noise_multiplier(
         >>> round(found.value, 2), eps(found.value) <= 2.0 < eps(0.97 * found.value)
         (1.02, True)
     """
-    target = _target(target_epsilon)
-    lo, hi = validate.real("min", min), validate.real("max", max)
-    tol = validate.real("tolerance", tolerance)
+    budget = Budget.epsilon(_target(target_epsilon), delta=delta)
+    return calibrate(
+        make_process,
+        budget=budget,
+        parameter="noise_multiplier",
+        min=min,
+        max=max,
+        tolerance=tolerance,
+        accountant=accountant,
+        **query,
+    )
+
+
+@dataclass(frozen=True)
+class _Axis:
+    """The search coordinate ``u`` of a parameter: the budget's loss grows with ``u`` (``u = -log z``, ``log q``, or
+    the step count ``n``), so the low end of the range is the private one."""
+
+    name: str
+    integer: bool
+
+    def u(self, value: float) -> float:
+        if self.name == "noise_multiplier":
+            return -math.log(value)
+        return math.log(value) if self.name == "sample_rate" else float(value)
+
+    def value(self, u: float) -> float | int:
+        if self.name == "noise_multiplier":
+            return math.exp(-u)
+        return math.exp(u) if self.name == "sample_rate" else int(u)
+
+    def advance(self, u: float, step: float, far: float) -> float:
+        """A probe ``step`` (in log units of the parameter) past ``u``, at most ``far``."""
+        if self.integer:
+            return builtins.min(far, builtins.max(u + 1, float(round(u * math.exp(step)))))
+        return builtins.min(far, u + step)
+
+
+_DEFAULT_RANGE = {"noise_multiplier": (0.11, 10.0), "sample_rate": (1e-9, 1.0), "steps": (1, 10**7)}
+_MONOTONE_SLACK = 1e-3  # of the bound: a probe this much more private than the private end is not rounding noise
+
+
+def _loss(budget: Budget, value: float) -> float:
+    """The budget's number on a scale that grows as privacy is lost: its log, or minus its log."""
+    return _log(value) if budget.lower_is_more_private else -_log(value)
+
+
+def _range(parameter: str, min: float | None, max: float | None) -> tuple[float, float]:
+    default_lo, default_hi = _DEFAULT_RANGE[parameter]
+    lo = default_lo if min is None else min
+    hi = default_hi if max is None else max
+    if parameter == "steps":
+        lo, hi = validate.integer("min", lo, minimum=1), validate.integer("max", hi, minimum=1)
+        if lo > hi:
+            raise CalibrationError(f"step calibration needs 1 <= min <= max, got min={lo!r}, max={hi!r}.")
+        return lo, hi
+    lo, hi = validate.real("min", lo), validate.real("max", hi)
     if not 0 < lo < hi:
         raise CalibrationError(f"calibration bounds need 0 < min < max, got min={lo!r}, max={hi!r}.")
+    if parameter == "sample_rate" and hi > 1:
+        raise CalibrationError(f"a sample rate is at most 1, got max={hi!r}.")
+    return lo, hi
+
+
+def _unreachable(parameter: str, budget: Budget, end: float, value: float) -> CalibrationError:
+    what = f"{budget.kind} there is {value:.6g}"
+    if parameter == "noise_multiplier":
+        return CalibrationError(
+            f"the budget {budget} is unreachable with noise multipliers up to max={end}: {what}. Raise max, lower "
+            "the steps or the sample rate, or accept a larger budget."
+        )
+    if parameter == "sample_rate":
+        return CalibrationError(
+            f"the budget {budget} is unreachable with sample rates down to min={end}: {what}. Raise the noise "
+            "multiplier, lower the steps, or accept a larger budget."
+        )
+    steps = "one step" if end == 1 else f"min={end} steps"
+    return CalibrationError(
+        f"even {steps} misses the budget {budget} ({budget.kind} {value:.6g}); raise the noise multiplier or lower "
+        "the sample rate."
+    )
+
+
+def calibrate(
+    make_process: Callable[[Any], Process],
+    *,
+    budget: Budget,
+    parameter: str,
+    min: float | None = None,
+    max: float | None = None,
+    tolerance: float = 1e-3,
+    accountant: str | None = None,
+    **query: object,
+) -> Calibrated:
+    """The least private value in ``[min, max]`` of one parameter of ``make_process`` that meets ``budget``.
+
+    ``parameter`` is one of :data:`PARAMETERS`: ``"noise_multiplier"`` (the smallest multiplier; default range
+    [0.11, 10]), ``"sample_rate"`` (the largest rate; (0, 1], default [1e-9, 1]) or ``"steps"`` (the most steps, an
+    integer; default [1, 10**7]). ``make_process(value)`` builds the process at that value. The budget's number is
+    assumed monotone in the parameter (more noise, a lower rate or fewer steps is never less private).
+
+    Guarantees: the returned value meets the budget (its number, ``achieved``, is checked by the budget's own query).
+    For a continuous parameter, ``achieved`` is within a factor ``1 - tolerance`` of the bound (``bound * (1 -
+    tolerance) <= achieved <= bound`` where lower is more private, ``bound <= achieved <= bound / (1 - tolerance)``
+    where higher is), unless the least private end of the range already meets it, when that end is returned. Steps
+    are exact: one more step misses the budget.
+
+    Raises:
+        CalibrationError: the most private end of the range (``max`` noise, ``min`` rate, ``min`` steps) misses the
+            budget, bad bounds, or a probe more private than that end (the parameter is not monotone).
+        ConfigurationError: a parameter that is not in :data:`PARAMETERS`; a budget the process has no query for
+            (f-DP budgets need a PLD; Monte Carlo DP-FTRL processes calibrate the noise multiplier to an epsilon
+            budget only, see :func:`calibrate_noise_multiplier`).
+
+    ``query`` is passed to the budget's query (``adjacency``, ``discretization``, ``monte_carlo``).
+
+    Example: the largest Poisson rate for 1,000 steps at multiplier 1 whose delta at epsilon 2 is at most 1e-6
+    (RDP for speed here; PLD is the default). It meets the budget, and a rate 2% higher does not.
+
+        >>> from opake_core import accounting
+        >>> run = lambda q: accounting.repeat(accounting.poisson(accounting.gaussian(1.0), q), 1_000)
+        >>> budget = accounting.Budget.delta(1e-6, epsilon=2.0)
+        >>> found = accounting.calibrate(run, budget=budget, parameter="sample_rate", tolerance=0.01,
+        ...                              accountant="rdp")
+        >>> d = lambda q: accounting.delta(run(q), epsilon=2.0, accountant="rdp").value
+        >>> round(found.value, 4), d(found.value) <= 1e-6 < d(1.02 * found.value)
+        (0.0079, True)
+    """
+    if not isinstance(budget, Budget):
+        raise InputTypeError(
+            f"budget must be an accounting.Budget, got {type(budget).__name__}; build one with "
+            "Budget.epsilon(8.0, delta=1e-5) or another of its constructors."
+        )
+    if parameter not in PARAMETERS:
+        raise ConfigurationError(f"parameter must be one of {PARAMETERS}, got {parameter!r}.")
+    lo, hi = _range(parameter, min, max)
+    tol = validate.real("tolerance", tolerance)
     if not 0 < tol < 1:
         raise CalibrationError(f"tolerance must be in (0, 1), got {tol!r}; the default is 1e-3 (relative).")
-    if isinstance(make_process(hi), MonteCarloMF):
-        return _bisect_monte_carlo(make_process, target, delta, lo, hi, tol, accountant, **query)
-    calls, names = 0, set()
+    private, far = (hi, lo) if parameter == "noise_multiplier" else (lo, hi)
+    if isinstance(make_process(private), MonteCarloMF):
+        if parameter != "noise_multiplier" or budget.kind != "epsilon":
+            raise ConfigurationError(
+                f"a Monte Carlo DP-FTRL process (balls-in-bins or b-min-sep sampling) calibrates the noise multiplier "
+                f"to an epsilon budget only, got parameter={parameter!r} and the budget {budget}."
+            )
+        return _bisect_monte_carlo(make_process, budget, lo, hi, tol, accountant, **query)
+    axis = _Axis(parameter, integer=parameter == "steps")
+    seen: dict[float, tuple[float | int, float, str]] = {}  # u -> (parameter value, budget's number, accountant)
+    calls = 0
 
-    def eps(sigma: float) -> float:
+    def loss_at(u: float, value: float | int | None = None) -> float:
         nonlocal calls
         calls += 1
-        result = _epsilon(make_process(sigma), delta=delta, accountant=accountant, **query)
-        names.add(result.accountant)
-        return result.value
+        value = axis.value(u) if value is None else value
+        result = budget.query(make_process(value), accountant=accountant, **query)
+        seen[u] = (value, result.value, result.accountant)
+        first = seen.setdefault(u_private, seen[u])[1]  # every probe is checked against the most private end
+        gain = first - result.value if budget.lower_is_more_private else result.value - first
+        if gain > _MONOTONE_SLACK * budget.bound:
+            raise CalibrationError(
+                f"the budget's {budget.kind} is not monotone in {parameter}: {result.value:.6g} at {value!r} is more "
+                f"private than {first:.6g} at the most private end {private!r}; calibrate a parameter that moves the "
+                "privacy loss one way only."
+            )
+        # A NaN answer (a profile read past its float range) is never taken for a safe one.
+        return math.inf if math.isnan(result.value) else _loss(budget, result.value)
 
-    e_hi = eps(hi)
-    if e_hi > target:
-        raise CalibrationError(
-            f"target_epsilon={target} is unreachable with noise multipliers up to max={hi}: epsilon there is "
-            f"{e_hi:.6g}. Raise max, lower the steps or the sample rate, or accept a larger target."
-        )
-    if names == {"pld"}:
+    def found(u: float) -> Calibrated:
+        value, number, name = seen[u]
+        return Calibrated(value, number, name, calls, budget)
+
+    goal = _loss(budget, budget.bound)
+    u_private, u_far = axis.u(private), axis.u(far)
+    l0 = loss_at(u_private, private)
+    if l0 > goal:
+        raise _unreachable(parameter, budget, private, seen[u_private][1])
+    u0 = u_private
+    if budget.kind == "epsilon" and seen[u0][2] == "pld":
         try:
             with _quiet_absl():
-                guide = calibrate_noise_multiplier(
+                guide = calibrate(
                     make_process,
-                    target_epsilon=target,
-                    delta=delta,
+                    budget=budget,
+                    parameter=parameter,
                     min=lo,
                     max=hi,
                     tolerance=1e-2,
@@ -166,32 +342,23 @@ def calibrate_noise_multiplier(
                 ).value
         except (ConfigurationError, ValueError):
             guide = None
-        if guide is not None and guide < hi and (e := eps(guide)) <= target:
-            hi, e_hi = guide, e
-    # Walk down in log sigma until a probe exceeds the target: that is the unsafe end of the bracket.
-    x1, step = math.log(hi), 0.08
+        # RDP is looser than PLD, so its answer is usually already safe: the search starts there.
+        if guide is not None and (ug := axis.u(guide)) > u0 and (lg := loss_at(ug, guide)) <= goal:
+            u0, l0 = ug, lg
+    # Walk away from the private end in growing steps until a probe misses the budget: the unsafe end of the bracket.
+    step = 0.08
     while True:
-        x0 = builtins.max(math.log(lo), x1 - step)
-        e0 = eps(math.exp(x0))
-        if e0 > target:
+        if u0 == u_far:
+            return found(u0)
+        u1 = axis.advance(u0, step, u_far)
+        l1 = loss_at(u1, far if u1 == u_far else None)
+        if l1 > goal:
             break
-        if x0 == math.log(lo):
-            return Calibrated(lo, e0, names.pop(), calls)
-        x1, e_hi, step = x0, e0, step * 4
-    # In x = -log(sigma) epsilon increases: x0 = -x1 (safe), x1 = -x0 (unsafe).
-    goal, floor = math.log(target), math.log(target * (1 - tol))
-    xs, ys, _, _ = _illinois(
-        lambda x: _log(eps(math.exp(-x))),
-        -x1,
-        _log(e_hi),
-        -x0,
-        _log(e0),
-        goal,
-        lambda y: y > goal,
-        lambda a, ya, b: ya >= floor or b - a < 1e-12,
-        integer=False,
-    )
-    return Calibrated(math.exp(-xs), math.exp(ys), names.pop(), calls)
+        u0, l0, step = u1, l1, step * 4
+    floor = goal + math.log(1 - tol)
+    done = (lambda a, ya, b: b - a <= 1) if axis.integer else (lambda a, ya, b: ya >= floor or b - a < 1e-12)
+    us, _, _, _ = _illinois(loss_at, u0, l0, u1, l1, goal, lambda y: y > goal, done, integer=axis.integer)
+    return found(us)
 
 
 _MONTE_CARLO_PROBES = 40
@@ -199,8 +366,7 @@ _MONTE_CARLO_PROBES = 40
 
 def _bisect_monte_carlo(
     make_process: Callable[[float], Any],
-    target: float,
-    delta: float,
+    budget: Budget,
     lo: float,
     hi: float,
     tol: float,
@@ -208,6 +374,7 @@ def _bisect_monte_carlo(
     monte_carlo: MonteCarlo | None = None,
 ) -> Calibrated:
     """Bisection on ``log z`` for Monte Carlo processes (see :func:`calibrate_noise_multiplier`)."""
+    target, delta = budget.bound, budget.at
     base = monte_carlo or default_monte_carlo(delta)
     config = replace(base, failure_probability=base.failure_probability / _MONTE_CARLO_PROBES)
     calls, names = 0, {}
@@ -227,7 +394,7 @@ def _bisect_monte_carlo(
         )
     e_lo = eps(lo)
     if e_lo <= target:
-        return Calibrated(lo, e_lo, names[lo], calls)
+        return Calibrated(lo, e_lo, names[lo], calls, budget)
     while hi / lo - 1 > tol and calls < _MONTE_CARLO_PROBES:
         mid = math.sqrt(lo * hi)
         e_mid = eps(mid)
@@ -235,7 +402,7 @@ def _bisect_monte_carlo(
             hi, e_hi = mid, e_mid
         else:
             lo = mid
-    return Calibrated(hi, e_hi, names[hi], calls)
+    return Calibrated(hi, e_hi, names[hi], calls, budget)
 
 
 def _first_reaching(
@@ -366,7 +533,8 @@ def calibrate_steps(
     accountant: str | None = None,
     **query: object,
 ) -> Calibrated:
-    """The most steps n of ``step_process`` (after ``prefix``) whose epsilon is <= ``target_epsilon``.
+    """The most steps n of ``step_process`` (after ``prefix``) whose epsilon is <= ``target_epsilon``:
+    :func:`calibrate` of ``parameter="steps"`` with ``Budget.epsilon(target_epsilon, delta=delta)``.
 
     Raises CalibrationError when even one step exceeds the target; returns ``max_steps`` when the budget is
     not reached within it.
@@ -386,27 +554,12 @@ def calibrate_steps(
     """
     target = _step_query(step_process, prefix, target_epsilon, "calibrate_steps")
     max_steps = validate.integer("max_steps", max_steps, minimum=1)
-    values: dict[int, tuple[float, str]] = {}
-
-    def eps_of(n: int) -> float:
-        result = _epsilon(_run(step_process, prefix, n), delta=delta, accountant=accountant, **query)
-        values[n] = (result.value, result.accountant)
-        return result.value
-
-    start = _guide(step_process, prefix, target, delta, max_steps) if accountant in (None, "pld") else 1
-    first, calls = _first_reaching(lambda n: eps_of(n) if n not in values else values[n][0], target, max_steps, start)
-    if first is None:
-        n = max_steps
-    elif values[first][0] > target:
-        n = first - 1
-    else:
-        n = first  # epsilon exactly at the target still fits
-    if n < 1:
-        raise CalibrationError(
-            f"even one step exceeds target_epsilon={target} (epsilon {values[1][0]:.6g}); "
-            "raise the noise multiplier or lower the sample rate."
-        )
-    if n not in values:
-        eps_of(n)
-        calls += 1
-    return Calibrated(n, values[n][0], values[n][1], calls)
+    return calibrate(
+        lambda n: _run(step_process, prefix, n),
+        budget=Budget.epsilon(target, delta=delta),
+        parameter="steps",
+        min=1,
+        max=max_steps,
+        accountant=accountant,
+        **query,
+    )
