@@ -242,6 +242,19 @@ HOST_GPT2 = {
     "bos_token_id": 0,
     "eos_token_id": 0,
 }
+HOST_QWEN3_MOE = {  # Qwen3-MoE's routing (128 experts, top-8) at a small width: the experts' host work per layer
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "vocab_size": 1024,
+    "max_position_embeddings": 64,
+}
 HOST: tuple[Workload, ...] = (
     Workload(
         "host_bert12_w48_s8_b32",
@@ -258,6 +271,14 @@ HOST: tuple[Workload, ...] = (
         128,
         config=HOST_GPT2,
         description="GPT-2 small's T / width (4 layers, width 192, 128 tokens), full fine-tune",
+    ),
+    Workload(
+        "host_qwen3moe_e128_w64_s32_b8",
+        "qwen3_moe",
+        8,
+        32,
+        config=HOST_QWEN3_MOE,
+        description="Qwen3-MoE's experts and top-k (128, top-8; 4 layers, width 64, 32 tokens), full fine-tune",
     ),
 )
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from opake_torch.layerwise.calls import Call, by_example, cast, live_ids
+from opake_torch.layerwise.experts import grouped_sums
 from opake_torch.layerwise.kinds import NORMS
 from opake_torch.layerwise.precision import input_factor
 from opake_torch.layerwise.uses import DEPTHWISE, ELEMENTWISE, add_conv_gradient
@@ -95,16 +96,17 @@ def _normalized(call: Call) -> torch.Tensor:
 def _add_expert_dense(call: Call, attr: str, g: torch.Tensor, a: torch.Tensor, out: torch.Tensor) -> None:
     """``out += `` the per-example gradients of a stacked expert weight (``[m, E, out, in]``, or ``[m, E, in, out]``
     transposed) or bias (``[m, E, out]``) from output gradients ``g`` ``[m, R, out]`` and inputs ``a``
-    ``[m, R, in]`` (``R`` rows per example)."""
+    ``[m, R, in]`` (``R`` rows per example): the weights' from the rows sorted by (expert, example) pair, one grouped
+    product over the pairs."""
     m, count = out.shape[0], out.shape[1]
-    experts = call.routing.experts.reshape(m, -1)
+    routing = call.routing
     if attr == "bias":
-        flat = torch.arange(m, device=g.device)[:, None] * count + experts
+        flat = torch.arange(m, device=g.device)[:, None] * count + routing.experts.reshape(m, -1)
         out.view(m * count, -1).index_add_(0, flat.reshape(-1), g.reshape(-1, g.shape[-1]))
         return
-    for e in range(count):
-        ge = torch.where((experts == e)[..., None], g, 0.0)
-        if call.transposed:
-            out[:, e].baddbmm_(a.transpose(1, 2), ge)
-        else:
-            out[:, e].baddbmm_(ge.transpose(1, 2), a)
+    g, a = (t.reshape(-1, t.shape[-1]).index_select(0, routing.order) for t in (g, a))
+    left, right = (a, g) if call.transposed else (g, a)
+    flat = out.view(m * count, *out.shape[2:])
+    for pairs, product in grouped_sums(left, right, routing, pairs=True):  # pair e m + i, at i E + e in out
+        pairs = torch.arange(m * count, device=g.device) if pairs is None else pairs
+        flat.index_add_(0, pairs % m * count + torch.div(pairs, m, rounding_mode="floor"), product)

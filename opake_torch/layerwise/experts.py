@@ -3,12 +3,20 @@ run with their two projections tapped, an example's rows kept contiguous.
 
 A router is a linear layer on the flattened tokens ``[m T, d]``: the engine taps its logits. A stacked experts layer
 (``[E, ...]`` weights) runs :func:`tapped_experts_forward` during the pass: one row per token and chosen expert, the
-rows grouped by expert (:class:`Routing`) for one matmul per expert. Their norms and sums are taken by
-:mod:`opake_torch.layerwise.ghost` and :mod:`opake_torch.layerwise.dense`.
+rows sorted by expert once (:class:`Routing`) and multiplied by their experts in one grouped matmul
+(:func:`grouped_rows`). Their norms and sums (:mod:`opake_torch.layerwise.ghost`, :mod:`opake_torch.layerwise.dense`)
+take the same sorted rows in groups (:func:`grouped_sums`, :func:`padded`), so that the operators a layer dispatches
+do not grow with the number of experts ``E``.
+
+A grouped matmul is ``torch._grouped_mm`` where the device has it for the dtype (float32, bf16, float16; 16-byte
+aligned strides); elsewhere (float64) the groups' rows are padded into batched matmuls, which needs the groups'
+sizes on the host (:attr:`Routing.pair_sizes`: one host sync per layer, shared by its projections, forward and
+backward). The norms always pad (a Gram matrix per group), so they read the sizes too.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,35 +25,157 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Routing", "moe_kind", "replace_forward", "tapped_experts_forward"]
+__all__ = ["Routing", "grouped_rows", "grouped_sums", "moe_kind", "padded", "replace_forward", "tapped_experts_forward"]
 
 
 @dataclass(frozen=True)
 class Routing:
-    """Where the ``m R`` rows of an experts layer went (example ``i`` owns rows ``i R ... i R + R - 1``), read from
-    the device once per layer: ``order`` lists the rows grouped by expert (ascending within each), ``counts[e]`` is
-    how many went to expert ``e`` and ``widths[e]`` the most that one example sent it."""
+    """Where the ``m R`` rows of an experts layer went (example ``i`` owns rows ``i R ... i R + R - 1``), built on
+    the device without a host sync.
+
+    ``order`` lists the rows sorted by (expert, example), ascending within each such pair; ``inverse`` is its inverse
+    permutation and ``sorted_pairs`` the pair ``e m + i`` of each row in that order; ``pair_ends`` (int32 ``[E m]``)
+    holds the cumulative row counts of the pairs in that order and ``ends`` (int32 ``[E]``) those of the experts:
+    the offsets of grouped matmuls."""
 
     experts: torch.Tensor  # [m R]: the expert of every row
     order: torch.Tensor
-    counts: list[int]
-    widths: list[int]
+    inverse: torch.Tensor
+    sorted_pairs: torch.Tensor
+    pair_ends: torch.Tensor
+    m: int
 
     @staticmethod
     def of(experts: torch.Tensor, num_experts: int, m: int) -> Routing:
-        example = torch.div(torch.arange(experts.shape[0], device=experts.device), experts.shape[0] // m,
-                            rounding_mode="floor")  # fmt: skip
-        per_pair = torch.bincount(experts * m + example, minlength=num_experts * m).view(num_experts, m)
-        counts, widths = torch.stack([per_pair.sum(dim=1), per_pair.max(dim=1).values]).tolist()
-        return Routing(experts, torch.argsort(experts, stable=True), counts, widths)
+        rows = torch.arange(experts.shape[0], device=experts.device)
+        example = torch.div(rows, experts.shape[0] // m, rounding_mode="floor")
+        order = torch.argsort(experts, stable=True)  # the rows are example-major: sorted by (expert, example) too
+        sorted_pairs = (experts * m + example).index_select(0, order)
+        pairs = torch.arange(num_experts * m, device=experts.device)
+        pair_ends = torch.searchsorted(sorted_pairs, pairs, right=True, out_int32=True)
+        inverse = torch.empty_like(order).index_copy_(0, order, rows)
+        return Routing(experts, order, inverse, sorted_pairs, pair_ends, m)
+
+    @functools.cached_property
+    def ends(self) -> torch.Tensor:
+        return self.pair_ends[self.m - 1 :: self.m].contiguous()  # a kernel's offsets: contiguous
+
+    @functools.cached_property
+    def sorted_experts(self) -> torch.Tensor:
+        """``[m R]``: the expert of each row in ``order``."""
+        return torch.div(self.sorted_pairs, self.m, rounding_mode="floor")
+
+    @functools.cached_property
+    def pair_sizes(self) -> list[int]:
+        """The rows of each pair ``e m + i``, read from the device: the layer's one host sync."""
+        return torch.diff(self.pair_ends, prepend=self.pair_ends.new_zeros(1)).tolist()
+
+    @functools.cached_property
+    def sizes(self) -> list[int]:
+        """The rows of each expert (from :attr:`pair_sizes`)."""
+        pairs, m = self.pair_sizes, self.m
+        return [sum(pairs[e * m : (e + 1) * m]) for e in range(len(pairs) // m)]
 
     def groups(self) -> Iterator[tuple[int, torch.Tensor, int]]:
-        """``(expert, its rows in ascending order, widest example)`` for every expert that got rows."""
-        start = 0
-        for e, (count, width) in enumerate(zip(self.counts, self.widths, strict=True)):
+        """``(expert, its rows in ascending order, widest example)`` for every expert that got rows: a loop over
+        the experts, for references (the engine takes the grouped forms)."""
+        start, m = 0, self.m
+        for e, count in enumerate(self.sizes):
             if count:
-                yield e, self.order[start : start + count], width
+                yield e, self.order[start : start + count], max(self.pair_sizes[e * m : (e + 1) * m])
             start += count
+
+
+@functools.cache
+def _has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs on ``device`` in ``dtype``, both forms (rows times stacked matrices, and
+    sums over groups of rows), tried once on a small input."""
+    if not hasattr(torch, "_grouped_mm") or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    a = torch.ones(16, 16, dtype=dtype, device=device)
+    offs = torch.tensor([8, 16], dtype=torch.int32, device=device)
+    try:
+        torch._grouped_mm(a, torch.ones(2, 16, 16, dtype=dtype, device=device), offs=offs)
+        torch._grouped_mm(a.T, a, offs=offs)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _grouped(*tensors: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``tensors`` as they are: one dtype it has on their device, the storage
+    and every non-unit stride 16-byte aligned."""
+    first = tensors[0]
+    aligned = all(
+        t.dtype == first.dtype and t.data_ptr() % 16 == 0 and all(s == 1 or s * t.element_size() % 16 == 0
+                                                                  for s in t.stride())
+        for t in tensors
+    )  # fmt: skip
+    return aligned and _has_grouped_mm(first.device, first.dtype)
+
+
+def _chunks(sizes: list[int]) -> Iterator[tuple[int, int, int]]:
+    """``(r0, r1, W)``: the groups with rows, in the order of a stable descending sort of ``sizes``, cut into runs
+    ``r0 ... r1 - 1`` padded to their first (widest) group's ``W`` rows, a run growing while its padded rows stay
+    within twice its rows. So a run takes every group of at least ``W / 2`` rows, there are at most
+    ``log2(widest) + 1`` runs whatever the number of groups, and all the padded rows are at most twice the rows."""
+    ranked = sorted((size for size in sizes if size), reverse=True)
+    r0 = 0
+    while r0 < len(ranked):
+        width, rows, r1 = ranked[r0], ranked[r0], r0 + 1
+        while r1 < len(ranked) and (r1 + 1 - r0) * width <= 2 * (rows + ranked[r1]):
+            rows += ranked[r1]
+            r1 += 1
+        yield r0, r1, width
+        r0 = r1
+
+
+def padded(
+    rows: tuple[torch.Tensor, ...], ends: torch.Tensor, sizes: list[int]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]]:
+    """The sorted rows ``rows`` (each ``[S, d]``) of ``len(sizes)`` groups (``ends``: their cumulative sizes on the
+    device, ``sizes`` on the host) as padded blocks ``[n, W, d]`` of ``n`` groups of at most ``W`` rows each (zero
+    rows after a group's last), in the runs of :func:`_chunks`: a few batched launches, whatever the number of
+    groups, and at most twice the rows in all. Yields ``(groups [n], index [n, W], blocks)``, ``index`` the sorted
+    row of each padded row (``S`` for a padding row)."""
+    total = rows[0].shape[0]
+    device = ends.device
+    counts = torch.diff(ends, prepend=ends.new_zeros(1)).long()
+    ranked = torch.argsort(counts, descending=True, stable=True)  # the order of _chunks' sort, on the device
+    rows = tuple(F.pad(x, (0, 0, 0, 1)) for x in rows)  # row S: zeros, read by the padding rows
+    for r0, r1, width in _chunks(sizes):
+        groups = ranked[r0:r1]
+        slots = torch.arange(width, device=device)
+        index = (ends.long()[groups] - counts[groups])[:, None] + slots
+        index = torch.where(slots < counts[groups][:, None], index, total)
+        blocks = tuple(x.index_select(0, index.reshape(-1)).view(*index.shape, -1) for x in rows)
+        yield groups, index, blocks
+
+
+def grouped_rows(x: torch.Tensor, weight: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``[S, out]``: each row of ``x`` ``[S, in]`` (sorted as ``routing.order``) times its expert's ``weight[e]``
+    (``weight`` ``[E, in, out]``), in one grouped matmul (else padded batched matmuls)."""
+    if _grouped(x, weight):
+        return torch._grouped_mm(x, weight, offs=routing.ends)
+    y = x.new_zeros(x.shape[0] + 1, weight.shape[-1])  # the last row takes the padding rows' products
+    for experts, index, (block,) in padded((x,), routing.ends, routing.sizes):
+        y = y.index_copy(0, index.reshape(-1), torch.bmm(block, weight[experts]).reshape(-1, y.shape[-1]))
+    return y[:-1]
+
+
+def grouped_sums(
+    left: torch.Tensor, right: torch.Tensor, routing: Routing, *, pairs: bool = False
+) -> Iterator[tuple[torch.Tensor | None, torch.Tensor]]:
+    """``(groups [n], [n, p, q])``: for each group of the sorted rows (the experts; the (expert, example) pairs
+    ``e m + i`` with ``pairs``), ``sum_r left_r^T right_r`` over its rows (``left`` ``[S, p]``, ``right``
+    ``[S, q]``, sorted as ``routing.order``): all groups in one grouped matmul (``groups`` None: all, in order),
+    else in padded runs."""
+    ends = routing.pair_ends if pairs else routing.ends
+    if _grouped(left.T, right):
+        yield None, torch._grouped_mm(left.T, right, offs=ends)
+        return
+    for groups, _, (a, b) in padded((left, right), ends, routing.pair_sizes if pairs else routing.sizes):
+        yield groups, torch.bmm(a.transpose(1, 2), b)
 
 
 def moe_kind(module: nn.Module) -> str | None:
@@ -69,16 +199,19 @@ def moe_kind(module: nn.Module) -> str | None:
 
 
 def _expert_linear(module: nn.Module, attr: str, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """Row ``r`` of ``x`` ``[S, in]`` through its expert's projection ``attr`` (and its bias): the rows grouped by
-    expert, one matmul per expert, back in their order."""
+    """Row ``r`` of ``x`` ``[S, in]`` through its expert's projection ``attr`` (and its bias): the rows sorted by
+    expert, one grouped matmul, back in their order. Under autocast the factors take its dtype, as ``F.linear``'s
+    do (a grouped matmul has no autocast rule)."""
     weight = getattr(module, attr)  # [E, out, in], or [E, in, out] when transposed
-    bias = getattr(module, f"{attr}_bias") if module.has_bias else None
-    pieces = []
-    for e, rows, _ in routing.groups():
-        xe = x.index_select(0, rows)
-        y = xe @ weight[e] if module.is_transposed else F.linear(xe, weight[e])
-        pieces.append(y if bias is None else y + bias[e])
-    return torch.cat(pieces)[torch.argsort(routing.order)]
+    device = x.device.type
+    dtype = weight.dtype
+    if torch.is_autocast_enabled(device) and torch.float64 not in (x.dtype, weight.dtype):
+        dtype = torch.get_autocast_dtype(device)
+    weight = weight if module.is_transposed else weight.transpose(1, 2)
+    y = grouped_rows(x.index_select(0, routing.order).to(dtype), weight.to(dtype), routing)
+    if module.has_bias:
+        y = y + getattr(module, f"{attr}_bias").index_select(0, routing.sorted_experts)
+    return y.index_select(0, routing.inverse)
 
 
 def tapped_experts_forward(

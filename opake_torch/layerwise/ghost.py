@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from opake_torch.layerwise.calls import Call, by_example, cast, live_ids
+from opake_torch.layerwise.experts import grouped_sums, padded
 from opake_torch.layerwise.kinds import NORMS
 from opake_torch.layerwise.precision import (
     add_bf16_product,
@@ -307,30 +308,26 @@ class InputGrams:
 
 def _expert_norms(call: Call, m: int) -> torch.Tensor:
     """float64 ``[m]`` squared norms of an experts call's per-example gradients. Rows routed to different experts
-    meet different weights, so they have no cross term: for each expert, the Gram matrices of the rows of each example
-    routed to it (``[m, P, d]``, padded with zero rows to the widest example ``P``), about ``(T k / E)^2`` entries
-    per example instead of the ``(T k)^2`` of all its rows."""
-    x, g = call.inputs, call.grad  # [m R, in], [m R, out]: example i owns rows i R ... i R + R - 1
-    per_example = x.shape[0] // m
+    meet different weights, so they have no cross term: the sum over the (expert, example) pairs of the Frobenius
+    products of their rows' Gram matrices, the rows sorted by pair and padded in runs of similar widths
+    (:func:`~opake_torch.layerwise.experts.padded`): about ``(T k / E)^2`` entries per pair instead of the
+    ``(T k)^2`` of all an example's rows, in a few batched launches whatever ``E``."""
+    routing = call.routing
+    x, g = (t.index_select(0, routing.order) for t in (call.inputs, call.grad))  # [m R, in], [m R, out]
     total = torch.zeros(m, dtype=torch.float64, device=x.device)
-    for _, rows, width in call.routing.groups():
-        example = torch.div(rows, per_example, rounding_mode="floor")  # sorted, as the rows are
-        slot = torch.arange(rows.shape[0], device=x.device) - torch.searchsorted(example, example)
-        xe = x.new_zeros(m, width, x.shape[-1]).index_put_((example, slot), x.index_select(0, rows))
-        ge = g.new_zeros(m, width, g.shape[-1]).index_put_((example, slot), g.index_select(0, rows))
-        total += frobenius(gram(xe), gram(ge))
+    for pairs, _, (xb, gb) in padded((x, g), routing.pair_ends, routing.pair_sizes):
+        total.index_add_(0, pairs % m, frobenius(gram(xb), gram(gb)))  # pair e m + i
     return total
 
 
 def _add_expert_products(call: Call, g: torch.Tensor, a: torch.Tensor, total: torch.Tensor) -> None:
     """``total[e] += g_e^T a_e`` (``a_e^T g_e`` transposed) over the rows ``g`` ``[S, out]``, ``a`` ``[S, in]``
-    routed to each expert ``e``."""
-    for e, rows, _ in call.routing.groups():
-        ge, ae = g.index_select(0, rows), a.index_select(0, rows)
-        if call.transposed:
-            total[e].addmm_(ae.T, ge)
-        else:
-            total[e].addmm_(ge.T, ae)
+    routed to each expert ``e``: the rows sorted by expert, one grouped product."""
+    routing = call.routing
+    g, a = g.index_select(0, routing.order), a.index_select(0, routing.order)
+    left, right = (a, g) if call.transposed else (g, a)
+    for experts, product in grouped_sums(left, right, routing):
+        total.add_(product) if experts is None else total.index_add_(0, experts, product)
 
 
 def prefers_ghost(call: Call, shape: torch.Size, m: int, advantage: float) -> bool:
