@@ -133,10 +133,18 @@ def _whole(ranks: list[dict], key: str) -> dict:
     return out
 
 
-def test_fsdp_save_kill_resume_is_bit_exact(tmp_path):
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The uninterrupted 2-rank run that saves every 2 steps, launched once for the tests that read it (none writes
+    into its folder): the folder and what each rank wrote."""
+    out = tmp_path_factory.mktemp("checkpointed")
+    return out, launch("checkpointed", out, 300, worker=WORKER)
+
+
+def test_fsdp_save_kill_resume_is_bit_exact(tmp_path, checkpointed):
     """Rank 1 dies at the start of step 3, after checkpoint-2: torchrun ends the job within seconds, checkpoint-2 is
     complete, and the resumed run ends bit for bit where the uninterrupted one does."""
-    whole = launch("checkpointed", tmp_path / "whole", 300, worker=WORKER)
+    whole = checkpointed[1]
     begin = time.monotonic()
     killed = launch("killed", tmp_path / "killed", 300, worker=WORKER, check=False)
     assert killed.returncode != 0 and time.monotonic() - begin < 120
@@ -150,11 +158,10 @@ def test_fsdp_save_kill_resume_is_bit_exact(tmp_path):
     assert resumed[0]["epsilon"] == whole[0]["epsilon"]
 
 
-def test_fsdp_checkpoint_loads_on_other_world_sizes(tmp_path, monkeypatch):
+def test_fsdp_checkpoint_loads_on_other_world_sizes(tmp_path, checkpointed):
     """A 2-rank checkpoint read by 4 ranks and by one process: the same parameters (those of its model.safetensors,
     gathered by torch) and the same optimizer state as the 2 ranks' own resume, each rank holding its rows."""
-    launch("checkpointed", tmp_path / "two", 300, worker=WORKER)
-    folder = tmp_path / "two" / "run" / "checkpoint-2"
+    folder = checkpointed[0] / "run" / "checkpoint-2"
     same = launch(f"resume:{folder}", tmp_path / "same", 300, worker=WORKER, FSDP_TEST_RUN=str(tmp_path / "a"))
     four = launch(f"resume:{folder}", tmp_path / "four", 300, worker=WORKER, ranks=4, FSDP_TEST_RUN=str(tmp_path / "b"))
     saved = load_file(folder / "model.safetensors")
