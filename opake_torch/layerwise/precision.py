@@ -201,17 +201,8 @@ def bmm_accumulated(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of bf16 matrices with a float32 result: on tensor cores with float32 accumulation on CUDA
-    (``out_dtype``, torch >= 2.8), as float32 matmuls elsewhere or where that overload is missing (the same sums of
-    exact products)."""
-    if a.is_cuda:
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except torch.OutOfMemoryError:
-            raise
-        except (NotImplementedError, RuntimeError, TypeError):
-            pass
-    return torch.mm(a.float(), b.float())
+    """``a @ b`` of bf16 matrices with a float32 result (:func:`bmm_accumulated` of one pair)."""
+    return bmm_accumulated(a[None], b[None])[0]
 
 
 def bf16_floor(x: torch.Tensor) -> torch.Tensor:
