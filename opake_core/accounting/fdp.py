@@ -38,7 +38,10 @@ _GRID = 401  # epsilons on which beta's supremum is first searched
 
 
 def _profile(process: Process, what: str, adjacency: str | None, discretization: float | None):
-    """``delta(epsilon)`` of the process's PLD (vectorized), or None for a non-private process."""
+    """``delta(epsilon)`` of the process's PLD (vectorized), or None for a non-private process. Where dp-accounting's
+    ``get_delta`` overflows (``e^epsilon`` times a mass, at the large epsilons of a nearly non-private process) it
+    answers NaN; that delta is read as 1, its trivial upper bound, so every query here stays on its safe side
+    (advantage an upper bound, beta and Bayes risk lower bounds)."""
     if isinstance(process, MonteCarloMF) or _resolve(process, None) != "pld":
         raise ConfigurationError(
             f"{what} reads a PLD privacy profile, and {type(process).__name__} processes of this kind have none "
@@ -47,7 +50,9 @@ def _profile(process: Process, what: str, adjacency: str | None, discretization:
     if is_nonprivate(process):
         return None
     accountant, _ = _composed(process, "pld", adjacency, discretization)
-    return lambda eps: np.clip(np.asarray(accountant.get_delta(eps), dtype=np.float64), 0.0, 1.0)
+    return lambda eps: np.clip(
+        np.nan_to_num(np.asarray(accountant.get_delta(eps), dtype=np.float64), nan=1.0), 0.0, 1.0
+    )
 
 
 def advantage(process: Process, *, adjacency: str | None = None, discretization: float | None = None) -> Result:

@@ -66,3 +66,20 @@ def test_edges_and_refusals():
     )
     with pytest.raises(ConfigurationError, match="PLD privacy profile"):
         acc.advantage(run)
+
+
+@pytest.mark.parametrize("sigma", [0.02])
+def test_queries_of_a_nearly_nonprivate_gaussian_are_finite_and_on_their_safe_side(sigma):
+    """At sigma = 0.02 (mu = 50) dp-accounting's delta overflows to NaN at large epsilons, which made beta NaN; each
+    query must give a number on its safe side of the exact mu-GDP value (beta and Bayes risk at or below it,
+    advantage at or above it), at any discretization (a coarse one here, for time)."""
+    mu = 1 / sigma
+    process = acc.gaussian(sigma)
+    beta = acc.beta(process, alpha=0.05, discretization=0.5).value
+    assert math.isfinite(beta) and 0.0 <= beta <= norm.cdf(norm.ppf(0.95) - mu) + 1e-300
+    risk = acc.bayes_risk(process, prior=0.3, discretization=0.5).value
+    g = 0.7 / 0.3
+    exact_risk = 0.3 * norm.cdf(math.log(g) / mu - mu / 2) + 0.7 * norm.cdf(-math.log(g) / mu - mu / 2)
+    assert math.isfinite(risk) and 0.0 <= risk <= exact_risk + 1e-300
+    advantage = acc.advantage(process, discretization=0.5).value
+    assert math.isfinite(advantage) and 2 * norm.cdf(mu / 2) - 1 - 1e-12 <= advantage <= 1.0
