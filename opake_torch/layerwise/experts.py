@@ -76,15 +76,6 @@ class Routing:
         pairs, m = self.pair_sizes, self.m
         return [sum(pairs[e * m : (e + 1) * m]) for e in range(len(pairs) // m)]
 
-    def groups(self) -> Iterator[tuple[int, torch.Tensor, int]]:
-        """``(expert, its rows in ascending order, widest example)`` for every expert that got rows: a loop over
-        the experts, for references (the engine takes the grouped forms)."""
-        start, m = 0, self.m
-        for e, count in enumerate(self.sizes):
-            if count:
-                yield e, self.order[start : start + count], max(self.pair_sizes[e * m : (e + 1) * m])
-            start += count
-
 
 @functools.cache
 def _has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
