@@ -235,6 +235,12 @@ def audit_trainer_dirac(
             f"observe='all' recovers each privatized gradient from consecutive iterates, which needs optim='sgd', "
             f"got optim={args.optim!r}; use optim='sgd', or observe='final'."
         )
+    if args.ddp_shard == "global" and args.world_size > 1:
+        raise ConfigurationError(  # its simulations model one Poisson draw per step, with a canary's signal 0 or 1
+            "audit_trainer_dirac models one Poisson draw per step; under ddp_shard='global' each rank draws the whole "
+            "dataset, so a canary may be in several ranks' draws of a step. Audit with ddp_shard='per_rank' (the "
+            "default)."
+        )
     gradient_norm = float(bound) if gradient_norm is None else gradient_norm
     canaries = dirac_canaries(key=key, num_canaries=num_canaries, gradient_norm=gradient_norm)
     if not canaries.gradient_norm >= bound:

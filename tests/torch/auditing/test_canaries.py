@@ -338,3 +338,18 @@ def test_bad_canary_settings_are_refused():
         dirac_canaries(key=random.key(9), num_canaries=1, gradient_norm=1.0)
     with pytest.raises(ConfigurationError, match="already"):
         with_canary_block(with_canary_block(_params(), canaries), canaries)
+
+
+def test_the_trainer_audit_refuses_parallel_poisson_sampling_before_training(tmp_path, monkeypatch):
+    """Under ddp_shard="global" a canary may be in several ranks' draws of a step, which the audit's simulations (one
+    Poisson draw per step) do not model: refused before any step runs."""
+    args = TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=4, max_steps=2, privacy_noise_multiplier=1.0, use_cpu=True,
+        disable_tqdm=True, save_strategy="no", report_to="none", optim="sgd", clipping_norm=1.0, ddp_shard="global",
+    )  # fmt: skip
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+    trained = []
+    monkeypatch.setattr(DPTrainer, "train", lambda self, *a, **k: trained.append(self))
+    with pytest.raises(ConfigurationError, match="ddp_shard='per_rank'"):
+        audit_trainer_dirac(tiny_model("bert"), args, token_data(20, classes=3), key=random.key(3), num_canaries=10)
+    assert not trained

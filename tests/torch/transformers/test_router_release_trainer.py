@@ -306,10 +306,7 @@ def test_the_unnoised_statistic_reaches_no_log_metric_or_state(tmp_path, monkeyp
     explained = configured | router_keys | {"privacy_clip_rate", "train_steps", "train_samples"}
     secret = {round(float(v), 12) for total in sums if total is not None for v in total.flatten()} - {0.0}
     logged = {
-        round(float(v), 12)
-        for row in rows
-        for k, v in row.items()
-        if isinstance(v, int | float) and k not in explained
+        round(float(v), 12) for row in rows for k, v in row.items() if isinstance(v, int | float) and k not in explained
     }
     assert logged and not secret & logged
     checkpoint = tmp_path / "checkpoint-3"
