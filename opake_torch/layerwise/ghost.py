@@ -148,7 +148,8 @@ def ghost_norms(
     """float64 ``[m]`` squared norms of the call's per-example weight gradients (an upper bound of them by the product
     route); ``route`` (:data:`NORM_ROUTES`) says how a linear or Conv1D call takes them: from Gram matrices (the
     input's from ``input_gram``, which shares one among the calls that read the same tensor), from the per-example
-    products (:func:`product_norms`), or the cheaper (``"auto"``: :func:`norm_route`). Embeddings and experts keep
+    products (:func:`product_norms`), or the cheaper (``"auto"``: :func:`norm_route`, with the share of a shared input
+    Gram matrix that ``input_gram``, an :class:`InputGrams`, says the call pays). Embeddings and experts keep
     their own paths. ``error``: the relative error of the products of the layer's float32 scaled sum
     (:func:`~opake_torch.layerwise.precision.product_error`): a linear or Conv1D layer with float32 factors then
     reports ``(||G_i|| + error S_i)^2``, ``S_i = sum_t ||g_t|| ||a_t||``, the bound of the norm of the gradient its
@@ -162,8 +163,9 @@ def ghost_norms(
         return _expert_norms(call, m)
     summed_margin = bool(error) and not bf16_factors(call) and g.dtype == torch.float32  # bf16 factors: exact sum
     if route == "auto":
-        width = call.inputs.shape[-1]
-        route = norm_route(g.shape[1], width, g.shape[-1], _factors(call), g.device, matmul_precision(g.device))
+        share = input_gram.share(call) if isinstance(input_gram, InputGrams) else 1.0
+        width, precision = call.inputs.shape[-1], matmul_precision(g.device)
+        route = norm_route(g.shape[1], width, g.shape[-1], _factors(call), g.device, precision, share)
     if route == "product":
         norms, spread = product_norms(call, m, matmul_precision(g.device))
         return (norms + error * spread).square() if summed_margin else norms.square()
@@ -234,7 +236,13 @@ def product_norms(call: Call, m: int, precision: str) -> tuple[torch.Tensor, tor
 
 
 def route_costs(
-    positions: int, width_in: int, width_out: int, factors: torch.dtype, device: torch.device | str, precision: str
+    positions: int,
+    width_in: int,
+    width_out: int,
+    factors: torch.dtype,
+    device: torch.device | str,
+    precision: str,
+    input_share: float = 1.0,
 ) -> dict[str, float]:
     """The time of each norm route for one example of a linear or Conv1D call, in flops of the device's fastest
     matmul (:data:`_RATES`; a device other than CUDA counts as a CPU), ``T = positions`` (grouped: ``k T``), ``s``
@@ -242,7 +250,9 @@ def route_costs(
 
     * ``"gram"``: two float64 Gram matrices and their inner product, ``2 T^2 (in + out + 1)`` flops at the float64
       rate, and its memory traffic: the factors read, written in float64 and read again (``T (in + out) (s + 16)``
-      bytes), the Gram matrices written and read (``32 T^2``);
+      bytes), the Gram matrices written and read (``32 T^2``). The input's Gram matrix is shared by the calls that
+      read the same tensor (q, k and v; gate and up), so a call pays ``input_share`` of its flops and bytes: 0 when
+      an earlier call formed it, ``1 / r`` when ``r`` calls still to come read it;
     * ``"product"``: the gradient's matmul, ``2 T in out`` flops at the rate of its factors (bf16: tensor cores;
       float32: the run's ``precision``; float64), and its memory traffic: the ``[out, in]`` gradient written and read
       once (8 bytes a number, 16 in float64), the factors read twice (the matmul, their row norms).
@@ -256,8 +266,9 @@ def route_costs(
     else:
         rate, size = rates.get(precision, rates["ieee"]), 4
     factor_numbers, weight_numbers = positions * (width_in + width_out), width_in * width_out
-    gram_flops = 2 * positions**2 * (width_in + width_out + 1)
-    gram_bytes = factor_numbers * (size + 16) + 32 * positions**2
+    input_flops, input_bytes = 2 * positions**2 * width_in, positions * width_in * (size + 16) + 16 * positions**2
+    gram_flops = 2 * positions**2 * (width_out + 1) + input_share * input_flops
+    gram_bytes = positions * width_out * (size + 16) + 16 * positions**2 + input_share * input_bytes
     product_flops = 2 * positions * weight_numbers
     product_bytes = weight_numbers * (16 if factors == torch.float64 else 8) + 2 * factor_numbers * size
     return {
@@ -267,14 +278,21 @@ def route_costs(
 
 
 def norm_route(
-    positions: int, width_in: int, width_out: int, factors: torch.dtype, device: torch.device | str, precision: str
+    positions: int,
+    width_in: int,
+    width_out: int,
+    factors: torch.dtype,
+    device: torch.device | str,
+    precision: str,
+    input_share: float = 1.0,
 ) -> str:
     """``"gram"`` or ``"product"``, whichever :func:`route_costs` finds cheaper (a tie keeps ``"gram"``): a pure
-    function of the shapes, the factors' dtype, the device and the float32 matmul precision. On CUDA with bf16
+    function of the shapes, the factors' dtype, the device, the float32 matmul precision and the share of the input's
+    Gram matrix the call pays (``input_share``, :meth:`InputGrams.share`). On CUDA with bf16
     factors the product route wins once ``T`` is a few hundred against widths of a few thousand (the 1.1B Llama at
     ``T = 512``: every projection and the head), the Gram route where ``T`` is small against the widths; grouped
     examples (``k T`` positions) favour the product route."""
-    costs = route_costs(positions, width_in, width_out, factors, device, precision)
+    costs = route_costs(positions, width_in, width_out, factors, device, precision, input_share)
     return "product" if costs["product"] < costs["gram"] else "gram"
 
 
@@ -298,6 +316,14 @@ class InputGrams:
             if self.readers.get(call.input_key, 0) > 1:
                 self.grams[call.input_key] = (rounded, matrix)
         return matrix
+
+    def share(self, call: Call) -> float:
+        """The share of the input's Gram matrix that ``call`` would pay (:func:`route_costs`): 0 when an earlier call
+        formed it (and keeps it for this one), ``1 / r`` for the ``r`` calls still to read it, this one included."""
+        rounded_then, matrix = self.grams.get(call.input_key, (None, None))
+        if matrix is not None and rounded_then == bf16_factors(call):
+            return 0.0
+        return 1.0 / max(1, self.readers.get(call.input_key, 1))
 
     def done(self, call: Call) -> None:
         left = self.readers.get(call.input_key, 0) - 1

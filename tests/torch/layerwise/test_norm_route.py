@@ -368,12 +368,12 @@ LLAMA_1B = {  # (in, out) of the 1.1B Llama's ghost layers: hidden 2048, 4 KV he
 }
 
 
-def _predicted(positions, width_in, width_out, factors, device, matmul) -> str:
+def _predicted(positions, width_in, width_out, factors, device, matmul, share=1.0) -> str:
     """The cost model as documented: flops at the device's rate for the dtype (CUDA: bf16 1, IEEE float32 and
     float64 1/15, TF32 1/2; CPU: float32 1, float64 1/2) and memory traffic at 300 (CUDA) or 10 (CPU) flops a byte:
     the Gram route reads its factors, copies them to float64 and reads them again, and writes and reads two float64
-    ``T x T`` matrices; the product route writes and reads the ``[out, in]`` float32 gradient once and reads its
-    factors twice."""
+    ``T x T`` matrices, of which the input's (its Gram matrix and its factor's traffic) counts ``share`` times; the
+    product route writes and reads the ``[out, in]`` float32 gradient once and reads its factors twice."""
     cuda = device == "cuda"
     fp64, per_byte = (1 / 15, 300) if cuda else (1 / 2, 10)
     if factors == torch.bfloat16:
@@ -381,8 +381,12 @@ def _predicted(positions, width_in, width_out, factors, device, matmul) -> str:
     else:
         rate, size = ({"ieee": 1 / 15, "tf32": 1 / 2, "bf16": 1.0}[matmul] if cuda else 1.0), 4
     factor_numbers = positions * (width_in + width_out)
-    gram = 2 * positions**2 * (width_in + width_out + 1) / fp64
-    gram += (factor_numbers * (size + 8 + 8) + 2 * 2 * 8 * positions**2) * per_byte
+    input_side = (
+        2 * positions**2 * width_in / fp64 + (positions * width_in * (size + 8 + 8) + 2 * 8 * positions**2) * per_byte
+    )
+    output_side = 2 * positions**2 * (width_out + 1) / fp64
+    output_side += (positions * width_out * (size + 8 + 8) + 2 * 8 * positions**2) * per_byte
+    gram = output_side + share * input_side
     product = 2 * positions * width_in * width_out / rate
     product += (2 * 4 * width_in * width_out + 2 * factor_numbers * size) * per_byte
     return "product" if product < gram else "gram"
@@ -408,6 +412,50 @@ def test_the_chooser_follows_the_stated_cost_model():
         ):
             expected = _predicted(positions, width_in, width_out, factors, device, matmul)
             assert ghost.norm_route(positions, width_in, width_out, factors, device, matmul) == expected
+            for share in (0.0, 1 / 3):
+                expected = _predicted(positions, width_in, width_out, factors, device, matmul, share)
+                assert ghost.norm_route(positions, width_in, width_out, factors, device, matmul, share) == expected
+
+
+def test_a_shared_input_gram_is_priced_once():
+    """BERT-base's attention projections at 160 positions under TF32 on CUDA: priced alone, a projection's Gram route
+    costs more than its product route; the three projections that read one input share its Gram matrix, so the first
+    pays a third of it and the others nothing, and all three take the Gram route."""
+    args = (160, 768, 768, torch.float32, "cuda", "tf32")
+    assert ghost.norm_route(*args) == "product"
+    assert ghost.norm_route(*args, 1 / 3) == ghost.norm_route(*args, 0.0) == "gram"
+
+
+class _SharedInput(nn.Module):
+    """q, k and v read one input (one Gram matrix); the output projection reads its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(12, 12, bias=False) for _ in range(3))
+        self.o = nn.Linear(12, 12, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(torch.tanh(self.q(x)) * self.k(x) + self.v(x))
+
+
+def test_the_engine_prices_a_shared_input_gram_once(monkeypatch):
+    """The share each call is priced with: the first of the three readers of one input pays a third of its Gram
+    matrix, the two after it none (the first formed it); the output projection, its input's only reader, all of it.
+    Forcing the Gram route in the chooser keeps the Gram matrix formed, as the test's first reader would."""
+    torch.manual_seed(0)
+    model = _SharedInput()
+    apply, params, frozen = functional_model(model)
+    x = torch.randn(3, 5, 12)
+    shares = []
+    monkeypatch.setattr(ghost, "norm_route", lambda *args: shares.append(args[-1]) or "gram")
+    engine = LayerwiseGradients(
+        model, lambda p, xb: apply(p, frozen, xb).square().sum(dim=(1, 2)), ghost_advantage=1e-6
+    )
+    with torch.no_grad():
+        grads, _ = engine(None, (params, x), (1,))
+    assert set(grads.ghost) == {f"{n}.weight" for n in "qkvo"}
+    assert shares[:4] == [1.0, 1 / 3, 0.0, 0.0]  # backward order: o, then v, k, q (the coupling check's pass)
+    assert shares[4:] == shares[:4]  # the chunk's own pass
 
 
 class _TwoWidths(nn.Module):
