@@ -6,9 +6,10 @@ A Llama-style decoder layer adds the attention output to the residual stream and
 Forward: one program per row reads ``x`` and ``residual`` once, writes ``h`` in the input dtype (rounded as the
 unfused add rounds it) and ``y``, and keeps the float32 row statistic ``rstd``. Backward: with ``dh`` the gradient
 reaching ``h`` directly (through the residual path), ``dx = dresidual = dh + rstd * (dn - n * mean(dn * n))``, with
-``n = h * rstd`` and ``dn = dy * w``, and the weight gradient ``dw = sum_rows dy * n`` reduced **per group**, as in
-:mod:`~opake_torch.patches.kernels.rms_norm`: under ``vmap`` over examples the shared weight becomes one group per
-example and ``dw`` comes out ``[B, D]``, the per-example gradient.
+``n = h * rstd`` and ``dn = dy * w``, and the weight gradient ``dw = sum_rows dy * n`` reduced **per group**: the
+backward of :mod:`~opake_torch.patches.kernels.rms_norm` with ``dh`` added, its kernel and function shared; under
+``vmap`` over examples the shared weight becomes one group per example and ``dw`` comes out ``[B, D]``, the
+per-example gradient.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from opake_torch.patches.kernels import reference
 from opake_torch.patches.kernels._triton import can_launch, jit, next_power_of_2, tl
 from opake_torch.patches.kernels._vmap import fold, front
-from opake_torch.patches.kernels.rms_norm import _MAX_D, _PARTIALS, _groups, _warps
+from opake_torch.patches.kernels.rms_norm import _MAX_D, RMSNormBackward, _groups, _warps
 
 __all__ = ["opake_fused_add_rms_norm"]
 
@@ -43,30 +44,6 @@ def _add_rms_fwd_kernel(X, R, W, Y, H, RSTD, rows_per_group, stride_wg, D, eps, 
     tl.store(RSTD + row, rstd)
 
 
-@jit
-def _add_rms_bwd_kernel(
-    DY, DH, H, W, RSTD, DX, DW, rows_per_group, stride_wg, D, BLOCK: tl.constexpr, PARTS: tl.constexpr
-):
-    group = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    w = tl.load(W + group * stride_wg + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK], dtype=tl.float32)
-    for r in range(part, rows_per_group, PARTS):
-        row = group * rows_per_group + r
-        h = tl.load(H + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        dh = tl.load(DH + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row)
-        n = h * rstd
-        dn = dy * w
-        dx = dh + rstd * (dn - n * (tl.sum(dn * n, axis=0) / D))
-        tl.store(DX + row * D + cols, dx.to(DX.dtype.element_ty), mask=mask)
-        dw += dy * n.to(H.dtype.element_ty).to(tl.float32)
-    tl.store(DW + (group * PARTS + part) * D + cols, dw, mask=mask)
-
-
 def _forward(
     x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,25 +59,6 @@ def _forward(
             x, residual, w, y, h, rstd, rows, stride_wg, d, eps, BLOCK=next_power_of_2(d), num_warps=_warps(d)
         )
     return y, h, rstd
-
-
-def _backward(
-    dy: torch.Tensor, dh: torch.Tensor, h: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    dy, dh, h, rstd = dy.contiguous(), dh.contiguous(), h.contiguous(), rstd.contiguous()
-    d = h.shape[-1]
-    groups, rows = _groups(h, w)
-    dx = torch.empty_like(h)
-    parts = max(1, min(_PARTIALS, rows))
-    partial = torch.zeros(groups, parts, d, dtype=torch.float32, device=h.device)
-    if h.numel():
-        stride_wg = w.stride(0) if w.dim() == 2 else 0
-        _add_rms_bwd_kernel[(groups, parts)](
-            dy, dh, h, w, rstd, dx, partial, rows, stride_wg, d,
-            BLOCK=next_power_of_2(d), PARTS=parts, num_warps=_warps(d),
-        )  # fmt: skip
-    dw = partial.sum(dim=1).to(w.dtype)
-    return dx, dw if w.dim() == 2 else dw[0]
 
 
 def _unfold(t: torch.Tensor, size: int) -> torch.Tensor:
@@ -125,7 +83,7 @@ class _FusedAddRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, dh: torch.Tensor, _drstd: torch.Tensor) -> tuple[Any, ...]:
         h, w, rstd = ctx.saved_tensors
-        dx, dw = _FusedAddRMSNormBackward.apply(dy, dh, h, w, rstd)
+        dx, dw = RMSNormBackward.apply(dy, h, w, rstd, dh)
         return dx, dx, dw, None  # h = x + residual: both receive the same gradient
 
     @staticmethod
@@ -143,34 +101,6 @@ class _FusedAddRMSNorm(torch.autograd.Function):
         if grouped:
             y, h, rstd = _unfold(y, size), _unfold(h, size), _unfold(rstd, size)
         return (y, h, rstd), (0, 0, 0)
-
-
-class _FusedAddRMSNormBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(dy: torch.Tensor, dh: torch.Tensor, h: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor) -> Any:
-        return _backward(dy, dh, h, w, rstd)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        raise NotImplementedError("opake_fused_add_rms_norm supports first-order gradients only (no double backward).")
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], dy: Any, dh: Any, h: Any, w: torch.Tensor, rstd: Any) -> Any:
-        size = info.batch_size
-        dy, dh, h = front(dy, in_dims[0], size), front(dh, in_dims[1], size), front(h, in_dims[2], size)
-        rstd = front(rstd, in_dims[4], size)
-        grouped = w.dim() - (in_dims[3] is not None) == 2  # one weight row per group: the batch multiplies them
-        w = front(w, in_dims[3], size)  # a shared weight becomes one group per example: per-example dw
-        if grouped:
-            dy, dh, h, rstd, w = fold(dy), fold(dh), fold(h), fold(rstd), fold(w)
-        dx, dw = _FusedAddRMSNormBackward.apply(dy, dh, h, w, rstd)
-        if grouped:
-            dx, dw = _unfold(dx, size), _unfold(dw, size)
-        return (dx, dw), (0, 0)
 
 
 def opake_fused_add_rms_norm(

@@ -1,8 +1,10 @@
 """RMSNorm as a Triton kernel with autograd and per-example (vmap) gradients: :func:`opake_rms_norm`.
 
 Forward: one program per row; the row statistic ``rstd = 1 / sqrt(mean(x^2) + eps)`` in float32 is kept for the
-backward. Backward: ``dx = rstd * (dn - n * mean(dn * n))`` with ``n = x * rstd`` and ``dn = dy * w``, and the weight
-gradient ``dw = sum_rows dy * n`` reduced **per group**. Under ``vmap`` over examples the batch becomes more rows in
+backward. Backward: ``dx = rstd * (dn - n * mean(dn * n))`` with ``n = x * rstd`` and ``dn = dy * w`` (plus ``dh``, the
+gradient that reaches the normalized input directly, for the residual add of
+:mod:`~opake_torch.patches.kernels.fused_add_rms_norm`, which shares this backward), and the weight gradient
+``dw = sum_rows dy * n`` reduced **per group**. Under ``vmap`` over examples the batch becomes more rows in
 the forward, and in the backward the shared weight is broadcast to one group per example, so each program writes
 partial sums of its own example and ``dw`` comes out as ``[B, D]``, the per-example gradient, without any Python loop.
 """
@@ -38,7 +40,10 @@ def _rms_fwd_kernel(X, W, Y, RSTD, rows_per_group, stride_wg, D, eps, BLOCK: tl.
 
 
 @jit
-def _rms_bwd_kernel(DY, X, W, RSTD, DX, DW, rows_per_group, stride_wg, D, BLOCK: tl.constexpr, PARTS: tl.constexpr):
+def _rms_bwd_kernel(
+    DY, DH, X, W, RSTD, DX, DW, rows_per_group, stride_wg, D,
+    BLOCK: tl.constexpr, PARTS: tl.constexpr, HAS_DH: tl.constexpr,
+):  # fmt: skip
     group = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -53,6 +58,8 @@ def _rms_bwd_kernel(DY, X, W, RSTD, DX, DW, rows_per_group, stride_wg, D, BLOCK:
         n = x * rstd
         dn = dy * w
         dx = rstd * (dn - n * (tl.sum(dn * n, axis=0) / D))
+        if HAS_DH:
+            dx = tl.load(DH + row * D + cols, mask=mask, other=0.0).to(tl.float32) + dx
         tl.store(DX + row * D + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * n.to(X.dtype.element_ty).to(tl.float32)
     tl.store(DW + (group * PARTS + part) * D + cols, dw, mask=mask)
@@ -80,9 +87,11 @@ def _forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor
 
 
 def _backward(
-    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dh: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dw)`` of ``y = rms_norm(x) * w`` from ``dy``, plus ``dh`` (None: none) added to ``dx``."""
     dy, x, rstd = dy.contiguous(), x.contiguous(), rstd.contiguous()
+    dh = None if dh is None else dh.contiguous()
     d = x.shape[-1]
     groups, rows = _groups(x, w)
     dx = torch.empty_like(x)
@@ -91,8 +100,9 @@ def _backward(
     if x.numel():
         stride_wg = w.stride(0) if w.dim() == 2 else 0
         _rms_bwd_kernel[(groups, parts)](
-            dy, x, w, rstd, dx, partial, rows, stride_wg, d, BLOCK=next_power_of_2(d), PARTS=parts, num_warps=_warps(d)
-        )
+            dy, dy if dh is None else dh, x, w, rstd, dx, partial, rows, stride_wg, d,
+            BLOCK=next_power_of_2(d), PARTS=parts, HAS_DH=dh is not None, num_warps=_warps(d),
+        )  # fmt: skip
     dw = partial.sum(dim=1).to(w.dtype)
     return dx, dw if w.dim() == 2 else dw[0]
 
@@ -117,7 +127,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, _drstd: torch.Tensor) -> tuple[Any, ...]:
         x, w, rstd = ctx.saved_tensors
-        dx, dw = _RMSNormBackward.apply(dy, x, w, rstd)
+        dx, dw = RMSNormBackward.apply(dy, x, w, rstd, None)
         return dx, dw, None
 
     @staticmethod
@@ -135,12 +145,16 @@ class _RMSNorm(torch.autograd.Function):
         return (y, rstd), (0, 0)
 
 
-class _RMSNormBackward(torch.autograd.Function):
+class RMSNormBackward(torch.autograd.Function):
+    """``(dy, x, w, rstd, dh or None) -> (dx, dw)``, the backward of RMSNorm (and, with ``dh``, of the residual add
+    before it), as a function of its own so that ``vmap`` over examples turns a shared weight into one group per
+    example (per-example ``dw``)."""
+
     @staticmethod
     def forward(
-        dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor
+        dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, dh: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _backward(dy, x, w, rstd)
+        return _backward(dy, x, w, rstd, dh)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -148,17 +162,19 @@ class _RMSNormBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        raise NotImplementedError("opake_rms_norm supports first-order gradients only (no double backward).")
+        raise NotImplementedError("the RMSNorm kernels support first-order gradients only (no double backward).")
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: Any) -> Any:
+    def vmap(info: Any, in_dims: tuple[Any, ...], dy: Any, x: Any, w: torch.Tensor, rstd: Any, dh: Any) -> Any:
         size = info.batch_size
         dy, x, rstd = front(dy, in_dims[0], size), front(x, in_dims[1], size), front(rstd, in_dims[3], size)
+        dh = None if dh is None else front(dh, in_dims[4], size)
         grouped = w.dim() - (in_dims[2] is not None) == 2  # one weight row per group: the batch multiplies them
         w = front(w, in_dims[2], size)  # a shared weight becomes one group per example: per-example dw
         if grouped:
             dy, x, rstd, w = fold(dy), fold(x), fold(rstd), fold(w)
-        dx, dw = _RMSNormBackward.apply(dy, x, w, rstd)
+            dh = None if dh is None else fold(dh)
+        dx, dw = RMSNormBackward.apply(dy, x, w, rstd, dh)
         if grouped:
             dx, dw = dx.reshape(size, -1, *dx.shape[1:]), dw.reshape(size, -1, *dw.shape[1:])
         return (dx, dw), (0, 0)
