@@ -14,7 +14,11 @@ from opake_torch.layerwise.calls import Call
 from opake_torch.layerwise.ghost import ScaledInputs, add_ghost
 from opake_torch.layerwise.precision import float32_matmuls
 
-__all__ = ["Gradients"]
+__all__ = ["NORM_NUMEL", "Gradients"]
+
+NORM_NUMEL = 2**24
+"""Elements of instantiated gradients whose float64 norms are taken in one launch (their float64 copy: 128 MiB); a
+group of many small leaves (biases, norm weights) takes a few launches instead of one per leaf."""
 
 
 @dataclass
@@ -71,11 +75,14 @@ class Gradients:
 
     def squared_norms(self) -> torch.Tensor:
         rows = {name: sq for name, (_, sq) in self.ghost.items()}
-        for group in self.groups:  # a name at a time: vector_norm reads a float64 copy of what it is given
+        for group in self.groups:  # vector_norm reads a float64 copy of what it is given: NORM_NUMEL at a time
             if group.buffer is None:
                 continue
-            sq = [torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).square() for g in group.buffer.unbind(0)]
-            rows.update(zip(group.names, sq, strict=True))
+            step = max(1, NORM_NUMEL // (self.m * group.numel))
+            for start in range(0, len(group.names), step):
+                block = group.buffer[start : start + step]
+                sq = torch.linalg.vector_norm(block, dim=2, dtype=torch.float64).square()
+                rows.update(zip(group.names[start : start + step], sq.unbind(0), strict=True))
         zeros = torch.zeros(self.m, dtype=torch.float64, device=self.device)
         return torch.stack([rows.get(name, zeros) for name in self.names])
 

@@ -210,7 +210,7 @@ class ChunkPass:
         kind, attrs = self.layers[module]
         if kind == "router":  # flattened tokens [R * T, d] in, (logits, scores, experts) out
             return self.router_hook(module, attrs, inputs[0], output[0])
-        x = inputs[0].detach()
+        x = inputs[0]  # detached where kept (Bf16Inputs.keep), not before: a detach is a host operation per call
         # tokens flattened to rows [R * T, d], example-major (MoE blocks' shared experts, the gated norm's heads)
         flat = kind != "embedding" and x.dim() == 2 and x.shape[0] % rows == 0
         width = 1 if kind == "embedding" else x.shape[-1]
@@ -229,7 +229,7 @@ class ChunkPass:
                 f"{rows}: its per-example gradients cannot be separated. Use vmap(grad) for this model."
             )
         gate = inputs[1].detach() if kind == "gated_rms_norm" else None
-        kept = x if kind == "embedding" else self.bf16.keep(kind, inputs[0], output)
+        kept = x.detach() if kind == "embedding" else self.bf16.keep(kind, inputs[0], output)
         return self.tap(Call(kind, module, attrs, kept, positions, gate=gate), output)
 
     def register(self, call: Call) -> None:
