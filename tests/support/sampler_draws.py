@@ -15,3 +15,10 @@ def draw(sampler, steps, key, state=None):
         assert np.all(np.diff(indices) > 0)
         out.append(indices)
     return out, state
+
+
+def draw_ranks(samplers, steps, key):
+    """Per step, each rank's draw: ``steps`` lists of ``len(samplers)`` index arrays, rank ``r``'s from
+    ``samplers[r]`` under ``key`` from a fresh state, each checked as in :func:`draw`."""
+    per_rank = [draw(sampler, steps, key)[0] for sampler in samplers]
+    return [list(parts) for parts in zip(*per_rank, strict=True)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import (
@@ -18,7 +19,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from opake_torch.transformers import TrainingArguments
+
 VOCAB = 48
+BATCH = 8  # the per-device batch of tiny_args: the expected batch of its Poisson sampler
 
 
 def tiny_model(family: str) -> torch.nn.Module:
@@ -134,6 +141,34 @@ def token_data(n: int, seed: int = 0, *, classes: int | None = None) -> list[dic
             row["labels"] = torch.randint(0, classes, (), generator=gen)
         rows.append(row)
     return rows
+
+
+def padded_batch() -> dict[str, torch.Tensor]:
+    """A collated causal-LM batch of three rows of 9 tokens: the second padded after 6 tokens, the third after 4
+    (``attention_mask`` 0 and ``labels`` -100 there)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, VOCAB, (3, 9), generator=gen)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    mask[2, 4:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def tiny_args(tmp_path: Path, **kw) -> TrainingArguments:
+    """The trainer's arguments for a tiny private run on CPU, written to ``tmp_path / "out"``: batches of
+    :data:`BATCH`, noise multiplier 1, no progress bar, no checkpoints, no reports; ``kw`` adds or overrides
+    arguments."""
+    from opake_torch.transformers import TrainingArguments
+
+    base = {
+        "per_device_train_batch_size": BATCH,
+        "privacy_noise_multiplier": 1.0,
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "save_strategy": "no",
+        "report_to": "none",
+    }
+    return TrainingArguments(str(tmp_path / "out"), **{**base, **kw})
 
 
 def tiny_lora(family: str = "llama", targets: tuple[str, ...] = ("q_proj", "v_proj"), std: float = 0.1, model=None):

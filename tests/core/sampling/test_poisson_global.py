@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from sampler_draws import draw_ranks
 from scipy import stats
 
 from opake_core import accounting as acc
@@ -31,25 +32,11 @@ def _ranks(n, q, world):
     ]
 
 
-def _draws(samplers, steps, k=KEY):
-    """Per step, each rank's draw (sorted, distinct int64 indices)."""
-    states = [s.init() for s in samplers]
-    out = []
-    for _ in range(steps):
-        parts = []
-        for r, sampler in enumerate(samplers):
-            idx, states[r] = sampler.sample(k, states[r])
-            assert idx.dtype == np.int64 and np.all(np.diff(idx) > 0)
-            parts.append(idx)
-        out.append(parts)
-    return out
-
-
 def test_each_rank_draws_the_whole_dataset_at_its_own_rate():
     """Per rank, each example's count over the steps is Binomial(steps, q_r) and the total Binomial(N steps, q_r):
     W (N + 1) checks at 1e-6 in all. A strided shard would leave each rank's count of the other residues at 0."""
     n, q, world, steps = 40, 0.2, 3, 400
-    draws = _draws(_ranks(n, q, world), steps)
+    draws = draw_ranks(_ranks(n, q, world), steps, KEY)
     checks = world * (n + 1)
     for r in range(world):
         counts = np.bincount(np.concatenate([parts[r] for parts in draws]), minlength=n)
@@ -61,7 +48,7 @@ def test_the_ranks_draw_independently():
     """For each pair of ranks the steps in which both draw a given example number Binomial(N steps, q_r^2), and all
     three draw it Binomial(N steps, q_r^3): the multiplicity J of an example is Binomial(W, q_r). 4 checks."""
     n, q, world, steps = 50, 0.3, 3, 400
-    draws = _draws(_ranks(n, q, world), steps)
+    draws = draw_ranks(_ranks(n, q, world), steps, KEY)
     member = np.zeros((steps, world, n), dtype=bool)
     for s, parts in enumerate(draws):
         for r, idx in enumerate(parts):
@@ -125,7 +112,7 @@ def test_removing_a_record_moves_the_union_clipped_sum_by_j_times_c():
         return g * min(1.0, c / g.norm().item())
 
     moved_over_c = 0
-    for parts in _draws(_ranks(n, q, world), 6):
+    for parts in draw_ranks(_ranks(n, q, world), 6, KEY):
         union = np.concatenate(parts)
         total = union_sum(union)
         for i in np.unique(union):

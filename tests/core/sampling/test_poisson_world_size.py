@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 import pytest
+from sampler_draws import draw_ranks
 from scipy import stats
 
 from opake_core import accounting as acc
@@ -26,20 +27,6 @@ def _ranks(n, q, world):
     return [sampling.poisson(dataset_size=n, sample_rate=q, world_size=world, rank=r) for r in range(world)]
 
 
-def _union_draws(samplers, steps, k=KEY):
-    """Per step, the ranks' draws: a list of ``world`` index arrays."""
-    states = [s.init() for s in samplers]
-    out = []
-    for _ in range(steps):
-        parts = []
-        for r, sampler in enumerate(samplers):
-            idx, states[r] = sampler.sample(k, states[r])
-            assert idx.dtype == np.int64 and np.all(np.diff(idx) > 0)
-            parts.append(idx)
-        out.append(parts)
-    return out
-
-
 @pytest.mark.parametrize(("n", "world"), [(10, 2), (11, 3), (7, 7)])
 def test_shards_are_strided_disjoint_and_cover_the_dataset(n, world):
     samplers = _ranks(n, 0.5, world)
@@ -53,7 +40,7 @@ def test_shards_are_strided_disjoint_and_cover_the_dataset(n, world):
 
 def test_each_rank_draws_only_from_its_shard():
     samplers = _ranks(30, 0.5, 3)
-    for parts in _union_draws(samplers, 20):
+    for parts in draw_ranks(samplers, 20, KEY):
         for r, idx in enumerate(parts):
             assert np.all(idx % 3 == r)
 
@@ -63,7 +50,7 @@ def test_the_union_over_ranks_is_poisson_at_the_global_rate():
     example of rank 0 and one of rank 1 at the same local position are in a step together at rate q**2
     (independent streams): 1 + N + 1 checks at 1e-6 in all."""
     n, q, world, steps = 90, 0.3, 3, 600
-    draws = _union_draws(_ranks(n, q, world), steps)
+    draws = draw_ranks(_ranks(n, q, world), steps, KEY)
     union = [np.concatenate(parts) for parts in draws]
     counts = np.bincount(np.concatenate(union), minlength=n)
     checks = n + 2
@@ -138,7 +125,7 @@ def test_every_rank_resumes_from_rank_zeros_state():
     """The configuration holds world_size, not rank: a state saved by rank 0 continues every rank's sequence."""
     rank0, rank1 = _ranks(60, 0.25, 2)
     assert rank0.config == rank1.config and dict(rank0.config)["world_size"] == 2 and "rank" not in dict(rank0.config)
-    full = [parts[0] for parts in _union_draws([rank1], 10)]
+    full = [parts[0] for parts in draw_ranks([rank1], 10, KEY)]
     state = rank0.init()
     for _ in range(4):
         _, state = rank0.sample(KEY, state)

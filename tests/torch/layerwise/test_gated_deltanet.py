@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_hf import VOCAB, tiny_gated_deltanet, token_data
+from tiny_hf import padded_batch, tiny_gated_deltanet, token_data
 
 from opake_core.clipping import Engine, clipped_grad
 from opake_core.errors import ConfigurationError
@@ -31,15 +31,6 @@ C = 2.5
 # A_log, dt_bias (elementwise), the depthwise conv, the gated norm, the zero-centred (1 + weight) norms
 OWN = (".linear_attn.A_log", ".linear_attn.dt_bias", ".linear_attn.conv1d.weight", ".linear_attn.norm.weight",
        ".self_attn.q_norm.weight", "model.norm.weight")  # fmt: skip
-
-
-def _batch() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, VOCAB, (3, 9), generator=gen)
-    mask = torch.ones(3, 9, dtype=torch.long)
-    mask[1, 6:] = 0
-    mask[2, 4:] = 0
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def _single_record_loop(model_type: str, params: dict, data: dict) -> tuple[dict, list[float]]:
@@ -72,7 +63,7 @@ def _clipped(model: torch.nn.Module, engine: Engine | None) -> tuple[dict, torch
         engine = Engine(gradients=LayerwiseGradients(model, losses))
     grad_fn, state = clipped_grad(loss, clipping_norm=C, batch_argnums=1, microbatch_size=2,
                                   return_diagnostics=True, engine=engine)  # fmt: skip
-    (clipped, diagnostics), _ = grad_fn(params, _batch(), state=state)
+    (clipped, diagnostics), _ = grad_fn(params, padded_batch(), state=state)
     return clipped.value, diagnostics.norms, params
 
 
@@ -104,7 +95,7 @@ def test_layerwise_norms_and_clipped_sum_equal_a_single_record_loop(model_type, 
     _, params, _ = functional_model(model)
     assert unsupported_parameters(model, params) == []
     clipped, norms, params = _clipped(model, None)
-    reference, expected = _single_record_loop(model_type, params, _batch())
+    reference, expected = _single_record_loop(model_type, params, padded_batch())
     _assert_close(clipped, norms, reference, expected, rtol=1e-10)
     assert len(recomputes) == 3 * layers  # each checkpointed layer once in each chunk and in the coupling check
     assert not any("forward" in vars(m) for m in model.modules())  # no forward left replaced
@@ -119,7 +110,7 @@ def test_vmap_norms_and_clipped_sum_equal_a_single_record_loop(model_type) -> No
     model = tiny_gated_deltanet(model_type, torch.float64)
     assert apply_family_patches(model) == ["gated_deltanet"]
     clipped, norms, params = _clipped(model, Engine())
-    reference, expected = _single_record_loop(model_type, params, _batch())
+    reference, expected = _single_record_loop(model_type, params, padded_batch())
     _assert_close(clipped, norms, reference, expected, rtol=8 * torch.finfo(torch.float32).eps)
 
 
@@ -171,7 +162,7 @@ def test_the_delta_net_runs_the_torch_path_in_the_private_step_only_where_needed
     assert switch and set(switch) == {case != "layerwise, frozen"}
     assert all(torch.isfinite(v).all() for v in clipped.values())
     switch.clear()
-    model(**_batch())  # outside the step: the layer's own choice
+    model(**padded_batch())  # outside the step: the layer's own choice
     assert switch == [False]
 
 

@@ -6,6 +6,7 @@ is refused with the reason."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import optree
@@ -13,41 +14,17 @@ import pytest
 import torch
 from tiny_hf import tiny_model, token_data
 from torchopt.base import GradientTransformation
+from trainer_reference import BETAS, DECAY, EPS, LR, reference_run, replayable_args
 from transformers import TrainerCallback
 
-from opake_core import optim, random, sampling
+from opake_core import optim
 from opake_core.errors import ConfigurationError, InputTypeError
 from opake_core.optim import schedules
-from opake_core.step import dp_sgd
-from opake_torch.functional import functional_model
 from opake_torch.transformers import DPTrainer, TrainingArguments
-from opake_torch.transformers.data import collate, language_modeling_labels
-from opake_torch.transformers.loss import causal_lm_loss
 
 DATA = token_data(40)
-LR, BETAS, EPS, DECAY, STEPS = 0.01, (0.8, 0.95), 1e-6, 0.01, 3
-
-
-def _args(tmp_path, **kw) -> TrainingArguments:
-    base = {
-        "per_device_train_batch_size": 8,
-        "max_steps": STEPS,
-        "privacy_noise_multiplier": 1.0,
-        "use_cpu": True,
-        "disable_tqdm": True,
-        "learning_rate": LR,
-        "weight_decay": DECAY,
-        "adam_beta1": BETAS[0],
-        "adam_beta2": BETAS[1],
-        "adam_epsilon": EPS,
-        "lr_scheduler": "constant",
-        "logging_steps": 1,
-        "save_strategy": "no",
-        "report_to": "none",
-        "per_example_gradients": "vmap",
-        "privacy_noise_seed": 42,  # the tests replay the trainer's noise
-    }
-    return TrainingArguments(str(tmp_path / "out"), **{**base, **kw})
+STEPS = 3
+_args = partial(replayable_args, max_steps=STEPS, logging_steps=1)
 
 
 class _Snapshots(TrainerCallback):
@@ -68,34 +45,9 @@ def _trainer_steps(args: TrainingArguments, **kw) -> list[dict[str, torch.Tensor
     return snapshots.steps
 
 
-def _core_steps(opt: optim.Optimizer, args: TrainingArguments) -> list[dict[str, torch.Tensor]]:
-    """The trainer's steps composed by hand from the core (sampler, per-example loss, DP-SGD step, optimizer), with
-    the trainer's key derivation; the parameters after each step, then the weights to publish after the last."""
-    apply, params, frozen = functional_model(tiny_model("llama"))
-    root = random.key(args.privacy_noise_seed)
-    sampler = sampling.poisson(dataset_size=len(DATA), sample_rate=8 / len(DATA))
-    sampler_key, sampler_state = random.fold_in(root, "opake.trainer.sampler"), sampler.init()
-
-    def loss(p, example):
-        inputs = {k: v[None] for k, v in example.items() if k != "labels"}
-        return causal_lm_loss(apply(p, frozen, **inputs).logits[0], example["labels"])
-
-    step_fn, dp_state = dp_sgd(
-        loss,
-        optimizer=opt,
-        clipping_norm=1.0,
-        noise_multiplier=1.0,
-        expected_batch_size=8.0,
-        microbatch_size=8,
-        key=random.fold_in(root, "opake.trainer.noise"),
-    )
-    opt_state, out = opt.init(params), []
-    for _ in range(STEPS):
-        index, sampler_state = sampler.sample(sampler_key, sampler_state)
-        batch = language_modeling_labels(collate([DATA[i] for i in index]))
-        params, opt_state, dp_state, _ = step_fn(params, opt_state, dp_state, (batch,))
-        out.append({k: v.clone() for k, v in params.items()})
-    return [*out, opt.eval_params(opt_state, params)]
+def _reference_steps(opt: optim.Optimizer) -> list[dict[str, torch.Tensor]]:
+    """The parameters after each step of the run of :func:`_args` composed by hand from the core."""
+    return reference_run(opt, data=DATA, steps=STEPS).steps
 
 
 def _assert_equal_steps(got, want):
@@ -117,7 +69,7 @@ def test_factory_equals_the_named_optimizer_step_by_step(tmp_path):
     # and both are the core's Lion on the schedule written by hand: linear from 0 at the first update to LR after one
     # step, then down to 0 over the remaining STEPS - 1
     by_hand = schedules.with_warmup(schedules.linear(LR, 0.0, STEPS - 1, transition_begin=1), 1)
-    _assert_equal_steps(custom, _core_steps(optim.lion(by_hand, BETAS, DECAY), _args(tmp_path / "core"))[:-1])
+    _assert_equal_steps(custom, _reference_steps(optim.lion(by_hand, BETAS, DECAY)))
 
 
 @pytest.mark.parametrize(
@@ -140,7 +92,7 @@ def test_schedule_free_names_wrap_their_base(tmp_path, name, optim_args, base):
     lr = schedules.with_warmup(schedules.constant(LR), 2)
     wrapper = {"beta": optim_args.get("beta", 0.9), "warmup_steps": optim_args.get("warmup_steps", 2)}
     expected = optim.schedule_free(base(lr), **wrapper)
-    _assert_equal_steps(_trainer_steps(args), _core_steps(expected, args)[:-1])
+    _assert_equal_steps(_trainer_steps(args), _reference_steps(expected))
 
 
 def test_factory_of_a_schedule_free_optimizer_publishes_its_average(tmp_path):
@@ -148,7 +100,8 @@ def test_factory_of_a_schedule_free_optimizer_publishes_its_average(tmp_path):
     trainer = DPTrainer(tiny_model("llama"), _args(tmp_path), train_dataset=DATA, optimizer_cls_and_kwargs=factory)
     trainer.train()
     assert trainer.optimizer.name == "schedule_free_momentum"
-    *steps, x = _core_steps(optim.schedule_free(optim.momentum(schedules.constant(LR), 0.5)), _args(tmp_path / "core"))
+    expected = optim.schedule_free(optim.momentum(schedules.constant(LR), 0.5))
+    steps, x = reference_run(expected, data=DATA, steps=STEPS)
     model = {n: p.detach() for n, p in trainer.model.named_parameters()}
     assert all(torch.equal(model[k], x[k]) for k in x)
     assert any(not torch.equal(x[k], steps[-1][k]) for k in x)  # the average x, not the last iterate y

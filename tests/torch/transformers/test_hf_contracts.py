@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from functools import partial
 
 import datasets
 import numpy as np
@@ -14,30 +15,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dp_accounting import dp_event, pld
-from tiny_hf import VOCAB, tiny_model, token_data
+from tiny_hf import VOCAB, tiny_args, tiny_model, token_data
 from transformers import BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from opake_core.errors import ConfigurationError, InputTypeError
-from opake_torch.transformers import DPTrainer, TrainingArguments
+from opake_torch.transformers import DPTrainer
 
 DATA = token_data(40, classes=3)
 TEXT = token_data(40)  # causal LM rows: labels from input_ids
-
-
-def _args(tmp_path, **kw):
-    base = {
-        "per_device_train_batch_size": 8,
-        "max_steps": 3,
-        "privacy_noise_multiplier": 1.0,
-        "use_cpu": True,
-        "disable_tqdm": True,
-        "logging_steps": 1,
-        "save_strategy": "no",
-        "report_to": "none",
-        "privacy_noise_seed": 7,
-    }
-    return TrainingArguments(str(tmp_path / "out"), **{**base, **kw})
+_args = partial(tiny_args, max_steps=3, logging_steps=1, privacy_noise_seed=7)
 
 
 def _params(model):

@@ -5,51 +5,27 @@ its averaged weights x, checkpoints its training iterate y and resumes exactly."
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import optree
 import pytest
 import torch
 from safetensors.torch import load_file
 from tiny_hf import tiny_model, token_data
+from trainer_reference import BETAS, DECAY, EPS, LR, reference_run, replayable_args
 from transformers import TrainerCallback
 
-from opake_core import optim, random, sampling
+from opake_core import optim
 from opake_core.errors import ConfigurationError
 from opake_core.optim.schedule_free import ScheduleFreeState
-from opake_core.step import dp_sgd
 from opake_core.tree import Noised
-from opake_torch.functional import functional_model
 from opake_torch.state_files import load_tree
 from opake_torch.transformers import DPTrainer, TrainingArguments
 from opake_torch.transformers import checkpoint_folder as ckpt
-from opake_torch.transformers.data import collate, language_modeling_labels
-from opake_torch.transformers.loss import causal_lm_loss
 from opake_torch.transformers.optimizer import build_optimizer, build_schedule
 
 DATA = token_data(40)
-LR, BETAS, EPS, DECAY = 0.01, (0.8, 0.95), 1e-6, 0.01
-
-
-def _args(tmp_path, **kw) -> TrainingArguments:
-    base = {
-        "per_device_train_batch_size": 8,
-        "max_steps": 2,
-        "privacy_noise_multiplier": 1.0,
-        "use_cpu": True,
-        "disable_tqdm": True,
-        "learning_rate": LR,
-        "weight_decay": DECAY,
-        "adam_beta1": BETAS[0],
-        "adam_beta2": BETAS[1],
-        "adam_epsilon": EPS,
-        "lr_scheduler": "constant",
-        "logging_steps": 2,
-        "save_strategy": "no",
-        "report_to": "none",
-        "per_example_gradients": "vmap",
-        "privacy_noise_seed": 42,  # the tests replay the trainer's noise
-    }
-    return TrainingArguments(str(tmp_path / "out"), **{**base, **kw})
+_args = partial(replayable_args, max_steps=2, logging_steps=2)
 
 
 # name -> (optim_args, other arguments, the optimizer those arguments must build)
@@ -80,41 +56,13 @@ CASES = {
 }
 
 
-def _core_run(opt: optim.Optimizer, args: TrainingArguments, steps: int) -> dict[str, torch.Tensor]:
-    """The trainer's ``steps`` steps composed by hand (as tests/torch/transformers/test_trainer.py does for one)."""
-    apply, params, frozen = functional_model(tiny_model("llama"))
-    root = random.key(args.privacy_noise_seed)
-    sampler = sampling.poisson(dataset_size=len(DATA), sample_rate=8 / len(DATA))
-    sampler_key, sampler_state = random.fold_in(root, "opake.trainer.sampler"), sampler.init()
-
-    def loss(p, example):
-        inputs = {k: v[None] for k, v in example.items() if k != "labels"}
-        return causal_lm_loss(apply(p, frozen, **inputs).logits[0], example["labels"])
-
-    step_fn, dp_state = dp_sgd(
-        loss,
-        optimizer=opt,
-        clipping_norm=1.0,
-        noise_multiplier=1.0,
-        expected_batch_size=8.0,
-        microbatch_size=8,
-        key=random.fold_in(root, "opake.trainer.noise"),
-    )
-    opt_state = opt.init(params)
-    for _ in range(steps):
-        index, sampler_state = sampler.sample(sampler_key, sampler_state)
-        batch = language_modeling_labels(collate([DATA[i] for i in index]))
-        params, opt_state, dp_state, _ = step_fn(params, opt_state, dp_state, (batch,))
-    return opt.eval_params(opt_state, params)
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_trainer_steps_equal_the_core_step_with_the_named_optimizer(tmp_path, name):
     optim_args, extra, expected = CASES[name]
     args = _args(tmp_path, optim=name, optim_args=optim_args, **extra)
     trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA)
     trainer.train()
-    want = _core_run(expected(), args, steps=2)
+    want = reference_run(expected(), data=DATA, steps=2).published
     start = dict(tiny_model("llama").named_parameters())
     for param_name, value in trainer.model.named_parameters():
         assert torch.equal(value.detach(), want[param_name]), param_name

@@ -7,11 +7,10 @@ bf16 a tie that bf16 logits make is decided by the float32 logits; and the optio
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from tiny_hf import VOCAB, tiny_model, tiny_moe, token_data
+from clipped_loop import clipped_sum_loop
+from tiny_hf import VOCAB, padded_batch, tiny_model, tiny_moe, token_data
 
 from opake_core.clipping import Engine, clipped_grad
 from opake_core.errors import ConfigurationError
@@ -49,15 +48,6 @@ def _routers(model):
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
 
 
-def _batch() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, VOCAB, (3, 9), generator=gen)
-    mask = torch.ones(3, 9, dtype=torch.long)
-    mask[1, 6:] = 0
-    mask[2, 4:] = 0
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_patched_router_is_the_written_float64_router_and_the_stock_one_in_float32(model_type) -> None:
     model = tiny_moe(model_type, torch.float64)
@@ -76,18 +66,6 @@ def test_patched_router_is_the_written_float64_router_and_the_stock_one_in_float
     apply_router_fp32(patched)
     ids = torch.randint(1, VOCAB, (2, 7), generator=gen)
     assert torch.equal(stock(input_ids=ids).logits, patched(input_ids=ids).logits)
-
-
-def _float64_loop(loss, params, batch):
-    """sum_i min(1, C/||g_i||) g_i with g_i = grad of the per-example loss, one example at a time (no vmap, no
-    layerwise taps) in float64."""
-    total = {k: torch.zeros_like(v) for k, v in params.items()}
-    for i in range(batch["input_ids"].shape[0]):
-        g = torch.func.grad(loss)(params, {k: v[i] for k, v in batch.items()})
-        scale = min(1.0, C / math.sqrt(sum(float(v.square().sum()) for v in g.values())))
-        for k in total:
-            total[k] += scale * g[k]
-    return total
 
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["vmap", "layerwise"])
@@ -109,9 +87,9 @@ def test_patched_float64_moe_per_example_gradients_match_a_float64_loop(model_ty
         batched = lambda p, b: batch_losses(apply, p, frozen, b, task="causal_lm")  # noqa: E731
         kwargs = {"engine": Engine(gradients=LayerwiseGradients(model, batched))}
     grad_fn, state = clipped_grad(loss, clipping_norm=C, batch_argnums=1, **kwargs)
-    data = _batch()
+    data = padded_batch()
     clipped, _ = grad_fn(params, data, state=state)
-    reference = _float64_loop(loss, params, data)
+    reference = clipped_sum_loop(loss, params, data, C)
     for name, value in reference.items():
         assert float((clipped.value[name] - value).abs().max()) <= 1e-12 * float(value.abs().max()), name
     assert all("forward" in vars(router) for router in _routers(model))  # still the patched routers

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_hf import VOCAB, tiny_moe, token_data
+from clipped_loop import clipped_sum_loop
+from tiny_hf import padded_batch, tiny_moe, token_data
 
 from opake_core.clipping import Engine, clipped_grad
 from opake_core.errors import ConfigurationError
@@ -25,15 +26,6 @@ transformers = pytest.importorskip("transformers")
 
 FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss")
 C, ALPHA = 0.05, 0.3
-
-
-def _batch() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1, VOCAB, (3, 9), generator=gen)
-    mask = torch.ones(3, 9, dtype=torch.long)
-    mask[1, 6:] = 0
-    mask[2, 4:] = 0
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def _reference(model: torch.nn.Module, data: dict, load: torch.Tensor, geometry) -> tuple[dict, torch.Tensor]:
@@ -77,7 +69,7 @@ def test_moe_clipped_sum_and_router_statistic_match_a_float64_loop(model_type: s
     losses = lambda p, b: batch_losses(apply, p, frozen, b, task="causal_lm")  # noqa: E731
     loss = router_loss(model, losses, geometry, coefficient=ALPHA)
     load = torch.tensor([0.8, 0.2, 0.6, 0.4], dtype=torch.float64)
-    data = _batch()
+    data = padded_batch()
     grad_fn, state = clipped_grad(loss, clipping_norm=C, microbatch_size=2, has_aux=True)
     (clipped, stats), _ = grad_fn(params, with_load(data, load), state=state)
     reference, expected_stats = _reference(model, data, load, geometry)
@@ -104,20 +96,9 @@ def test_router_statistic_needs_the_load_and_the_model_is_left_unhooked() -> Non
             ),
             max_tokens=8,
         )
-    assert LOAD_KEY in with_load(_batch(), torch.zeros(4))
+    assert LOAD_KEY in with_load(padded_batch(), torch.zeros(4))
     probs = load_probabilities(torch.zeros(2, 3, 4))
     torch.testing.assert_close(probs, torch.full((4,), 0.25))
-
-
-def _float64_loop(loss, params, batch, bound):
-    """sum_i min(1, C/||g_i||) g_i with g_i = grad of the per-example loss, one example at a time in float64."""
-    total = {k: torch.zeros_like(v) for k, v in params.items()}
-    for i in range(batch["input_ids"].shape[0]):
-        g = torch.func.grad(loss)(params, {k: v[i] for k, v in batch.items()})
-        norm = math.sqrt(sum(float(v.square().sum()) for v in g.values()))
-        for k in total:
-            total[k] += min(1.0, bound / norm) * g[k]
-    return total
 
 
 # every parameter: embeddings, attention (gpt-oss's sinks included), norms (gpt-oss's RMSNorm), routers, experts
@@ -125,12 +106,13 @@ TRAINED = {"mixtral": "", "qwen3_moe": "", "gpt_oss": ""}
 
 
 def _assert_layerwise_equals_the_float64_loop(model: torch.nn.Module, microbatch_size: int | None = None) -> None:
-    """The layerwise engine's clipped sum on :func:`_batch` equals the float64 loop's to 1e-12 of each norm."""
+    """The layerwise engine's clipped sum on :func:`tiny_hf.padded_batch` equals the float64 loop's to 1e-12 of
+    each norm."""
     from opake_torch.layerwise import LayerwiseGradients
 
     apply, params, frozen = functional_model(model)
     assert unsupported_parameters(model, params) == []
-    data = _batch()
+    data = padded_batch()
 
     def loss(p, example):
         return per_example_loss(apply, p, frozen, example, task="causal_lm")
@@ -142,7 +124,7 @@ def _assert_layerwise_equals_the_float64_loop(model: torch.nn.Module, microbatch
     grad_fn, state = clipped_grad(loss, clipping_norm=C, batch_argnums=1, microbatch_size=microbatch_size,
                                   engine=engine)  # fmt: skip
     clipped, _ = grad_fn(params, data, state=state)
-    reference = _float64_loop(loss, params, data, C)
+    reference = clipped_sum_loop(loss, params, data, C)
     for name, value in reference.items():
         assert float((clipped.value[name] - value).norm()) <= 1e-12 * float(value.norm()), name
     assert not any("forward" in vars(m) for m in model.modules())  # the experts' own forward is back
@@ -208,7 +190,7 @@ def test_attention_sinks_used_other_than_by_eager_attention_are_refused(monkeypa
     grad_fn, state = clipped_grad(lambda p, e: per_example_loss(apply, p, frozen, e, task="causal_lm"),
                                   clipping_norm=C, batch_argnums=1, engine=engine)  # fmt: skip
     with pytest.raises(ConfigurationError, match="attention sinks of GptOssAttention are served with eager"):
-        grad_fn(params, _batch(), state=state)
+        grad_fn(params, padded_batch(), state=state)
 
 
 def test_layerwise_engine_refuses_expert_parallel_experts() -> None:

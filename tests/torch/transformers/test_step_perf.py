@@ -6,10 +6,11 @@ run is the same bit for bit."""
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import pytest
 import torch
-from tiny_hf import tiny_model, token_data
+from tiny_hf import tiny_args, tiny_model, token_data
 from torchopt.base import GradientTransformation
 from transformers import TrainerCallback
 
@@ -22,22 +23,7 @@ from opake_torch.transformers.step_perf import PHASES
 DATA = token_data(40)
 KEYS = [f"perf/{phase}_sec" for phase in PHASES]
 DELAY = 1.0  # seconds: far above a tiny model's phase on CPU after the first step, even on a loaded machine
-
-
-def _args(tmp_path, **kw) -> TrainingArguments:
-    base = {
-        "per_device_train_batch_size": 8,
-        "max_steps": 3,
-        "privacy_noise_multiplier": 1.0,
-        "use_cpu": True,
-        "disable_tqdm": True,
-        "logging_steps": 1,
-        "save_strategy": "no",
-        "report_to": "none",
-        "per_example_gradients": "vmap",
-        "privacy_noise_seed": 3,
-    }
-    return TrainingArguments(str(tmp_path / "out"), **{**base, **kw})
+_args = partial(tiny_args, max_steps=3, logging_steps=1, per_example_gradients="vmap", privacy_noise_seed=3)
 
 
 class _Walls(TrainerCallback):
