@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from opake_core.errors import ConfigurationError, InputTypeError
 
@@ -78,11 +79,13 @@ def collate(
         if pad_to_multiple_of:
             length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
         dtype = next((v.dtype for v in values if v.numel()), values[0].dtype)  # an empty first value: the others
-        padded = torch.full(
-            (len(values), length, *values[0].shape[1:]), _PAD_VALUES.get(name, pad_token_id), dtype=dtype
-        )
-        for row, value in enumerate(values):
-            padded[row, : value.shape[0]] = value
+        pad = _PAD_VALUES.get(name, pad_token_id)
+        values = [v if v.dtype == dtype else v.to(dtype) for v in values]
+        padded = pad_sequence(values, batch_first=True, padding_value=pad)  # one host operation for the batch
+        if padded.shape[1] < length:
+            padded = torch.cat(
+                [padded, padded.new_full((len(values), length - padded.shape[1], *padded.shape[2:]), pad)], dim=1
+            )
         batch[name] = padded
         if name == "input_ids" and "attention_mask" not in examples[0]:
             lengths = torch.tensor([v.shape[0] for v in values])
