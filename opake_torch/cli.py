@@ -5,6 +5,13 @@ for people, or one JSON object with ``--json`` holding the answer and every inpu
 trainer: PLD accountant, Poisson sampler, ``delta = 1 / N**1.1`` when a dataset size is given. ``opake --version``
 prints the installed version.
 
+``calibrate`` meets any one :class:`~opake_core.accounting.Budget` (``--target-epsilon`` at ``--delta``,
+``--target-delta`` at ``--at-epsilon``, ``--target-advantage``, ``--target-beta`` at ``--at-alpha``,
+``--target-bayes-risk`` at ``--prior``) by :func:`opake_core.accounting.calibrate` of one ``--parameter``: the noise
+multiplier (the default), or the sample rate or the steps at a given ``--noise-multiplier``. ``epsilon`` also answers
+``--advantage``, ``--beta-at-alpha``, ``--bayes-risk-at-prior`` (read from the run's PLD privacy profile, refused for
+runs without one) and ``--delta-at-epsilon``.
+
 ``--mechanism mf_*`` accounts a DP-FTRL run for its whole horizon through
 :func:`opake_core.accounting.mf_process`; the sampler defaults to the mechanism's usual one (mf_band:
 cyclic_poisson, mf_identity: poisson, the others: balls_in_bins) and the strategy's parameters come from
@@ -37,7 +44,7 @@ from typing import Any
 
 from opake_core import accounting as acc
 from opake_core import mf, sampling
-from opake_core.accounting.mf_monte_carlo import default_monte_carlo
+from opake_core.accounting.mf_monte_carlo import MonteCarloMF, default_monte_carlo
 from opake_core.errors import ConfigurationError, OpakeError
 from opake_torch import __version__, limits
 from opake_torch._cli_types import number, writable_path
@@ -55,6 +62,23 @@ MONTE_CARLO_SAMPLERS = ("k_out_of_t", "balls_in_bins", "b_min_sep")
 # Normal draws of one Monte Carlo answer (samples x steps): about a minute and a half on one CPU core.
 MAX_MC_DRAWS = 10**9
 _MF_DEFAULT_SAMPLER = {"mf_band": "cyclic_poisson", "mf_identity": "poisson"}
+# A budget kind -> its --target-* flag, the flag of the point it is taken at (--target-epsilon: --delta, resolved as
+# in 'epsilon'), and what that point is.
+_BUDGET_FLAGS = {
+    "epsilon": ("--target-epsilon", None, None),
+    "delta": ("--target-delta", "--at-epsilon", "the epsilon at which delta is bounded"),
+    "advantage": ("--target-advantage", None, None),
+    "beta": ("--target-beta", "--at-alpha", "the type I error at which the type II error is bounded"),
+    "bayes_risk": ("--target-bayes-risk", "--prior", "the probability that the example is in the data"),
+}
+FDP_KINDS = ("advantage", "beta", "bayes_risk")  # read from the PLD privacy profile (opake_core.accounting.fdp)
+# The range calibrate searches when --min / --max are not given (the core's defaults; steps as in 'steps').
+_SEARCH_RANGE = {"noise_multiplier": (0.11, 10.0), "sample_rate": (1e-9, 1.0), "steps": (1, 10**7)}
+_SEARCH_LIMITS = {  # what --min / --max may be, by --parameter
+    "noise_multiplier": {"low": limits.MIN_NOISE_MULTIPLIER, "high": limits.MAX_NOISE_MULTIPLIER},
+    "sample_rate": {"low": 0, "high": 1, "open_low": True},
+    "steps": {"low": 1, "high": limits.MAX_COUNT, "integer": True},
+}
 _STRATEGY_FLAGS = {  # flag -> mechanisms it applies to
     "bands": ("mf_band",),
     "max_buffers": ("mf_blt",),
@@ -255,13 +279,19 @@ def _run_factory(args: argparse.Namespace, q: float, steps: int) -> Callable[[fl
     return lambda sigma: acc.repeat(step(sigma), steps)
 
 
+def _monte_carlo_dpftrl(args: argparse.Namespace) -> bool:
+    """Whether the run is DP-FTRL accounted by Monte Carlo only (balls_in_bins or b_min_sep; mf_identity with
+    balls_in_bins is a random allocation, which has a numerical PLD)."""
+    return args.sampler in ("balls_in_bins", "b_min_sep") and args.mechanism != "mf_identity"
+
+
 def _mc_samples(args: argparse.Namespace, delta: float) -> int | None:
     """The Monte Carlo samples per direction the accountant draws, or None where no Monte Carlo accountant runs."""
     if args.sampler not in MONTE_CARLO_SAMPLERS:
         return None
     if args.mc_samples is not None:
         return args.mc_samples
-    if args.sampler == "k_out_of_t" or args.mechanism == "mf_identity":  # random allocation: numerical PLD
+    if not _monte_carlo_dpftrl(args):  # random allocation: numerical PLD
         return None
     return default_monte_carlo(delta).num_samples  # DP-FTRL: enough for a certified floor of delta / 4
 
@@ -365,12 +395,20 @@ def _mf_sampler(args: argparse.Namespace, q: float) -> Any:
     return None
 
 
-def _mf_factory(args: argparse.Namespace, q: float, steps: int) -> Callable[[float], Any]:
-    """The whole-horizon MF process at a noise multiplier (the strategy is optimized once, for ``steps``)."""
+def _mf_run(args: argparse.Namespace, steps: int) -> Callable[[float, float], Any]:
+    """The whole-horizon MF process at a noise multiplier and a sample rate (the strategy is optimized once, for
+    ``steps``)."""
     concrete = mf.optimize(_strategy(args), steps)
-    sampler = _mf_sampler(args, q)
-    acc.mf_process(concrete, sampler=sampler, noise_multiplier=1.0, n_steps=steps)  # validate before searching
-    return lambda sigma: acc.mf_process(concrete, sampler=sampler, noise_multiplier=sigma, n_steps=steps)
+    return lambda sigma, q: acc.mf_process(
+        concrete, sampler=_mf_sampler(args, q), noise_multiplier=sigma, n_steps=steps
+    )
+
+
+def _mf_factory(args: argparse.Namespace, q: float, steps: int) -> Callable[[float], Any]:
+    """The whole-horizon MF process at a noise multiplier."""
+    run = _mf_run(args, steps)
+    run(1.0, q)  # validate before searching
+    return lambda sigma: run(sigma, q)
 
 
 def _inputs(args: argparse.Namespace, **resolved: Any) -> dict[str, Any]:
@@ -422,44 +460,220 @@ def _plot_steps(args: argparse.Namespace, sigma: float, q: float, steps: int, de
         _plot(args.plot, lambda n: acc.repeat(step, n), steps, delta, query, f"noise multiplier {sigma:.4g}")
 
 
+def _refuse_without_profile(args: argparse.Namespace, process: Any, flags: Sequence[str]) -> None:
+    """Refuse the f-DP questions ``flags`` where the run has no PLD privacy profile to read them from: where the core
+    (:mod:`opake_core.accounting.fdp`, :meth:`~opake_core.accounting.Budget.query`) refuses, said in flags."""
+    if not flags:
+        return
+    if args.accountant == "rdp":
+        why = "--accountant rdp answers from RDP, which has none: drop --accountant rdp (PLD is the default)"
+    elif isinstance(process, MonteCarloMF):
+        why = (
+            f"--mechanism {args.mechanism} with --sampler {args.sampler} is accounted by Monte Carlo only, which has "
+            "none: use a sampler with a PLD (cyclic_poisson for mf_band, poisson or balls_in_bins for mf_identity)"
+        )
+    elif args.mc_samples is not None:
+        why = "--mc-samples asks for the Monte Carlo estimator, which has none: drop it (the numerical PLD answers)"
+    elif acc.contains_without_replacement(process):
+        why = "--sampler fixed_size is accounted by RDP only (replace-one), which has none: use --sampler poisson"
+    else:
+        return
+    verb = "reads" if len(flags) == 1 else "read"
+    _fail(f"{' and '.join(flags)} {verb} the run's PLD privacy profile (delta at every epsilon); here {why}.")
+
+
+def _profile_flags(args: argparse.Namespace) -> list[str]:
+    """The f-DP questions asked of ``epsilon``."""
+    asked = {
+        "--advantage": args.advantage,
+        "--beta-at-alpha": args.beta_at_alpha is not None,
+        "--bayes-risk-at-prior": args.bayes_risk_at_prior is not None,
+    }
+    return [flag for flag, given in asked.items() if given]
+
+
+def _more_answers(args: argparse.Namespace, process: Any, query: dict[str, Any], delta: float) -> dict[str, Any]:
+    """The run's answers to ``--advantage`` (an upper bound), ``--beta-at-alpha`` and ``--bayes-risk-at-prior``
+    (lower bounds; from the PLD privacy profile) and ``--delta-at-epsilon`` (by the accountant of its epsilon, with
+    the same Monte Carlo samples), each keyed by its flag."""
+    out: dict[str, Any] = {}
+    if args.advantage:
+        out["advantage"] = acc.advantage(process).value
+    if args.beta_at_alpha is not None:
+        alpha = args.beta_at_alpha
+        out["beta_at_alpha"] = {"alpha": alpha, "beta": acc.beta(process, alpha=alpha).value}
+    if args.bayes_risk_at_prior is not None:
+        prior = args.bayes_risk_at_prior
+        out["bayes_risk_at_prior"] = {"prior": prior, "bayes_risk": acc.bayes_risk(process, prior=prior).value}
+    if args.delta_at_epsilon is not None:
+        samples = _mc_samples(args, delta)
+        if samples is not None and "monte_carlo" not in query:  # the count the epsilon query drew by default
+            query = {**query, "monte_carlo": acc.MonteCarlo(num_samples=samples)}
+        result = acc.delta(process, epsilon=args.delta_at_epsilon, **query)
+        out["delta_at_epsilon"] = {
+            "epsilon": args.delta_at_epsilon,
+            "delta": result.value,
+            "accountant": result.accountant,
+        }
+    return out
+
+
 def run_epsilon(args: argparse.Namespace) -> dict[str, Any]:
     _resolve_sampler(args)
     q = _sample_rate(args)
     steps, delta = _steps(args, q), _delta(args)
     query = _query(args, steps, delta)
     make = _run_factory if args.mechanism == "gaussian" else _mf_factory
-    result = acc.epsilon(make(args, q, steps)(args.noise_multiplier), delta=delta, **query)
+    process = make(args, q, steps)(args.noise_multiplier)
+    _refuse_without_profile(args, process, _profile_flags(args))
+    result = acc.epsilon(process, delta=delta, **query)
+    more = _more_answers(args, process, query, delta)
     _plot_steps(args, args.noise_multiplier, q, steps, delta, query)
     return {
         "epsilon": result.value,
+        **more,
         **_inputs(args, noise_multiplier=args.noise_multiplier, sample_rate=q, steps=steps, delta=delta),
         "accountant": result.accountant,
     }
 
 
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def _budget(args: argparse.Namespace) -> acc.Budget:
+    """The budget of ``calibrate``: its one ``--target-*`` flag (argparse admits exactly one) at its point."""
+    kind = next(k for k, (flag, _, _) in _BUDGET_FLAGS.items() if getattr(args, _dest(flag)) is not None)
+    target, point, meaning = _BUDGET_FLAGS[kind]
+    for other, other_point, _ in _BUDGET_FLAGS.values():
+        if other_point not in (None, point) and getattr(args, _dest(other_point)) is not None:
+            _fail(f"{other_point} is the point of {other}, not of {target}: drop {other_point}.")
+    if point is not None and getattr(args, _dest(point)) is None:
+        _fail(f"{target} needs {point}, {meaning}.")
+    if kind == "epsilon":
+        return acc.Budget.epsilon(args.target_epsilon, delta=_delta(args))
+    if args.delta is not None:
+        _fail(f"--delta is the point of --target-epsilon; {target} does not read it: drop --delta.")
+    if kind == "delta":
+        bound = args.target_delta
+        if args.dataset_size is not None:  # a delta of 1/N or more is refused as for --delta
+            bound = acc.check_delta(bound, dataset_size=args.dataset_size, allow_large=args.allow_large_delta)
+        return acc.Budget.delta(bound, epsilon=args.at_epsilon)
+    if args.allow_large_delta:
+        _fail(f"--allow-large-delta applies to --delta or --target-delta; {target} reads no delta: drop it.")
+    if kind == "advantage":
+        return acc.Budget.advantage(args.target_advantage)
+    if kind == "beta":
+        return acc.Budget.beta(args.target_beta, alpha=args.at_alpha)
+    return acc.Budget.bayes_risk(args.target_bayes_risk, prior=args.prior)
+
+
+def _searched(args: argparse.Namespace) -> tuple[float | None, float | None, int | None, Callable[[Any], Any]]:
+    """The run's noise multiplier, sample rate and steps (None for the one ``--parameter`` searches) and the process
+    at a value of that parameter, from the flags ``epsilon`` reads."""
+    parameter, sigma = args.parameter, args.noise_multiplier
+    gaussian = args.mechanism == "gaussian"
+    if parameter == "noise_multiplier":
+        if sigma is not None:
+            _fail(
+                "--noise-multiplier is what --parameter noise_multiplier (the default) searches: drop it, or add "
+                "--parameter sample_rate or steps to search those at this multiplier."
+            )
+        q = _sample_rate(args)
+        steps = _steps(args, q)
+        return None, q, steps, (_run_factory if gaussian else _mf_factory)(args, q, steps)
+    if sigma is None:
+        _fail(f"--parameter {parameter} searches at a given noise multiplier: add --noise-multiplier.")
+    if parameter == "sample_rate":
+        for flag, name, why in (
+            ("--sample-rate", "sample_rate", "is what --parameter sample_rate searches"),
+            ("--batch-size", "batch_size", "gives the rate that --parameter sample_rate searches"),
+            ("--epochs", "epochs", "counts steps at a rate, and the rate is searched: give --steps"),
+        ):
+            if getattr(args, name) is not None:
+                _fail(f"{flag} {why}; drop {flag}.")
+        if args.sampler in ("k_out_of_t", "fixed_size", "balls_in_bins"):
+            _fail(
+                f"--parameter sample_rate needs a sampler with a free rate; --sampler {args.sampler} has none (its "
+                "batches come from --k, --batch-size or the number of bins): calibrate the noise multiplier or steps."
+            )
+        steps = _steps(args, None)
+        if gaussian:
+            return sigma, None, steps, lambda q: _run_factory(args, q, steps)(sigma)
+        run = _mf_run(args, steps)
+        return sigma, None, steps, lambda q: run(sigma, q)
+    for flag, name in (("--steps", "steps"), ("--epochs", "epochs")):
+        if getattr(args, name) is not None:
+            _fail(f"{flag} gives the steps that --parameter steps searches; drop {flag}.")
+    if not gaussian or args.sampler == "k_out_of_t":
+        what = f"--mechanism {args.mechanism}" if not gaussian else "--sampler k_out_of_t"
+        _fail(f"--parameter steps needs a per-step run; {what} is accounted for its whole horizon.")
+    q = _sample_rate(args)
+    step = _step_factory(args, q)(sigma)
+    return sigma, q, None, lambda n: acc.repeat(step, n)
+
+
+def _search_range(args: argparse.Namespace) -> tuple[float | int, float | int, float | None]:
+    """``--min``, ``--max`` (checked for ``--parameter``, defaults :data:`_SEARCH_RANGE`) and ``--tolerance`` (None
+    for steps, which are exact)."""
+    parameter = args.parameter
+    lo, hi = _SEARCH_RANGE[parameter]
+    if parameter == "sample_rate" and args.sampler == "cyclic_poisson" and args.dataset_size is not None:
+        # the largest rate whose conditional rate within a group is 1
+        hi = sampling.cyclic_poisson(dataset_size=args.dataset_size, sample_rate=lo, bands=args.bands or 16).group_size
+        hi /= args.dataset_size
+
+    def bound(flag: str, value: float | None, default: float | int) -> float | int:
+        if value is None:
+            return default
+        if parameter == "steps" and value.is_integer():
+            value = int(value)
+        return limits.check_number(value, flag, why=f"the {parameter} searched", **_SEARCH_LIMITS[parameter])
+
+    lo, hi = bound("--min", args.min, lo), bound("--max", args.max, hi)
+    if parameter == "steps":
+        if args.tolerance is not None:
+            _fail("--tolerance applies to a continuous --parameter; steps are exact (one more misses the budget).")
+        return lo, hi, None
+    return lo, hi, 1e-3 if args.tolerance is None else args.tolerance
+
+
 def run_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     _resolve_sampler(args)
-    q = _sample_rate(args)
-    steps, delta = _steps(args, q), _delta(args)
-    query = _query(args, steps, delta)
-    found = acc.calibrate_noise_multiplier(
-        (_run_factory if args.mechanism == "gaussian" else _mf_factory)(args, q, steps),
-        target_epsilon=args.target_epsilon,
-        delta=delta,
-        min=args.min,
-        max=args.max,
-        tolerance=args.tolerance,
-        **query,
-    )
-    _plot_steps(args, found.value, q, steps, delta, query)
+    budget, parameter = _budget(args), args.parameter
+    if args.plot and budget.kind != "epsilon":
+        _fail("--plot draws epsilon at --delta against steps; it applies to --target-epsilon only.")
+    if _monte_carlo_dpftrl(args) and (budget.kind != "epsilon" or parameter != "noise_multiplier"):
+        _fail(
+            f"--mechanism {args.mechanism} with --sampler {args.sampler} is accounted by Monte Carlo, which calibrates "
+            f"the noise multiplier to --target-epsilon only, not {budget} by --parameter {parameter}."
+        )
+    sigma, q, steps, make = _searched(args)
+    lo, hi, tolerance = _search_range(args)
+    delta = budget.at if budget.kind == "epsilon" else None
+    query = _query(args, hi if parameter == "steps" else steps, delta)
+    if budget.kind in FDP_KINDS:
+        _refuse_without_profile(
+            args, make(hi if parameter == "noise_multiplier" else lo), [_BUDGET_FLAGS[budget.kind][0]]
+        )
+    tol = {} if tolerance is None else {"tolerance": tolerance}  # steps are exact: none
+    found = acc.calibrate(make, budget=budget, parameter=parameter, min=lo, max=hi, **tol, **query)
+    run = {"noise_multiplier": sigma, "sample_rate": q, "steps": steps, parameter: found.value}
+    if budget.kind == "epsilon":
+        _plot_steps(args, run["noise_multiplier"], run["sample_rate"], run["steps"], delta, query)
+    if budget.kind == "epsilon" and parameter == "noise_multiplier":  # the answer of --target-epsilon, as before
+        head = {"noise_multiplier": found.value, "epsilon": found.achieved, "target_epsilon": budget.bound}
+        run.pop("noise_multiplier")
+    else:
+        head = {parameter: found.value, "achieved": found.achieved, "budget": str(budget), "parameter": parameter}
+        if parameter == "steps":
+            run["epochs"] = found.value * q * _ranks(args)
     return {
-        "noise_multiplier": found.value,
-        "epsilon": found.epsilon,
-        "target_epsilon": args.target_epsilon,
-        **_inputs(args, sample_rate=q, steps=steps, delta=delta),
-        "min": args.min,
-        "max": args.max,
-        "tolerance": args.tolerance,
+        **head,
+        **_inputs(args, **run, delta=delta),
+        "min": lo,
+        "max": hi,
+        "tolerance": tolerance,
         "accountant": found.accountant,
     }
 
@@ -500,21 +714,56 @@ def _add_privacy(subparsers: argparse._SubParsersAction) -> None:
         limits.MIN_NOISE_MULTIPLIER, limits.MAX_NOISE_MULTIPLIER, zero=True, why="or 0 for a non-private run"
     )
     target = number(0, limits.MAX_SCALE, open_low=True, why="an epsilon anywhere near the top protects nothing")
+    probability = number(0, 1, open_low=True, open_high=True)
     eps = commands.add_parser("epsilon", help="epsilon of a run at a noise multiplier")
     eps.add_argument("--noise-multiplier", type=sigma, required=True, help="sigma >= 0 (0 = non-private)")
+    more = eps.add_argument_group("more answers (from the PLD privacy profile, but --delta-at-epsilon)")
+    more.add_argument("--advantage", action="store_true", help="the largest TPR - FPR of a membership test")
+    more.add_argument("--beta-at-alpha", type=number(0, 1), metavar="ALPHA", help="the least type II error at ALPHA")
+    more.add_argument("--bayes-risk-at-prior", type=probability, metavar="PRIOR", help="the least Bayes error at PRIOR")
+    more.add_argument(
+        "--delta-at-epsilon", type=number(0, limits.MAX_SCALE), metavar="EPSILON", help="delta at EPSILON"
+    )
     _sampling_arguments(eps)
     eps.set_defaults(run=run_epsilon)
 
-    cal = commands.add_parser("calibrate", help="smallest noise multiplier for a target epsilon")
-    searched = number(limits.MIN_NOISE_MULTIPLIER, limits.MAX_NOISE_MULTIPLIER)
-    cal.add_argument("--target-epsilon", type=target, required=True)
-    cal.add_argument("--min", type=searched, default=0.11, help="smallest multiplier searched (default 0.11)")
-    cal.add_argument("--max", type=searched, default=10.0, help="largest multiplier searched (default 10.0)")
-    cal.add_argument(
+    cal = commands.add_parser("calibrate", help="the least private noise multiplier, sample rate or steps for a budget")
+    budget = cal.add_argument_group("budget (exactly one --target-*)")
+    targets = budget.add_mutually_exclusive_group(required=True)
+    targets.add_argument("--target-epsilon", type=target, help="epsilon at most this at --delta")
+    targets.add_argument("--target-delta", type=probability, help="delta at most this at --at-epsilon")
+    targets.add_argument("--target-advantage", type=probability, help="TPR - FPR of any membership test at most this")
+    targets.add_argument("--target-beta", type=probability, help="the least type II error at --at-alpha at least this")
+    targets.add_argument(
+        "--target-bayes-risk",
+        type=number(0, 0.5, open_low=True),
+        help="the least Bayes error at --prior at least this (reachable up to min(prior, 1 - prior))",
+    )
+    budget.add_argument("--at-epsilon", type=number(0, limits.MAX_SCALE), help="--target-delta: its epsilon")
+    budget.add_argument("--at-alpha", type=number(0, 1), help="--target-beta: the type I error")
+    budget.add_argument("--prior", type=probability, help="--target-bayes-risk: P(the example is in the data)")
+    search = cal.add_argument_group("search")
+    search.add_argument(
+        "--parameter",
+        choices=acc.PARAMETERS,
+        default="noise_multiplier",
+        help="what is searched: the smallest noise multiplier (default), or the largest sample rate or the most steps "
+        "at --noise-multiplier",
+    )
+    search.add_argument("--noise-multiplier", type=sigma, help="--parameter sample_rate or steps: the multiplier")
+    bound = number(0, limits.MAX_COUNT, open_low=True)
+    search.add_argument(
+        "--min", type=bound, help="smallest value searched (default: multiplier 0.11, rate 1e-9, steps 1)"
+    )
+    search.add_argument(
+        "--max",
+        type=bound,
+        help="largest value searched (default: multiplier 10.0; rate 1, or the most cyclic_poisson allows; steps 1e7)",
+    )
+    search.add_argument(
         "--tolerance",
         type=number(limits.MIN_TOLERANCE, 1, open_high=True),
-        default=1e-3,
-        help="relative epsilon tolerance (default 1e-3)",
+        help="relative tolerance of the budget's number (default 1e-3; steps are exact)",
     )
     _sampling_arguments(cal)
     cal.set_defaults(run=run_calibrate)
@@ -537,10 +786,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_MORE_ANSWERS = ("advantage", "beta_at_alpha", "bayes_risk_at_prior", "delta_at_epsilon")
+
+
+def _said(name: str, value: Any) -> str:
+    if isinstance(value, dict):  # an answer at a point: {point: at, number: value, ...}
+        (point, at), (number, found) = list(value.items())[:2]
+        return f"{number} = {found:.6g} at {point} {at:g}"
+    return f"{name} = {value:.6g}" if isinstance(value, float) else f"{name} = {value}"
+
+
 def _human(answer: dict[str, Any]) -> str:
-    name = next(iter(answer))
-    head = f"{name} = {answer[name]:.6g}" if isinstance(answer[name], float) else f"{name} = {answer[name]}"
-    details = ", ".join(f"{k}={v}" for k, v in answer.items() if k != name and v is not None)
+    said = [next(iter(answer)), *(name for name in _MORE_ANSWERS if name in answer)]
+    head = ", ".join(_said(name, answer[name]) for name in said)
+    details = ", ".join(f"{k}={v}" for k, v in answer.items() if k not in said and v is not None)
     return f"{head}  ({details})"
 
 
