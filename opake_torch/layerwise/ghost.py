@@ -85,10 +85,12 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, x.transpose(1, 2))
 
 
-def frobenius(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``[m]`` inner products ``sum_{t,s} a_its b_its`` of two ``[m, T, T]`` tensors, in one launch."""
-    m = a.shape[0]
-    return torch.bmm(a.reshape(m, 1, -1), b.reshape(m, -1, 1)).reshape(m)
+def frobenius(a: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """``[m]`` inner products ``sum_{t,s} a_its own_its`` of two ``[m, T, T]`` tensors. ``own``, a temporary of the
+    caller's, is overwritten with the products: an elementwise product and a sum, bound by memory and with no other
+    temporary (as a batched float64 matrix-vector product, the same sums ran at about a fifteenth of an H100's
+    memory rate: 23.8 ms a step of the 1.1B Llama)."""
+    return own.mul_(a).sum(dim=(1, 2))
 
 
 def _add_product(total: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
