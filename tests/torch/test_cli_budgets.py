@@ -5,40 +5,20 @@ keys; and the default ``--target-epsilon`` answer, unchanged."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
+from cli_runs import cli_json, cli_line, cli_refused
 from scipy.stats import norm
 
 from opake_core import accounting as acc
 from opake_core import mf, sampling
 from opake_core.accounting.mf_monte_carlo import default_monte_carlo
 from opake_core.errors import ConfigurationError
-from opake_torch.cli import main
-
-
-def _out(capsys, *argv: str) -> str:
-    assert main(list(argv)) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1
-    return out[0]
 
 
 def _run(capsys, *argv: str) -> dict:
-    return json.loads(_out(capsys, *argv, "--json"))
-
-
-def _refused(capsys, *argv: str) -> str:
-    """The error line of a refused command: exit status 2 (from ``main`` or from ``argparse``), no traceback."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse's usage error
-        code = exc.code
-    err = capsys.readouterr().err
-    assert code == 2, (code, err)
-    assert "error:" in err and "Traceback" not in err, err
-    return err
+    return cli_json(capsys, *argv, "--json")
 
 
 def _gdp(mu: float) -> dict:
@@ -78,7 +58,7 @@ def test_epsilon_answers_the_core_on_the_same_process(capsys):
                                           "accountant": "pld"}  # fmt: skip
     assert answer["epsilon"] == acc.epsilon(process, delta=1e-5).value == _run(capsys, *SAMPLED)["epsilon"]
     assert list(answer)[:4] == ["epsilon", "advantage", "bayes_risk_at_prior", "delta_at_epsilon"]
-    line = _out(capsys, *SAMPLED, "--advantage", "--delta-at-epsilon", "1")
+    line = cli_line(capsys, *SAMPLED, "--advantage", "--delta-at-epsilon", "1")
     assert line.startswith(f"epsilon = {answer['epsilon']:.6g}, advantage = {answer['advantage']:.6g}, delta = ")
     assert " at epsilon 1  (" in line
 
@@ -139,7 +119,7 @@ def test_delta_at_epsilon_uses_the_runs_accountant(capsys):
 def test_fdp_answers_are_refused_where_the_core_has_no_profile(capsys, argv, flag, needle, core):
     with pytest.raises(ConfigurationError):
         core()
-    err = _refused(capsys, "privacy", "epsilon", "--noise-multiplier", "1", "--delta", "1e-5", *argv, flag)
+    err = cli_refused(capsys, "privacy", "epsilon", "--noise-multiplier", "1", "--delta", "1e-5", *argv, flag)
     assert flag.split("=")[0] in err and needle in err and "PLD privacy profile" in err
 
 
@@ -160,7 +140,7 @@ def test_the_default_target_epsilon_answer_is_unchanged(capsys):
     assert list(answer) == DEFAULT_KEYS
     assert (answer["noise_multiplier"], answer["epsilon"]) == (direct.value, direct.epsilon)
     assert (answer["min"], answer["max"], answer["tolerance"], answer["target_epsilon"]) == (0.11, 10.0, 1e-3, 8.0)
-    line = _out(capsys, *argv)
+    line = cli_line(capsys, *argv)
     assert line.startswith(f"noise_multiplier = {direct.value:.6g}  (epsilon=") and "budget=" not in line
 
 
@@ -234,7 +214,7 @@ def test_target_epsilon_by_steps_equals_calibrate_steps(capsys):
     _generic_keys(answer, "steps")
     assert (answer["steps"], answer["achieved"]) == (direct.value, direct.epsilon)
     assert answer["delta"] == 1e-5 and answer["budget"] == "epsilon <= 2 at delta 1e-05"
-    assert _out(capsys, *argv).startswith(f"steps = {direct.value}  (achieved=")
+    assert cli_line(capsys, *argv).startswith(f"steps = {direct.value}  (achieved=")
 
 
 def test_band_mf_sample_rate_searches_up_to_the_cyclic_groups(capsys):
@@ -304,4 +284,4 @@ def test_calibrate_refuses_with_the_flag_and_the_fix(capsys, tmp_path, monkeypat
         argv = [*argv, "--sample-rate", "0.01"]
     if parameter != "steps" and not {"--steps", "--epochs"} & set(argv):
         argv = [*argv, "--steps", "100"]
-    assert needle in _refused(capsys, *CAL, *argv)
+    assert needle in cli_refused(capsys, *CAL, *argv)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import dp_accounting
 import pytest
+from cli_runs import cli_json, cli_refused
 from dp_accounting import rdp
 
 from opake_core import accounting as acc
@@ -21,25 +22,6 @@ ORACLE = json.loads(
 )
 
 
-def _run(capsys, *argv: str) -> dict:
-    assert main(list(argv)) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1
-    return json.loads(out[0])
-
-
-def _refused(capsys, *argv: str) -> str:
-    """The error line of a refused command: exit status 2 (from ``main`` or from ``argparse``), no traceback."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse's usage error
-        code = exc.code
-    err = capsys.readouterr().err
-    assert code == 2, (code, err)
-    assert "error:" in err and "Traceback" not in err, err
-    return err
-
-
 # Every RDP row (cheap) and one PLD row (plus sigma=1, 1000 steps below); the API tests cover every PLD row.
 CASES = [("rdp", r) for r in ORACLE["rows"]] + [("pld", r) for r in ORACLE["rows"] if r["steps"] == 100][-1:]
 
@@ -48,7 +30,7 @@ CASES = [("rdp", r) for r in ORACLE["rows"]] + [("pld", r) for r in ORACLE["rows
     ("name", "row"), CASES, ids=lambda v: v if isinstance(v, str) else f"s{v['sigma']}-T{v['steps']}"
 )
 def test_epsilon_reproduces_the_oracle(capsys, name, row):
-    answer = _run(
+    answer = cli_json(
         capsys,
         "privacy", "epsilon", "--noise-multiplier", str(row["sigma"]), "--sample-rate", str(row["q"]),
         "--steps", str(row["steps"]), "--delta", "1e-5", "--accountant", name, "--json",
@@ -63,7 +45,7 @@ def test_epsilon_reproduces_the_oracle(capsys, name, row):
 
 
 def test_default_accountant_is_pld(capsys):
-    answer = _run(
+    answer = cli_json(
         capsys, "privacy", "epsilon", "--noise-multiplier", "1.0", "--sample-rate", "0.01", "--steps", "1000",
         "--delta", "1e-5", "--json",
     )  # fmt: skip
@@ -74,7 +56,7 @@ def test_default_accountant_is_pld(capsys):
 @pytest.mark.parametrize("name", ["rdp", "pld"])
 def test_calibrate_reproduces_the_oracle(capsys, name):
     case = ORACLE["calibration"][0]
-    answer = _run(
+    answer = cli_json(
         capsys, "privacy", "calibrate", "--target-epsilon", "8", "--sample-rate", "0.01", "--steps", "1000",
         "--delta", "1e-5", "--accountant", name, "--tolerance", "2e-5", "--json",
     )  # fmt: skip
@@ -86,14 +68,14 @@ def test_calibrate_reproduces_the_oracle(capsys, name):
 
 
 def test_steps(capsys):
-    answer = _run(
+    answer = cli_json(
         capsys, "privacy", "steps", "--noise-multiplier", "1.0", "--sample-rate", "0.01",
         "--target-epsilon", "8",
         "--delta", "1e-5", "--accountant", "rdp", "--json",
     )  # fmt: skip
     steps = answer["steps"]
     assert answer["epsilon"] <= 8.0
-    after = _run(
+    after = cli_json(
         capsys, "privacy", "epsilon", "--noise-multiplier", "1.0", "--sample-rate", "0.01", "--steps",
         str(steps + 1), "--delta", "1e-5", "--accountant", "rdp", "--json",
     )  # fmt: skip
@@ -101,7 +83,7 @@ def test_steps(capsys):
 
 
 def test_defaults_from_dataset_size_and_epochs(capsys):
-    answer = _run(
+    answer = cli_json(
         capsys, "privacy", "epsilon", "--noise-multiplier", "2.0", "--batch-size", "100",
         "--dataset-size", "10000",
         "--epochs", "2", "--accountant", "rdp", "--json",
@@ -112,7 +94,7 @@ def test_defaults_from_dataset_size_and_epochs(capsys):
 
 
 def test_nonprivate_epsilon_is_inf(capsys):
-    answer = _run(
+    answer = cli_json(
         capsys, "privacy", "epsilon", "--noise-multiplier", "0", "--sample-rate", "0.01", "--steps", "10",
         "--delta", "1e-5", "--json",
     )  # fmt: skip
@@ -133,11 +115,11 @@ def test_nonprivate_epsilon_is_inf(capsys):
     ],
 )
 def test_bad_input_exits_with_a_message(capsys, argv, needle):
-    assert needle in _refused(capsys, "privacy", "epsilon", "--noise-multiplier", "1.0", *argv)
+    assert needle in cli_refused(capsys, "privacy", "epsilon", "--noise-multiplier", "1.0", *argv)
 
 
 def test_k_out_of_t_uses_monte_carlo(capsys):
-    answer = _run(
+    answer = cli_json(
         capsys, "privacy", "epsilon", "--noise-multiplier", "1.0", "--steps", "8", "--delta", "1e-2",
         "--sampler", "k_out_of_t", "--k", "2", "--allocation", "block", "--mc-samples", "20000", "--json",
     )  # fmt: skip
@@ -147,7 +129,7 @@ def test_k_out_of_t_uses_monte_carlo(capsys):
 
 
 def test_k_out_of_t_defaults_to_the_numerical_pld(capsys):
-    answer = _run(
+    answer = cli_json(
         capsys, "privacy", "epsilon", "--noise-multiplier", "1.0", "--steps", "100", "--delta", "1e-5",
         "--sampler", "k_out_of_t", "--k", "2", "--allocation", "block", "--json",
     )  # fmt: skip
@@ -157,7 +139,7 @@ def test_k_out_of_t_defaults_to_the_numerical_pld(capsys):
 
 def test_plot_writes_a_png(capsys, tmp_path):
     path = tmp_path / "eps.png"
-    _run(
+    cli_json(
         capsys, "privacy", "epsilon", "--noise-multiplier", "1.0", "--sample-rate", "0.01", "--steps", "100",
         "--delta", "1e-5", "--accountant", "rdp", "--json", "--plot", str(path),
     )  # fmt: skip
@@ -181,7 +163,7 @@ def test_a_large_delta_needs_the_explicit_override(capsys):
 
 def test_a_tiny_multiplier_answers_at_once(capsys):
     """0.01 noise: epsilon is in the millions, beyond any PLD grid, so RDP answers and says so (queries.py)."""
-    answer = _run(
+    answer = cli_json(
         capsys, "privacy", "epsilon", "--noise-multiplier", "0.01", "--sample-rate", "0.01", "--steps", "1000",
         "--delta", "1e-5", "--json",
     )  # fmt: skip
@@ -191,7 +173,7 @@ def test_a_tiny_multiplier_answers_at_once(capsys):
 
 
 def test_fixed_size_batches_are_accounted_by_rdp_under_replace_one(capsys):
-    answer = _run(
+    answer = cli_json(
         capsys, "privacy", "epsilon", "--noise-multiplier", "2.0", "--sampler", "fixed_size", "--batch-size", "50",
         "--dataset-size", "5000", "--steps", "300", "--delta", "1e-5", "--json",
     )  # fmt: skip
@@ -217,16 +199,16 @@ EPS = ["privacy", "epsilon", "--noise-multiplier", "1.0", "--delta", "1e-5", "--
 )  # fmt: skip
 def test_a_flag_of_another_sampler_is_refused_not_ignored(capsys, flags, sampler):
     """Before, each of these printed the plain Poisson epsilon as if the flag had been applied."""
-    err = _refused(capsys, *EPS, "--sample-rate", "0.01", "--steps", "100", *flags)
+    err = cli_refused(capsys, *EPS, "--sample-rate", "0.01", "--steps", "100", *flags)
     assert flags[0] in err and sampler in err
 
 
 def test_truncated_batch_size_gives_the_truncated_poisson_accountant(capsys):
     argv = [*EPS, "--batch-size", "10", "--dataset-size", "1000", "--steps", "8"]
-    answer = _run(capsys, *argv, "--sampler", "truncated_poisson", "--truncated-batch-size", "12")
+    answer = cli_json(capsys, *argv, "--sampler", "truncated_poisson", "--truncated-batch-size", "12")
     step = acc.truncated_poisson(acc.gaussian(1.0), 0.01, dataset_size=1000, truncated_batch_size=12)
     direct = acc.epsilon(acc.repeat(step, 8), delta=1e-5).value  # PLD, the only accountant of truncation
-    poisson = _run(capsys, *argv)["epsilon"]
+    poisson = cli_json(capsys, *argv)["epsilon"]
     assert answer["epsilon"] == direct and answer["truncated_batch_size"] == 12
     assert answer["sampler"] == "truncated_poisson" and answer["epsilon"] != poisson
 
@@ -234,7 +216,9 @@ def test_truncated_batch_size_gives_the_truncated_poisson_accountant(capsys):
 @pytest.mark.parametrize(("k", "allocation"), [("2", "block"), ("4", "block"), ("3", "total")])
 def test_k_and_allocation_give_the_k_out_of_t_accountant(capsys, k, allocation):
     argv = ["privacy", "epsilon", "--noise-multiplier", "1.0", "--steps", "12", "--delta", "1e-2", "--json"]
-    answer = _run(capsys, *argv, "--sampler", "k_out_of_t", "--k", k, "--allocation", allocation, "--mc-samples", "500")
+    answer = cli_json(
+        capsys, *argv, "--sampler", "k_out_of_t", "--k", k, "--allocation", allocation, "--mc-samples", "500"
+    )
     process = acc.k_out_of_t(acc.gaussian(1.0), k=int(k), t=12, allocation=allocation)
     direct = acc.epsilon(process, delta=1e-2, accountant="monte_carlo", monte_carlo=acc.MonteCarlo(num_samples=500))
     assert (answer["epsilon"], answer["accountant"]) == (direct.value, direct.accountant)
@@ -246,13 +230,13 @@ def test_k_out_of_t_takes_no_sample_rate(capsys):
     ignored and printed."""
     argv = [*EPS, "--steps", "8", "--sampler", "k_out_of_t", "--k", "2", "--allocation", "block"]
     for extra in (["--sample-rate", "0.25"], ["--batch-size", "4", "--dataset-size", "16"]):
-        assert "do not apply to --sampler k_out_of_t" in _refused(capsys, *argv, *extra)
+        assert "do not apply to --sampler k_out_of_t" in cli_refused(capsys, *argv, *extra)
 
 
 def test_mc_samples_zero_is_refused(capsys):
     """Before, 0 silently meant the default 1,000,000."""
     argv = [*EPS, "--steps", "8", "--sampler", "k_out_of_t", "--k", "2", "--allocation", "block"]
-    assert "--mc-samples" in _refused(capsys, *argv, "--mc-samples", "0")
+    assert "--mc-samples" in cli_refused(capsys, *argv, "--mc-samples", "0")
 
 
 def _pairs() -> list[tuple[str, str]]:
@@ -283,7 +267,7 @@ def test_mc_samples_is_read_exactly_where_a_monte_carlo_accountant_runs(capsys, 
         assert answer["mc_samples"] == 300 and answer["accountant"] in ("monte_carlo", "analytic_gaussian"), answer
     else:
         assert code == 2 and "--mc-samples applies to the Monte Carlo accountant" in err
-        assert _run(capsys, *argv)["accountant"] in ("pld", "rdp")  # the core's choice: no Monte Carlo part
+        assert cli_json(capsys, *argv)["accountant"] in ("pld", "rdp")  # the core's choice: no Monte Carlo part
 
 
 def test_mc_samples_sets_the_monte_carlo_count(capsys):
@@ -291,7 +275,7 @@ def test_mc_samples_sets_the_monte_carlo_count(capsys):
             "--sampler", "k_out_of_t", "--k", "2", "--allocation", "total"]  # fmt: skip
     process = acc.k_out_of_t(acc.gaussian(0.8), k=2, t=8, allocation="total")
     for samples in (200, 5000):
-        answer = _run(capsys, *argv, "--mc-samples", str(samples))
+        answer = cli_json(capsys, *argv, "--mc-samples", str(samples))
         mc = acc.MonteCarlo(num_samples=samples)
         direct = acc.epsilon(process, delta=1e-2, accountant="monte_carlo", monte_carlo=mc).value
         assert answer["epsilon"] == direct and answer["mc_samples"] == samples
@@ -299,13 +283,13 @@ def test_mc_samples_sets_the_monte_carlo_count(capsys):
 
 def test_a_monte_carlo_run_beyond_the_draw_budget_is_refused_at_once(capsys):
     """N = 10**7 gives delta = 2e-8 and a default of 4.7e9 samples: before, numpy failed to allocate 35 GiB."""
-    err = _refused(capsys, "privacy", "epsilon", "--noise-multiplier", "1", "--steps", "100", "--sample-rate", "0.01",
-                   "--mechanism", "mf_blt", "--dataset-size", str(10**7))  # fmt: skip
+    err = cli_refused(capsys, "privacy", "epsilon", "--noise-multiplier", "1", "--steps", "100", "--sample-rate",
+                      "0.01", "--mechanism", "mf_blt", "--dataset-size", str(10**7))  # fmt: skip
     assert "Monte Carlo accountant would draw" in err
 
 
 def test_allow_large_delta_needs_an_explicit_delta(capsys):
-    err = _refused(capsys, "privacy", "epsilon", "--noise-multiplier", "1", "--batch-size", "8", "--dataset-size",
+    err = cli_refused(capsys, "privacy", "epsilon", "--noise-multiplier", "1", "--batch-size", "8", "--dataset-size",
                    "64", "--steps", "10", "--allow-large-delta")  # fmt: skip
     assert "--allow-large-delta applies to an explicit --delta" in err
 
@@ -329,13 +313,13 @@ def test_allow_large_delta_needs_an_explicit_delta(capsys):
 )  # fmt: skip
 def test_extreme_numbers_are_usage_errors(capsys, argv):
     flag = next(a for a, v in itertools.pairwise(argv) if v in ("1e308", "1e-300", "1e-160", "nan", "inf"))
-    assert f"argument {flag}" in _refused(capsys, "privacy", *argv)
+    assert f"argument {flag}" in cli_refused(capsys, "privacy", *argv)
 
 
 def test_a_noise_multiplier_at_the_limits_answers(capsys):
     argv = ["--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5", "--accountant", "rdp"]
     for sigma in ("1e-6", "1e6"):
-        answer = _run(capsys, "privacy", "epsilon", "--noise-multiplier", sigma, *argv, "--json")
+        answer = cli_json(capsys, "privacy", "epsilon", "--noise-multiplier", sigma, *argv, "--json")
         direct = rdp.RdpAccountant()
         direct.compose(dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(float(sigma))), 100)
         assert answer["epsilon"] == pytest.approx(direct.get_epsilon(1e-5), rel=1e-9)
@@ -354,8 +338,8 @@ def test_an_unwritable_plot_is_refused_before_any_accounting(capsys, tmp_path):
         "--delta",
         "1e-5",
     ]
-    assert "argument --plot" in _refused(capsys, *argv, "--plot", str(tmp_path / "missing" / "eps.png"))
-    assert "is a folder" in _refused(capsys, *argv, "--plot", str(tmp_path))
+    assert "argument --plot" in cli_refused(capsys, *argv, "--plot", str(tmp_path / "missing" / "eps.png"))
+    assert "is a folder" in cli_refused(capsys, *argv, "--plot", str(tmp_path))
 
 
 def test_a_write_that_fails_late_exits_1_without_a_traceback(capsys, monkeypatch, tmp_path):
@@ -373,18 +357,18 @@ def test_a_write_that_fails_late_exits_1_without_a_traceback(capsys, monkeypatch
 @pytest.mark.parametrize("epochs", ["nan", "inf", "-inf", "0", "-1", "1e9"])
 def test_demo_refuses_bad_epochs_before_creating_anything(capsys, tmp_path, epochs):
     out = tmp_path / "demo"
-    assert "argument --epochs" in _refused(capsys, "demo", "--epochs", epochs, "--output-dir", str(out))
+    assert "argument --epochs" in cli_refused(capsys, "demo", "--epochs", epochs, "--output-dir", str(out))
     assert not out.exists()
 
 
 def test_demo_refuses_an_unwritable_output_dir(capsys, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert "argument --output-dir" in _refused(capsys, "demo", "--output-dir", str(blocker / "demo"))
-    assert "argument --target-epsilon" in _refused(capsys, "demo", "--target-epsilon", "nan")
+    assert "argument --output-dir" in cli_refused(capsys, "demo", "--output-dir", str(blocker / "demo"))
+    assert "argument --target-epsilon" in cli_refused(capsys, "demo", "--target-epsilon", "nan")
 
 
-def test_demo_passes_its_flags_to_the_run(capsys, monkeypatch, tmp_path):
+def test_demo_passes_its_flags_to_thecli_json(capsys, monkeypatch, tmp_path):
     from opake_torch import demo
 
     seen = {}
@@ -404,11 +388,13 @@ def test_privacy_unit_user_accounts_over_users(capsys):
     # 5000 users, 50 expected a step: dp-accounting's Poisson-subsampled Gaussian at q = 50 / 5000
     args = ("privacy", "epsilon", "--noise-multiplier", "1.0", "--batch-size", "50", "--dataset-size", "5000",
             "--steps", "300", "--json")  # fmt: skip
-    out = _run(capsys, *args, "--privacy-unit", "user", "--max-rows-per-user", "8")
+    out = cli_json(capsys, *args, "--privacy-unit", "user", "--max-rows-per-user", "8")
     event = dp_accounting.PoissonSampledDpEvent(0.01, dp_accounting.GaussianDpEvent(1.0))
     direct = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4).compose(event, 300)
     assert out["privacy_unit"] == "user" and out["max_rows_per_user"] == 8
     assert out["delta"] == pytest.approx(1 / 5000**1.1)
     assert out["epsilon"] == pytest.approx(direct.get_epsilon(out["delta"]), rel=1e-6)
-    assert _run(capsys, *args)["privacy_unit"] == "record"
-    assert "--max-rows-per-user applies to --privacy-unit user" in _refused(capsys, *args, "--max-rows-per-user", "8")
+    assert cli_json(capsys, *args)["privacy_unit"] == "record"
+    assert "--max-rows-per-user applies to --privacy-unit user" in cli_refused(
+        capsys, *args, "--max-rows-per-user", "8"
+    )
