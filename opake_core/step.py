@@ -200,7 +200,8 @@ def dp_step(
     if second_moment:
         _check_moments_optimizer(optimizer, "second_moment=True")
     sum_structure = None if sum_like is None else _sum_structure(sum_like)
-    in_place = donate and getattr(optimizer, "in_place", False)  # an optimizer that honours update(inplace=True)
+    # an optimizer that honours update(inplace=True) and applies its update in place (Optimizer.apply_in_place)
+    in_place = donate and getattr(optimizer, "in_place", False) and callable(getattr(optimizer, "apply_in_place", None))
     grad_fn, clip_state = clipped_grad(
         loss_fn,
         clipping_norm=clipping,
@@ -238,12 +239,13 @@ def dp_step(
             noise_std = noised.noise_std
             if in_place and isinstance(noised, Noised) and all(writable(optree.tree_leaves(noised.value))):
                 # the noised sum is the step's own (unless a privatizer returned a stand-in it cannot overwrite)
-                updates, opt_state = optimizer.update(noised, opt_state, params=params, inplace=True)
+                params, opt_state = optimizer.apply_in_place(noised, opt_state, params)
+                del noised
             else:
                 updates, opt_state = optimizer.update(noised, opt_state, params=params)
-            del noised
-            params = apply_updates(params, updates, inplace=donate)
-            del updates
+                del noised
+                params = apply_updates(params, updates, inplace=donate)
+                del updates
         losses = diagnostics.losses
         metrics = StepMetrics(
             step=dp_state.step,

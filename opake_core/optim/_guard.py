@@ -15,6 +15,7 @@ import optree
 from torch.profiler import record_function
 
 from opake_core.errors import ConfigurationError, InputTypeError
+from opake_core.optim._apply import apply_updates
 from opake_core.tree import Clipped, Noised, PerGroup, leaf_paths
 
 
@@ -65,6 +66,9 @@ class Optimizer:
             factors and per-leaf RMS, StableAdamW's per-tensor RMS), so it needs every entry of a weight: run on some
             rows of it (a rank's shard under FSDP) it computes another update. False: entry by entry, from the
             entry's own gradient, state and parameter and the leaf's scalars (its noise std, the step count).
+        fused: None, or ``(gradient leaves, state, parameter leaves) -> new state or None``: the update applied to
+            the parameters in one fused kernel, writing them and the state in place (None: it did not apply, and
+            wrote nothing); used by :meth:`apply_in_place` (Adam and AdamW: :mod:`opake_core.optim._fused`).
     """
 
     name: str
@@ -75,6 +79,7 @@ class Optimizer:
     eval_fn: Any = None
     in_place: bool = False
     needs_whole_leaves: bool = False
+    fused: Any = None
 
     def init(self, params: Any) -> Any:
         """The initial state for a tree of parameter tensors (moments shaped like the parameters)."""
@@ -112,6 +117,20 @@ class Optimizer:
                 stds = leaf_noise_std(value, noise_std)
                 return self.transform.update(value, state, params=params, noise_std=stds)
             return self.transform.update(value, state, params=params, inplace=inplace and self.in_place)
+
+    def apply_in_place(self, updates: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        """The donated step's update: ``(params, new_state)`` with the parameters moved in their own tensors, where
+        their dtypes allow (as :func:`~opake_core.optim.apply_updates` with ``inplace=True``); ``updates`` and
+        ``state`` are given up. By the optimizer's fused kernel where it has one and it applies (see ``fused``),
+        else :meth:`update` with ``inplace=True`` and then :func:`~opake_core.optim.apply_updates`."""
+        if self.fused is not None and self.in_place:
+            with record_function(f"opake::optim.{self.name}"):
+                value, _ = self._unwrap(updates)
+                new_state = self.fused(optree.tree_leaves(value), state, optree.tree_leaves(params))
+            if new_state is not None:
+                return params, new_state
+        steps, state = self.update(updates, state, params=params, inplace=True)
+        return apply_updates(params, steps, inplace=True), state
 
     def eval_params(self, state: Any, params: Any) -> Any:
         """The weights to evaluate and publish, given the optimizer ``state`` and the trained ``params``.

@@ -19,6 +19,7 @@ from torchopt import chain
 from opake_core import validate
 from opake_core.optim._checks import betas as check_betas
 from opake_core.optim._foreach import add_decayed_weights, scale_by_adam
+from opake_core.optim._fused import fused_adam_apply
 from opake_core.optim._guard import Optimizer
 from opake_core.optim._lr import LearningRate, check_lr, scale_by_neg_lr
 from opake_core.optim.bias_correction import noise_aware_chain, scale_by_bias_corrected_adam
@@ -150,4 +151,5 @@ def _build(
         transform = noise_aware_chain(scale_by_bias_corrected_adam(b1, b2, eps), chain(*tail))
         return Optimizer(name, transform, non_private=non_private, needs_params=needs_params, noise_aware=True)
     transform = chain(scale_by_adam(b1, b2, eps), *tail)
-    return Optimizer(name, transform, non_private=non_private, needs_params=needs_params, in_place=True)
+    fused = fused_adam_apply(b1, b2, eps, weight_decay, lr)
+    return Optimizer(name, transform, non_private=non_private, needs_params=needs_params, in_place=True, fused=fused)

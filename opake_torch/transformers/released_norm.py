@@ -21,8 +21,8 @@ __all__ = ["ReleasedNorm"]
 
 class ReleasedNorm:
     """``optimizer`` (a core :class:`~opake_core.optim.Optimizer`) that also keeps the squared L2 norm of the noised
-    gradient tree its last ``update`` received (:attr:`squared`, a float32 scalar on the device, read only when a
-    row is logged: no host sync per step). Every other attribute is the optimizer's."""
+    gradient tree its last ``update`` or ``apply_in_place`` received (:attr:`squared`, a float32 scalar on the
+    device, read only when a row is logged: no host sync per step). Every other attribute is the optimizer's."""
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
@@ -32,9 +32,17 @@ class ReleasedNorm:
         return getattr(self.__dict__["optimizer"], name)
 
     def update(self, updates: Any, state: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if isinstance(updates, Noised):  # before the update, which may write into these tensors
+        self._keep(updates)
+        return self.optimizer.update(updates, state, **kwargs)
+
+    def apply_in_place(self, updates: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        self._keep(updates)
+        return self.optimizer.apply_in_place(updates, state, params)
+
+    def _keep(self, updates: Any) -> None:
+        """The squared norm of a noised tree, taken before the optimizer, which may write into its tensors."""
+        if isinstance(updates, Noised):
             leaves = optree.tree_leaves(updates.value)
             with torch.no_grad():  # float32 norms of every leaf in one multi-tensor launch, no per-leaf host work
                 norms = torch._foreach_norm(leaves, 2, dtype=torch.float32) if leaves else []
                 self.squared = torch.stack(norms).square().sum() if norms else None
-        return self.optimizer.update(updates, state, **kwargs)

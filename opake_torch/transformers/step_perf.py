@@ -98,8 +98,8 @@ class StepPerf:
 
 
 class TimedOptimizer:
-    """``optimizer`` whose ``update`` first ends the noise phase of ``perf``; every other attribute is the
-    optimizer's."""
+    """``optimizer`` whose ``update`` (and ``apply_in_place``) first ends the noise phase of ``perf``; every other
+    attribute is the optimizer's."""
 
     def __init__(self, optimizer: Any, perf: StepPerf) -> None:
         self.optimizer, self.perf = optimizer, perf
@@ -110,3 +110,7 @@ class TimedOptimizer:
     def update(self, updates: Any, state: Any, **kwargs: Any) -> tuple[Any, Any]:
         self.perf.mark("noise")
         return self.optimizer.update(updates, state, **kwargs)
+
+    def apply_in_place(self, updates: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        self.perf.mark("noise")
+        return self.optimizer.apply_in_place(updates, state, params)
