@@ -17,6 +17,7 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    TrainerCallback,
 )
 
 if TYPE_CHECKING:
@@ -26,6 +27,17 @@ if TYPE_CHECKING:
 
 VOCAB = 48
 BATCH = 8  # the per-device batch of tiny_args: the expected batch of its Poisson sampler
+
+
+class StopAt(TrainerCallback):
+    """Stops training at the end of step ``step`` (an interrupted run, to be resumed from its checkpoint)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
 
 
 def tiny_model(family: str) -> torch.nn.Module:

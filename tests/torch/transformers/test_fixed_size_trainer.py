@@ -9,8 +9,7 @@ import json
 import dp_accounting
 import pytest
 from dp_accounting import rdp
-from tiny_hf import tiny_model, token_data
-from transformers import TrainerCallback
+from tiny_hf import StopAt, tiny_model, token_data
 
 from opake_core.errors import ConfigurationError
 from opake_torch.transformers import DPTrainer, TrainingArguments
@@ -91,14 +90,6 @@ def test_what_it_has_no_accountant_for_is_refused(tmp_path, kw, needle):
         DPTrainer(tiny_model("bert"), _args(tmp_path, **kw), train_dataset=DATA).train()
 
 
-class _StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        control.should_training_stop = state.global_step >= self.step
-
-
 def test_a_resume_continues_the_same_batches_and_accounting(tmp_path):
     def run(folder, stop=None, resume=None):
         args = _args(folder, max_steps=4, privacy_noise_seed=5, save_strategy="steps", save_steps=2)
@@ -106,7 +97,7 @@ def test_a_resume_continues_the_same_batches_and_accounting(tmp_path):
         return trainer, trainer.train(resume_from_checkpoint=resume)
 
     whole, whole_out = run(tmp_path / "a")
-    run(tmp_path / "b", stop=_StopAt(2))
+    run(tmp_path / "b", stop=StopAt(2))
     resumed, resumed_out = run(tmp_path / "b", resume=True)
     for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert a.detach().equal(b.detach()), name

@@ -11,9 +11,8 @@ import optree
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_hf import tiny_model, token_data
+from tiny_hf import StopAt, tiny_model, token_data
 from trainer_reference import BETAS, DECAY, EPS, LR, reference_run, replayable_args
-from transformers import TrainerCallback
 
 from opake_core import optim
 from opake_core.errors import ConfigurationError
@@ -175,20 +174,11 @@ def test_from_hf_refuses_the_schedule_free_variants_without_an_equivalent(tmp_pa
         TrainingArguments.from_hf(hf_args, privacy_target_epsilon=8.0)
 
 
-class _StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-
-
 def _schedule_free_run(tmp_path, *, stop=None, resume=None, **kw):
     args = _args(tmp_path, optim="schedule_free_adamw", max_steps=4, save_strategy="steps", save_steps=2, **kw)
     trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA, eval_dataset=DATA[:8])
     if stop is not None:
-        trainer.add_callback(_StopAt(stop))
+        trainer.add_callback(StopAt(stop))
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 

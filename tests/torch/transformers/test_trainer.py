@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from dp_accounting import pld
-from tiny_hf import tiny_model, token_data
+from tiny_hf import StopAt, tiny_model, token_data
 from transformers import EarlyStoppingCallback, TrainerCallback
 
 from opake_core import optim, random, sampling
@@ -90,18 +90,9 @@ def _run(tmp_path, steps, resume=None, **kw):
     args = _args(tmp_path, max_steps=6, save_strategy="steps", save_steps=3, privacy_accounting=True, **kw)
     trainer = DPTrainer(tiny_model("llama"), args, train_dataset=DATA)
     if steps < 6:
-        trainer.add_callback(_StopAt(steps))
+        trainer.add_callback(StopAt(steps))
     output = trainer.train(resume_from_checkpoint=resume)
     return trainer, output
-
-
-class _StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
 
 
 def test_resume_is_bitwise_identical(tmp_path):
@@ -317,7 +308,7 @@ def test_changed_multiplier_is_detected_on_horizon_resume(tmp_path):
         "save_steps": 2,
     }
     first = DPTrainer(tiny_model("llama"), _args(tmp_path, **kw), train_dataset=DATA)
-    first.add_callback(_StopAt(2))
+    first.add_callback(StopAt(2))
     first.train()
     second = DPTrainer(tiny_model("llama"), _args(tmp_path, privacy_noise_multiplier=2.0, **kw), train_dataset=DATA)
     with pytest.raises(CheckpointError, match="noise_multiplier"):
@@ -349,7 +340,7 @@ def test_dp_ftrl_mechanisms_train_and_resume_exactly(tmp_path, mechanism, extra)
     output = full.train()
     assert math.isfinite(output.metrics["privacy_epsilon"])
     first = DPTrainer(tiny_model("llama"), _args(tmp_path / "b", **kw), train_dataset=DATA)
-    first.add_callback(_StopAt(2))
+    first.add_callback(StopAt(2))
     first.train()
     resumed = DPTrainer(tiny_model("llama"), _args(tmp_path / "b", **kw), train_dataset=DATA)
     resumed_output = resumed.train(resume_from_checkpoint=True)
