@@ -7,8 +7,10 @@ and writes the updates before they are added; the fused kernel reads the gradien
 once and writes the three back: the arithmetic of ``torch.optim.AdamW(fused=True)``, the same update up to float
 rounding (the weight decay is applied to the parameter before the step, ``p (1 - lr wd) - lr m_hat / (sqrt(v_hat) +
 eps)``, where the multi-tensor path forms ``-lr (m_hat / (sqrt(v_hat) + eps) + wd p)`` and adds it). It runs on
-:data:`FUSED_DEVICES` only: on a CPU the pass count matters little, and the multi-tensor path keeps the donated
-step's bits equal to the out-of-place step's.
+:data:`FUSED_DEVICES` only, where the training runs whose update costs time run (the 1.1B Llama's multi-tensor update
+took 42.5 ms a step on an H100, torch's fused AdamW 12.6 ms); on a CPU the donated step keeps the bits of the
+out-of-place step, which CPU tests and reproductions compare with (there the fused kernel is also faster: about 9 ms
+against 48 ms for 2^24 parameters on 2 cores).
 """
 
 from __future__ import annotations
