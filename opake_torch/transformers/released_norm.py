@@ -43,6 +43,9 @@ class ReleasedNorm:
         """The squared norm of a noised tree, taken before the optimizer, which may write into its tensors."""
         if isinstance(updates, Noised):
             leaves = optree.tree_leaves(updates.value)
-            with torch.no_grad():  # float32 norms of every leaf in one multi-tensor launch, no per-leaf host work
-                norms = torch._foreach_norm(leaves, 2, dtype=torch.float32) if leaves else []
-                self.squared = torch.stack(norms).square().sum() if norms else None
+            wide = [leaf for leaf in leaves if leaf.dtype == torch.float64]  # a float64 norm is not narrowed
+            narrow = [leaf for leaf in leaves if leaf.dtype != torch.float64]  # bf16 / float32: taken in float32
+            with torch.no_grad():  # one multi-tensor launch per kind of leaf, no per-leaf host work
+                norms = [*(torch._foreach_norm(narrow, 2, dtype=torch.float32) if narrow else []),
+                         *(torch._foreach_norm(wide) if wide else [])]  # fmt: skip
+                self.squared = torch.stack(norms).square().sum().float() if norms else None
