@@ -96,7 +96,12 @@ class Gradients:
             rows = scales[group.buffer.dtype]  # [L, m]; stride 0: one row for every leaf
             scale = rows[0].expand(len(leaves), -1) if not rows.stride(0) else torch.stack([rows[k] for k in leaves])
             scaled = group.buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(scale[:, :, None])
-            torch._foreach_add_([sums[k].view(-1) for k in leaves], list(scaled.sum(dim=1).unbind(0)))
+            summed = scaled.sum(dim=1)  # [c, numel]
+            shape = self.shapes[group.names[0]]
+            if all(self.shapes[name] == shape for name in group.names):  # one view for the group, not one per leaf
+                torch._foreach_add_([sums[k] for k in leaves], list(summed.view(-1, *shape).unbind(0)))
+            else:
+                torch._foreach_add_([sums[k].view(-1) for k in leaves], list(summed.unbind(0)))
         rows_of: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
         inputs = ScaledInputs(self.m)
         with float32_matmuls(self.device, highest=not self.product_error):  # the precision the norms assumed
