@@ -227,14 +227,17 @@ def product_norms(call: Call, m: int, precision: str) -> tuple[torch.Tensor, tor
     factor_bytes = g.numel() * g.element_size() + a.numel() * a.element_size()
     per_example = out * width * accumulated.itemsize
     step = max(1, max(PRODUCT_CAP_BYTES, factor_bytes) // per_example)
-    norms, spreads = [], []
-    for start in range(0, m, step):
-        gc, ac = cast(g[start : start + step], factors), cast(a[start : start + step], factors)
+
+    def chunk(gc: torch.Tensor, ac: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gc, ac = cast(gc, factors), cast(ac, factors)
         rows = torch.linalg.vector_norm(bmm_accumulated(gc.transpose(1, 2), ac), dim=-1)  # [m_c, out]; gradient freed
         spread = _spread(gc, ac)
-        norms.append(torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64) * rounding + gamma * spread)
-        spreads.append(spread)
-    return torch.cat(norms), torch.cat(spreads)
+        return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64) * rounding + gamma * spread, spread
+
+    if step >= m:  # the usual case: one chunk, without slices and concatenations
+        return chunk(g, a)
+    parts = [chunk(g[start : start + step], a[start : start + step]) for start in range(0, m, step)]
+    return torch.cat([norms for norms, _ in parts]), torch.cat([spread for _, spread in parts])
 
 
 def route_costs(
