@@ -72,8 +72,6 @@ _BUDGET_FLAGS = {
     "bayes_risk": ("--target-bayes-risk", "--prior", "the probability that the example is in the data"),
 }
 FDP_KINDS = ("advantage", "beta", "bayes_risk")  # read from the PLD privacy profile (opake_core.accounting.fdp)
-# The range calibrate searches when --min / --max are not given (the core's defaults; steps as in 'steps').
-_SEARCH_RANGE = {"noise_multiplier": (0.11, 10.0), "sample_rate": (1e-9, 1.0), "steps": (1, 10**7)}
 _SEARCH_LIMITS = {  # what --min / --max may be, by --parameter
     "noise_multiplier": {"low": limits.MIN_NOISE_MULTIPLIER, "high": limits.MAX_NOISE_MULTIPLIER},
     "sample_rate": {"low": 0, "high": 1, "open_low": True},
@@ -614,10 +612,10 @@ def _searched(args: argparse.Namespace) -> tuple[float | None, float | None, int
 
 
 def _search_range(args: argparse.Namespace) -> tuple[float | int, float | int, float | None]:
-    """``--min``, ``--max`` (checked for ``--parameter``, defaults :data:`_SEARCH_RANGE`) and ``--tolerance`` (None
-    for steps, which are exact)."""
+    """``--min``, ``--max`` (checked for ``--parameter``; defaults: the core's ``accounting.DEFAULT_RANGES``) and
+    ``--tolerance`` (None for steps, which are exact)."""
     parameter = args.parameter
-    lo, hi = _SEARCH_RANGE[parameter]
+    lo, hi = acc.DEFAULT_RANGES[parameter]
     if parameter == "sample_rate" and args.sampler == "cyclic_poisson" and args.dataset_size is not None:
         # the largest rate whose conditional rate within a group is 1
         hi = sampling.cyclic_poisson(dataset_size=args.dataset_size, sample_rate=lo, bands=args.bands or 16).group_size

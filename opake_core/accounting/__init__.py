@@ -9,6 +9,7 @@ least private value of a parameter that meets a budget. See ``docs/accounting.md
 
 from opake_core.accounting.budget import BUDGET_KINDS, Budget, check_delta
 from opake_core.accounting.calibration import (
+    DEFAULT_RANGES,
     PARAMETERS,
     Calibrated,
     calibrate,
@@ -54,6 +55,7 @@ __all__ = [
     "ACCOUNTANTS",
     "BUDGET_KINDS",
     "COMPATIBLE_SAMPLERS",
+    "DEFAULT_RANGES",
     "PARAMETERS",
     "AdaptiveClipping",
     "BMinSepMF",

@@ -35,7 +35,15 @@ from opake_core.accounting.queries import epsilon as _epsilon
 from opake_core.accounting.random_allocation import MonteCarlo
 from opake_core.errors import CalibrationError, ConfigurationError, InputTypeError
 
-__all__ = ["PARAMETERS", "Calibrated", "calibrate", "calibrate_noise_multiplier", "calibrate_steps", "stop_step"]
+__all__ = [
+    "DEFAULT_RANGES",
+    "PARAMETERS",
+    "Calibrated",
+    "calibrate",
+    "calibrate_noise_multiplier",
+    "calibrate_steps",
+    "stop_step",
+]
 
 PARAMETERS = ("noise_multiplier", "sample_rate", "steps")
 """The parameters :func:`calibrate` searches: more noise, a lower sample rate and fewer steps are more private."""
@@ -188,7 +196,8 @@ class _Axis:
         return builtins.min(far, u + step)
 
 
-_DEFAULT_RANGE = {"noise_multiplier": (0.11, 10.0), "sample_rate": (1e-9, 1.0), "steps": (1, 10**7)}
+DEFAULT_RANGES = {"noise_multiplier": (0.11, 10.0), "sample_rate": (1e-9, 1.0), "steps": (1, 10**7)}
+"""The range :func:`calibrate` searches for each of :data:`PARAMETERS` when ``min`` / ``max`` are not given."""
 _MONOTONE_SLACK = 1e-3  # of the bound: a probe this much more private than the private end is not rounding noise
 
 
@@ -198,7 +207,7 @@ def _loss(budget: Budget, value: float) -> float:
 
 
 def _range(parameter: str, min: float | None, max: float | None) -> tuple[float, float]:
-    default_lo, default_hi = _DEFAULT_RANGE[parameter]
+    default_lo, default_hi = DEFAULT_RANGES[parameter]
     lo = default_lo if min is None else min
     hi = default_hi if max is None else max
     if parameter == "steps":
