@@ -7,7 +7,7 @@ layers, whose outputs need no gradient yet, a tap that links them to a scalar an
 and forms no parameter gradient). From them, per layer:
 
 * **instantiate**: ``G_i`` itself (``[m, out, in]``), cheap when ``out * in`` is small (LoRA adapters, biases,
-  norm weights), written into one buffer per (dtype, size) group so that norms and scaled sums take one launch per
+  norm weights), written into one buffer per (dtype, shape) group so that norms and scaled sums take one launch per
   group;
 * **ghost norm**, where ``T (in + out) < in * out`` (weighted by the engine's ``ghost_advantage``): the norm by the
   cheaper of two routes (the engine's ``norm_route``, :func:`~opake_torch.layerwise.ghost.norm_route`), float64

@@ -23,14 +23,18 @@ group of many small leaves (biases, norm weights) takes a few launches instead o
 
 @dataclass
 class _Group:
-    """Instantiated per-example gradients of the names that share an accumulation dtype and a size: one contiguous
-    buffer ``[c, m, numel]`` (name ``j``'s gradients are ``buffer[j]``), so that their norms and their scaled sum
+    """Instantiated per-example gradients of the names that share an accumulation dtype and a shape: one contiguous
+    buffer ``[c, m, *shape]`` (name ``j``'s gradients are ``buffer[j]``), so that their norms and their scaled sum
     take one batched operation each instead of one per name."""
 
     names: list[str]
     dtype: torch.dtype
-    numel: int
+    shape: torch.Size
     buffer: torch.Tensor | None = None  # zeros from the backward's first write into the group; None before
+
+    def flat(self) -> torch.Tensor:
+        """The buffer as ``[c, m, numel]``."""
+        return self.buffer.view(len(self.names), self.buffer.shape[1], math.prod(self.shape))
 
 
 @dataclass
@@ -55,12 +59,12 @@ class Gradients:
     norm_route: str = "gram"  # how ghost linear and Conv1D calls take their norms (ghost.NORM_ROUTES)
 
     def group(self, names: Sequence[str]) -> None:
-        """The (dtype, size) groups of the instantiated gradients of ``names``."""
-        by_size: dict[tuple[torch.dtype, int], list[str]] = {}
+        """The (dtype, shape) groups of the instantiated gradients of ``names``."""
+        by_shape: dict[tuple[torch.dtype, torch.Size], list[str]] = {}
         for name in names:
-            by_size.setdefault((self.dtypes[name], math.prod(self.shapes[name])), []).append(name)
-        for (dtype, numel), members in by_size.items():
-            self.groups.append(_Group(members, dtype, numel))
+            by_shape.setdefault((self.dtypes[name], self.shapes[name]), []).append(name)
+        for (dtype, shape), members in by_shape.items():
+            self.groups.append(_Group(members, dtype, shape))
             self.group_of.update(dict.fromkeys(members, self.groups[-1]))
 
     def block(self, name: str) -> torch.Tensor:
@@ -68,9 +72,8 @@ class Gradients:
         request)."""
         if name not in self.dense:
             group = self.group_of[name]
-            group.buffer = torch.zeros(len(group.names), self.m, group.numel, dtype=group.dtype, device=self.device)
-            for member, rows in zip(group.names, group.buffer.unbind(0), strict=True):
-                self.dense[member] = rows.view(self.m, *self.shapes[member])
+            group.buffer = torch.zeros(len(group.names), self.m, *group.shape, dtype=group.dtype, device=self.device)
+            self.dense.update(zip(group.names, group.buffer.unbind(0), strict=True))
         return self.dense[name]
 
     def squared_norms(self) -> torch.Tensor:
@@ -78,10 +81,10 @@ class Gradients:
         for group in self.groups:  # vector_norm reads a float64 copy of what it is given: NORM_NUMEL at a time
             if group.buffer is None:
                 continue
-            step = max(1, NORM_NUMEL // (self.m * group.numel))
+            flat = group.flat()
+            step = max(1, NORM_NUMEL // max(1, self.m * math.prod(group.shape)))
             for start in range(0, len(group.names), step):
-                block = group.buffer[start : start + step]
-                sq = torch.linalg.vector_norm(block, dim=2, dtype=torch.float64).square()
+                sq = torch.linalg.vector_norm(flat[start : start + step], dim=2, dtype=torch.float64).square()
                 rows.update(zip(group.names[start : start + step], sq.unbind(0), strict=True))
         zeros = torch.zeros(self.m, dtype=torch.float64, device=self.device)
         return torch.stack([rows.get(name, zeros) for name in self.names])
@@ -95,13 +98,9 @@ class Gradients:
             leaves = [index[name] for name in group.names]
             rows = scales[group.buffer.dtype]  # [L, m]; stride 0: one row for every leaf
             scale = rows[0].expand(len(leaves), -1) if not rows.stride(0) else torch.stack([rows[k] for k in leaves])
-            scaled = group.buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(scale[:, :, None])
-            summed = scaled.sum(dim=1)  # [c, numel]
-            shape = self.shapes[group.names[0]]
-            if all(self.shapes[name] == shape for name in group.names):  # one view for the group, not one per leaf
-                torch._foreach_add_([sums[k] for k in leaves], list(summed.view(-1, *shape).unbind(0)))
-            else:
-                torch._foreach_add_([sums[k].view(-1) for k in leaves], list(summed.unbind(0)))
+            scaled = group.flat().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).mul_(scale[:, :, None])
+            summed = scaled.sum(dim=1).view(-1, *group.shape)  # [c, *shape]: the leaves' shape, one view for all
+            torch._foreach_add_([sums[k] for k in leaves], list(summed.unbind(0)))
         rows_of: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
         inputs = ScaledInputs(self.m)
         with float32_matmuls(self.device, highest=not self.product_error):  # the precision the norms assumed
