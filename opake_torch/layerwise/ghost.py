@@ -40,6 +40,12 @@ from opake_torch.layerwise.precision import (
     product_norm_error,
 )
 from opake_torch.layerwise.uses import DEPTHWISE
+from opake_torch.patches.kernels.product_norms import (
+    product_kernel_runs,
+    product_norm_rounding,
+    product_squared_norms,
+    product_squared_norms_supported,
+)
 
 if TYPE_CHECKING:
     from opake_torch.layerwise.gradients import Gradients
@@ -167,7 +173,9 @@ def ghost_norms(
     if route == "auto":
         share = input_gram.share(call) if isinstance(input_gram, InputGrams) else 1.0
         width, precision = call.inputs.shape[-1], matmul_precision(g.device)
-        route = norm_route(g.shape[1], width, g.shape[-1], _factors(call), g.device, precision, share)
+        factors = _factors(call)
+        fused = product_kernel_runs(g.device, factors, precision)
+        route = norm_route(g.shape[1], width, g.shape[-1], factors, g.device, precision, share, fused)
     if route == "product":
         norms, spread = product_norms(call, m, matmul_precision(g.device))
         return (norms + error * spread).square() if summed_margin else norms.square()
@@ -215,7 +223,11 @@ def product_norms(call: Call, m: int, precision: str) -> tuple[torch.Tensor, tor
     (:func:`~opake_torch.layerwise.precision.norm_rounding`). A gradient whose float32 squares overflow (entries
     beyond about ``1e19``) reports an infinite norm: the example is dropped, as any non-finite one.
 
-    Memory: ``m_c`` examples at a time, their ``[m_c, out, in]`` gradients holding at most the larger of
+    On CUDA with Triton, bf16 factors and float32 ones under TF32 take a kernel that forms each tile of ``G~_i`` in
+    registers and keeps only its sum of squares
+    (:func:`~opake_torch.patches.kernels.product_norms.product_squared_norms`, whose rounding bound replaces the row
+    norms'): the same bound, with no gradient written to memory. Elsewhere the gradients are formed:
+    ``m_c`` examples at a time, their ``[m_c, out, in]`` gradients holding at most the larger of
     :data:`PRODUCT_CAP_BYTES` and the bytes of the call's two factors, freed before the next ``m_c``, and their
     float32 row norms; ``S`` from the row norms of the factors (no float64 copy of them)."""
     factors = _factors(call)
@@ -223,13 +235,17 @@ def product_norms(call: Call, m: int, precision: str) -> tuple[torch.Tensor, tor
     positions, width, out = g.shape[1], a.shape[-1], g.shape[-1]
     accumulated = torch.float64 if factors == torch.float64 else torch.float32
     gamma = product_norm_error(positions, factors=factors, precision=precision)
+    g, a = cast(g, factors), cast(a, factors)
+    if product_squared_norms_supported(g, a, precision):  # the gradients never stored
+        spread = _spread(g, a)
+        norms = product_squared_norms(g, a).sqrt_() * product_norm_rounding(out, width)
+        return norms + gamma * spread, spread
     rounding = norm_rounding(width, accumulated)
     factor_bytes = g.numel() * g.element_size() + a.numel() * a.element_size()
     per_example = out * width * accumulated.itemsize
     step = max(1, max(PRODUCT_CAP_BYTES, factor_bytes) // per_example)
 
     def chunk(gc: torch.Tensor, ac: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gc, ac = cast(gc, factors), cast(ac, factors)
         rows = torch.linalg.vector_norm(bmm_accumulated(gc.transpose(1, 2), ac), dim=-1)  # [m_c, out]; gradient freed
         spread = _spread(gc, ac)
         return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64) * rounding + gamma * spread, spread
@@ -248,6 +264,7 @@ def route_costs(
     device: torch.device | str,
     precision: str,
     input_share: float = 1.0,
+    fused: bool = False,
 ) -> dict[str, float]:
     """The time of each norm route for one example of a linear or Conv1D call, in flops of the device's fastest
     matmul (:data:`_RATES`; a device other than CUDA counts as a CPU), ``T = positions`` (grouped: ``k T``), ``s``
@@ -260,7 +277,9 @@ def route_costs(
       an earlier call formed it, ``1 / r`` when ``r`` calls still to come read it;
     * ``"product"``: the gradient's matmul, ``2 T in out`` flops at the rate of its factors (bf16: tensor cores;
       float32: the run's ``precision``; float64), and its memory traffic: the ``[out, in]`` gradient written and read
-      once (8 bytes a number, 16 in float64), the factors read twice (the matmul, their row norms).
+      once (8 bytes a number, 16 in float64), unless ``fused`` (the norm kernel keeps it in registers,
+      :func:`~opake_torch.patches.kernels.product_norms.product_kernel_runs`), and the factors read twice (the
+      matmul, their row norms).
     """
     kind = torch.device(device).type
     rates, per_byte = _RATES.get(kind, _RATES["cpu"]), _FLOPS_PER_BYTE.get(kind, _FLOPS_PER_BYTE["cpu"])
@@ -275,7 +294,8 @@ def route_costs(
     gram_flops = 2 * positions**2 * (width_out + 1) + input_share * input_flops
     gram_bytes = positions * width_out * (size + 16) + 16 * positions**2 + input_share * input_bytes
     product_flops = 2 * positions * weight_numbers
-    product_bytes = weight_numbers * (16 if factors == torch.float64 else 8) + 2 * factor_numbers * size
+    product_bytes = 0 if fused else weight_numbers * (16 if factors == torch.float64 else 8)
+    product_bytes += 2 * factor_numbers * size
     return {
         "gram": gram_flops / rates["float64"] + gram_bytes * per_byte,
         "product": product_flops / rate + product_bytes * per_byte,
@@ -290,14 +310,16 @@ def norm_route(
     device: torch.device | str,
     precision: str,
     input_share: float = 1.0,
+    fused: bool = False,
 ) -> str:
     """``"gram"`` or ``"product"``, whichever :func:`route_costs` finds cheaper (a tie keeps ``"gram"``): a pure
     function of the shapes, the factors' dtype, the device, the float32 matmul precision and the share of the input's
-    Gram matrix the call pays (``input_share``, :meth:`InputGrams.share`). On CUDA with bf16
+    Gram matrix the call pays (``input_share``, :meth:`InputGrams.share`) and whether the product route's norm
+    kernel runs (``fused``). On CUDA with bf16
     factors the product route wins once ``T`` is a few hundred against widths of a few thousand (the 1.1B Llama at
     ``T = 512``: every projection and the head), the Gram route where ``T`` is small against the widths; grouped
     examples (``k T`` positions) favour the product route."""
-    costs = route_costs(positions, width_in, width_out, factors, device, precision, input_share)
+    costs = route_costs(positions, width_in, width_out, factors, device, precision, input_share, fused)
     return "product" if costs["product"] < costs["gram"] else "gram"
 
 

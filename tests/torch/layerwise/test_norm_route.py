@@ -288,12 +288,18 @@ def test_the_cancelling_example_is_what_it_claims():
     assert accumulated.norm().item() == 0.0  # every small term rounded away: ||G~|| < ||G||
 
 
+def _in_order_products(monkeypatch) -> None:
+    """The product route forms its gradients with :func:`_in_order` (the norm kernel, where Triton runs, set aside)."""
+    monkeypatch.setattr(ghost, "bmm_accumulated", _in_order)
+    monkeypatch.setattr(ghost, "product_squared_norms_supported", lambda *args: False)
+
+
 @pytest.mark.parametrize("margin", [True, False])
 def test_the_margin_bounds_the_norm_of_an_accumulator_that_loses_the_cancelling_terms(monkeypatch, margin):
     """With the in-order accumulator the product route's gradient is 0; its reported norm (``0 + gamma S``) still
     bounds the exact one. Without the margin it reports 0: the bound fails (the ``margin=False`` case checks that
     this test would catch it)."""
-    monkeypatch.setattr(ghost, "bmm_accumulated", _in_order)
+    _in_order_products(monkeypatch)
     if not margin:
         monkeypatch.setattr(ghost, "product_norm_error", lambda *args, **kwargs: 0.0)
     x, v = _cancelling()
@@ -308,7 +314,7 @@ def test_the_margin_bounds_the_norm_of_an_accumulator_that_loses_the_cancelling_
 def _contribution(monkeypatch, bound: float, *, margin: bool) -> float:
     """The norm of the one (cancelling) example's clipped contribution: norms by the in-order accumulator, the sum's
     products exact (float64), so that the contribution is ``c'_i G_i`` itself."""
-    monkeypatch.setattr(ghost, "bmm_accumulated", _in_order)
+    _in_order_products(monkeypatch)
     monkeypatch.setattr(precision, "_mm_float32", lambda a, b: (a.double() @ b.double()).float())
     if not margin:
         monkeypatch.setattr(ghost, "product_norm_error", lambda *args, **kwargs: 0.0)
@@ -368,12 +374,13 @@ LLAMA_1B = {  # (in, out) of the 1.1B Llama's ghost layers: hidden 2048, 4 KV he
 }
 
 
-def _predicted(positions, width_in, width_out, factors, device, matmul, share=1.0) -> str:
+def _predicted(positions, width_in, width_out, factors, device, matmul, share=1.0, fused=False) -> str:
     """The cost model as documented: flops at the device's rate for the dtype (CUDA: bf16 1, IEEE float32 and
     float64 1/15, TF32 1/2; CPU: float32 1, float64 1/2) and memory traffic at 300 (CUDA) or 10 (CPU) flops a byte:
     the Gram route reads its factors, copies them to float64 and reads them again, and writes and reads two float64
     ``T x T`` matrices, of which the input's (its Gram matrix and its factor's traffic) counts ``share`` times; the
-    product route writes and reads the ``[out, in]`` float32 gradient once and reads its factors twice."""
+    product route writes and reads the ``[out, in]`` float32 gradient once (not at all when ``fused``: the norm
+    kernel keeps it in registers) and reads its factors twice."""
     cuda = device == "cuda"
     fp64, per_byte = (1 / 15, 300) if cuda else (1 / 2, 10)
     if factors == torch.bfloat16:
@@ -388,7 +395,7 @@ def _predicted(positions, width_in, width_out, factors, device, matmul, share=1.
     output_side += (positions * width_out * (size + 8 + 8) + 2 * 8 * positions**2) * per_byte
     gram = output_side + share * input_side
     product = 2 * positions * width_in * width_out / rate
-    product += (2 * 4 * width_in * width_out + 2 * factor_numbers * size) * per_byte
+    product += ((0 if fused else 2 * 4 * width_in * width_out) + 2 * factor_numbers * size) * per_byte
     return "product" if product < gram else "gram"
 
 
@@ -402,6 +409,9 @@ def test_the_chooser_takes_the_product_route_for_the_1b_model_on_cuda_bf16():
     # float32 factors: IEEE float32 is as slow as float64 on a GPU; TF32 is not
     assert ghost.norm_route(512, 2048, 2048, torch.float32, "cuda", "ieee") == "gram"
     assert ghost.norm_route(512, 2048, 2048, torch.float32, "cuda", "tf32") == "product"
+    # with the norm kernel the gradient's traffic goes: 64 positions take the product route too
+    for width_in, width_out in LLAMA_1B.values():
+        assert ghost.norm_route(64, width_in, width_out, torch.bfloat16, "cuda", "ieee", 1.0, True) == "product"
 
 
 def test_the_chooser_follows_the_stated_cost_model():
@@ -412,9 +422,10 @@ def test_the_chooser_follows_the_stated_cost_model():
         ):
             expected = _predicted(positions, width_in, width_out, factors, device, matmul)
             assert ghost.norm_route(positions, width_in, width_out, factors, device, matmul) == expected
-            for share in (0.0, 1 / 3):
-                expected = _predicted(positions, width_in, width_out, factors, device, matmul, share)
-                assert ghost.norm_route(positions, width_in, width_out, factors, device, matmul, share) == expected
+            for share, fused in itertools.product((0.0, 1 / 3, 1.0), (False, True)):
+                expected = _predicted(positions, width_in, width_out, factors, device, matmul, share, fused)
+                args = (positions, width_in, width_out, factors, device, matmul, share, fused)
+                assert ghost.norm_route(*args) == expected
 
 
 def test_a_shared_input_gram_is_priced_once():
@@ -447,7 +458,7 @@ def test_the_engine_prices_a_shared_input_gram_once(monkeypatch):
     apply, params, frozen = functional_model(model)
     x = torch.randn(3, 5, 12)
     shares = []
-    monkeypatch.setattr(ghost, "norm_route", lambda *args: shares.append(args[-1]) or "gram")
+    monkeypatch.setattr(ghost, "norm_route", lambda *args: shares.append(args[6]) or "gram")
     engine = LayerwiseGradients(
         model, lambda p, xb: apply(p, frozen, xb).square().sum(dim=(1, 2)), ghost_advantage=1e-6
     )
