@@ -61,30 +61,24 @@ def _tile_squares_kernel(
 ):
     tile = tl.program_id(0)  # the first grid axis takes up to 2^31 - 1 tiles, the second 65535 examples
     example = tl.program_id(1).to(tl.int64)
-    rows = (tile // TILES_IN) * BO + tl.arange(0, BO)
-    cols = (tile % TILES_IN) * BK + tl.arange(0, BK)
+    rows = ((tile // TILES_IN) * BO + tl.arange(0, BO)).to(tl.int64)  # 64-bit offsets: strides of large factors
+    cols = ((tile % TILES_IN) * BK + tl.arange(0, BK)).to(tl.int64)
     steps = tl.arange(0, BT)
-    g_base = G + example * stride_gm
-    a_base = A + example * stride_am
+    g_ptrs = G + example * stride_gm + steps[None, :].to(tl.int64) * stride_gt + rows[:, None] * stride_go  # g_i^T
+    a_ptrs = A + example * stride_am + steps[:, None].to(tl.int64) * stride_at + cols[None, :] * stride_ai
+    rows_in, cols_in = rows[:, None] < D_OUT, cols[None, :] < D_IN
     acc = tl.zeros([BO, BK], dtype=tl.float32)
     for start in range(0, T, BT):
-        t = start + steps
-        g = tl.load(  # [BO, BT]: g_i^T
-            g_base + t[None, :].to(tl.int64) * stride_gt + rows[:, None] * stride_go,
-            mask=(t[None, :] < T) & (rows[:, None] < D_OUT),
-            other=0.0,
-        )
-        a = tl.load(  # [BT, BK]
-            a_base + t[:, None].to(tl.int64) * stride_at + cols[None, :] * stride_ai,
-            mask=(t[:, None] < T) & (cols[None, :] < D_IN),
-            other=0.0,
-        )
+        g = tl.load(g_ptrs, mask=(start + steps[None, :] < T) & rows_in, other=0.0)  # [BO, BT]
+        a = tl.load(a_ptrs, mask=(start + steps[:, None] < T) & cols_in, other=0.0)  # [BT, BK]
         if UPCAST:  # the interpreter's bf16 dot is wrong; bf16 products are exact in float32 alike
             g, a = g.to(tl.float32), a.to(tl.float32)
         if TF32:
             acc = tl.dot(g, a, acc, input_precision="tf32")
         else:
             acc = tl.dot(g, a, acc)
+        g_ptrs += BT * stride_gt
+        a_ptrs += BT * stride_at
     wide = acc.to(tl.float64)  # a float32 number's square is exact in float64
     tl.store(OUT + example * TILES + tile, tl.sum(tl.sum(wide * wide, axis=1), axis=0))
 
