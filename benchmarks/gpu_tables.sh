@@ -9,10 +9,10 @@
 #   benchmarks/gpu_tables.sh max-sequence    # the longest sequence of the 8B-shaped LoRA model, private first
 #   benchmarks/gpu_tables.sh moe             # Qwen3-MoE-shaped full fine-tune, profiled (expert dispatch share)
 #   benchmarks/gpu_tables.sh compile         # torch_compile=True against the eager step: BERT-base, GPT-2, 1.1B LoRA
-#   benchmarks/gpu_tables.sh norm-routes     # the per-example norms of one linear call by route, kernel included
+#   benchmarks/gpu_tables.sh layer-kernels   # one linear call's norms by route and its clipped sum, two forms
 #   benchmarks/gpu_tables.sh cuda-tests      # the CUDA tests (pytest -m cuda)
 set -euo pipefail
-part=${1:?"usage: $0 trainer-small|trainer-small-tf32|trainer-lora|scale|max-sequence|moe|compile|norm-routes|cuda-tests"}
+part=${1:?"usage: $0 trainer-small|trainer-small-tf32|trainer-lora|scale|max-sequence|moe|compile|layer-kernels|cuda-tests"}
 out=${OUT:-gpu_results}/$part
 mkdir -p "$out"
 e2e=(python benchmarks/e2e_trainer.py --steps 20 --warmup 15 --profile-steps 2 --budget-s 520)
@@ -36,8 +36,9 @@ case $part in
   compile)  # the first steps compile (minutes): the warm-up covers them; first_steps_s records the time
     "${e2e[@]}" --out "$out" --workloads bert_base_s128_b32 gpt2_small_s512_b16 llama1b_lora16_s512_b16 \
       --modes hf dp dp_compile ;;
-  norm-routes)
-    python benchmarks/product_norms_bench.py --repeats 10 | tee "$out/results.jsonl" ;;
+  layer-kernels)
+    python benchmarks/product_norms_bench.py --repeats 10 | tee "$out/norms.jsonl"
+    python benchmarks/clipped_sum_bench.py --repeats 10 | tee "$out/sums.jsonl" ;;
   cuda-tests)
     # the notebooks' test needs nbformat, which GPU images often lack; it has no CUDA test
     python -m pytest -q -rf -m cuda tests --ignore tests/test_notebooks.py 2>&1 | tee "$out/pytest.txt" ;;
