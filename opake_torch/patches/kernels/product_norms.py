@@ -21,6 +21,8 @@ gradients. A non-finite factor makes the example's sum non-finite, as the formed
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from opake_torch.patches.kernels._triton import interpreting, jit, tl, triton
@@ -86,13 +88,24 @@ def _tile_squares_kernel(
 def product_kernel_runs(device: torch.device, factors: torch.dtype, precision: str) -> bool:
     """Whether the kernel runs for factors of dtype ``factors`` on ``device`` under the float32 matmul ``precision``
     (:func:`~opake_torch.layerwise.precision.matmul_precision`): bf16, or float32 under ``"tf32"``, on a CUDA
-    device with Triton (any device under the interpreter)."""
+    device of compute capability 8 or more with Triton (the CPU under the interpreter)."""
     if not (factors == torch.bfloat16 or (factors == torch.float32 and precision == "tf32")):
         return False
     if triton is None:
         return False
-    kind = torch.device(device).type
-    return (kind == "cuda" and torch.version.cuda is not None) or (kind == "cpu" and interpreting())
+    device = torch.device(device)
+    if device.type == "cpu":
+        return interpreting()
+    if device.type != "cuda" or torch.version.cuda is None:
+        return False
+    return _tensor_cores(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _tensor_cores(index: int) -> bool:
+    """Whether CUDA device ``index`` has bf16 and TF32 tensor cores (compute capability 8 or more), which the kernel's
+    ``tl.dot`` needs."""
+    return torch.cuda.get_device_capability(index)[0] >= 8
 
 
 def product_squared_norms_supported(g: torch.Tensor, a: torch.Tensor, precision: str) -> bool:

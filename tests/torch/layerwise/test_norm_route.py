@@ -28,6 +28,7 @@ from opake_torch.functional import functional_model
 from opake_torch.layerwise import LayerwiseGradients, ghost, precision
 from opake_torch.layerwise.calls import Call
 from opake_torch.patches import apply_runtime_patches
+from opake_torch.patches.kernels import product_norms
 from opake_torch.transformers.data import collate, language_modeling_labels
 from opake_torch.transformers.loss import batch_losses, per_example_loss
 
@@ -412,6 +413,25 @@ def test_the_chooser_takes_the_product_route_for_the_1b_model_on_cuda_bf16():
     # with the norm kernel the gradient's traffic goes: 64 positions take the product route too
     for width_in, width_out in LLAMA_1B.values():
         assert ghost.norm_route(64, width_in, width_out, torch.bfloat16, "cuda", "ieee", 1.0, True) == "product"
+
+
+def test_the_norm_kernel_runs_only_for_the_factors_it_bounds_on_tensor_core_gpus(monkeypatch):
+    """bf16 factors, or float32 ones under TF32, on a CUDA device of compute capability 8 or more with Triton; never
+    IEEE float32, float64, a CUDA device without those tensor cores, or a machine without Triton."""
+    runs = product_norms.product_kernel_runs
+    monkeypatch.setattr(product_norms, "triton", object())  # as if Triton were installed
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    capability = {0: 9, 1: 7}
+    monkeypatch.setattr(product_norms, "_tensor_cores", lambda index: capability[index] >= 8)
+    assert runs(torch.device("cuda", 0), torch.bfloat16, "ieee")
+    assert runs(torch.device("cuda", 0), torch.float32, "tf32")
+    assert not runs(torch.device("cuda", 0), torch.float32, "ieee")
+    assert not runs(torch.device("cuda", 0), torch.float64, "tf32")
+    assert not runs(torch.device("cuda", 1), torch.bfloat16, "ieee")  # compute capability 7
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not runs(torch.device("cpu"), torch.bfloat16, "ieee")  # a CPU only under the interpreter
+    monkeypatch.setattr(product_norms, "triton", None)
+    assert not runs(torch.device("cuda", 0), torch.bfloat16, "ieee")
 
 
 def test_the_chooser_follows_the_stated_cost_model():
