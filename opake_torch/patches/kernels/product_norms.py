@@ -125,7 +125,7 @@ def _tiles(out: int, width: int) -> tuple[int, int]:
 def product_norm_rounding(out: int, width: int) -> float:
     """``f >= 1`` with ``||G~_i|| <= f sqrt(s~_i)`` for the sums :func:`product_squared_norms` returns for an
     ``[out, in]`` gradient (module docstring)."""
-    from opake_torch.layerwise.precision import norm_rounding
+    from opake_torch.layerwise.precision import norm_rounding  # here: the layerwise engine imports this module
 
     bo, bk, _ = TILE
     tiles_out, tiles_in = _tiles(out, width)
