@@ -41,7 +41,6 @@ from opake_torch.layerwise.precision import (
 )
 from opake_torch.layerwise.uses import DEPTHWISE
 from opake_torch.patches.kernels.product_norms import (
-    product_kernel_runs,
     product_norm_rounding,
     product_squared_norms,
     product_squared_norms_supported,
@@ -173,9 +172,7 @@ def ghost_norms(
     if route == "auto":
         share = input_gram.share(call) if isinstance(input_gram, InputGrams) else 1.0
         width, precision = call.inputs.shape[-1], matmul_precision(g.device)
-        factors = _factors(call)
-        fused = product_kernel_runs(g.device, factors, precision)
-        route = norm_route(g.shape[1], width, g.shape[-1], factors, g.device, precision, share, fused)
+        route = norm_route(g.shape[1], width, g.shape[-1], _factors(call), g.device, precision, share)
     if route == "product":
         norms, spread = product_norms(call, m, matmul_precision(g.device))
         return (norms + error * spread).square() if summed_margin else norms.square()
@@ -264,7 +261,6 @@ def route_costs(
     device: torch.device | str,
     precision: str,
     input_share: float = 1.0,
-    fused: bool = False,
 ) -> dict[str, float]:
     """The time of each norm route for one example of a linear or Conv1D call, in flops of the device's fastest
     matmul (:data:`_RATES`; a device other than CUDA counts as a CPU), ``T = positions`` (grouped: ``k T``), ``s``
@@ -277,9 +273,11 @@ def route_costs(
       an earlier call formed it, ``1 / r`` when ``r`` calls still to come read it;
     * ``"product"``: the gradient's matmul, ``2 T in out`` flops at the rate of its factors (bf16: tensor cores;
       float32: the run's ``precision``; float64), and its memory traffic: the ``[out, in]`` gradient written and read
-      once (8 bytes a number, 16 in float64), unless ``fused`` (the norm kernel keeps it in registers,
-      :func:`~opake_torch.patches.kernels.product_norms.product_kernel_runs`), and the factors read twice (the
-      matmul, their row norms).
+      once (8 bytes a number, 16 in float64), and the factors read twice (the matmul, their row norms). Where the
+      norm kernel runs (:func:`product_norms`) the gradient never reaches memory, but the model still prices it:
+      the model leaves out the host work per call, where the Gram route dispatches fewer operators, so what the
+      kernel should change in the choice is left to a GPU measurement
+      (``benchmarks/product_norms_bench.py``).
     """
     kind = torch.device(device).type
     rates, per_byte = _RATES.get(kind, _RATES["cpu"]), _FLOPS_PER_BYTE.get(kind, _FLOPS_PER_BYTE["cpu"])
@@ -294,8 +292,7 @@ def route_costs(
     gram_flops = 2 * positions**2 * (width_out + 1) + input_share * input_flops
     gram_bytes = positions * width_out * (size + 16) + 16 * positions**2 + input_share * input_bytes
     product_flops = 2 * positions * weight_numbers
-    product_bytes = 0 if fused else weight_numbers * (16 if factors == torch.float64 else 8)
-    product_bytes += 2 * factor_numbers * size
+    product_bytes = weight_numbers * (16 if factors == torch.float64 else 8) + 2 * factor_numbers * size
     return {
         "gram": gram_flops / rates["float64"] + gram_bytes * per_byte,
         "product": product_flops / rate + product_bytes * per_byte,
@@ -310,16 +307,14 @@ def norm_route(
     device: torch.device | str,
     precision: str,
     input_share: float = 1.0,
-    fused: bool = False,
 ) -> str:
     """``"gram"`` or ``"product"``, whichever :func:`route_costs` finds cheaper (a tie keeps ``"gram"``): a pure
     function of the shapes, the factors' dtype, the device, the float32 matmul precision and the share of the input's
-    Gram matrix the call pays (``input_share``, :meth:`InputGrams.share`) and whether the product route's norm
-    kernel runs (``fused``). On CUDA with bf16
+    Gram matrix the call pays (``input_share``, :meth:`InputGrams.share`). On CUDA with bf16
     factors the product route wins once ``T`` is a few hundred against widths of a few thousand (the 1.1B Llama at
     ``T = 512``: every projection and the head), the Gram route where ``T`` is small against the widths; grouped
     examples (``k T`` positions) favour the product route."""
-    costs = route_costs(positions, width_in, width_out, factors, device, precision, input_share, fused)
+    costs = route_costs(positions, width_in, width_out, factors, device, precision, input_share)
     return "product" if costs["product"] < costs["gram"] else "gram"
 
 
