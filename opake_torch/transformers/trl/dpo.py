@@ -179,12 +179,16 @@ class DPOTrainer(DPTrainer):
         args: :class:`DPOConfig`; a plain :class:`TrainingArguments` is upcast, a ``trl.DPOConfig`` converted
             (:func:`~opake_torch.transformers.trl.sft.upcast_args`).
         data_collator: defaults to right-padding every column (ids with the pad token, masks with 0).
-        train_dataset, eval_dataset: rows with ``prompt`` / ``chosen`` / ``rejected`` (strings or message lists) or
+        train_dataset: rows with ``prompt`` / ``chosen`` / ``rejected`` (strings or message lists) or
             conversational ``chosen`` / ``rejected`` with an implicit prompt; formatted once here.
+        eval_dataset: the same, for evaluation.
         processing_class: the tokenizer (a copy gets ``args.chat_template`` and an EOS pad fallback).
         quantization_config: TRL's argument; None only (quantized base weights are refused).
         peft_config: wrap ``model`` with ``peft.get_peft_model`` first.
-        compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs: as in :class:`DPTrainer`.
+        compute_metrics: as in :class:`DPTrainer`.
+        callbacks: as in :class:`DPTrainer`.
+        optimizers: as in :class:`DPTrainer`.
+        optimizer_cls_and_kwargs: as in :class:`DPTrainer`.
 
     Besides the loss, :meth:`compute_per_example_loss_and_metrics` gives TRL's ``rewards/*``, ``logps/*``,
     ``logits/*``, ``mean_token_accuracy``, ``entropy`` and ``num_tokens`` per pair

@@ -151,15 +151,19 @@ class SFTTrainer(DPTrainer):
         args: :class:`SFTConfig`; a plain :class:`TrainingArguments` is upcast (keeping its values), a
             ``trl.SFTConfig`` converted (:func:`upcast_args`).
         data_collator: ``list of examples -> batch``; defaults to right-padding (labels -100, masks 0).
-        train_dataset, eval_dataset: map-style datasets of rows in one of the formats of
+        train_dataset: a map-style dataset of rows in one of the formats of
             :mod:`opake_torch.transformers.trl.data`; formatted once here.
+        eval_dataset: the same, for evaluation.
         processing_class: the tokenizer (a copy gets ``args.chat_template`` and an EOS pad fallback); None with a
             model given by name loads the tokenizer saved with it.
         compute_loss_func: ``(logits [T, V], labels [T]) -> scalar`` for one example; only with ``loss_type='nll'``.
         quantization_config: TRL's argument; None only (quantized base weights are refused).
         peft_config: wrap ``model`` with ``peft.get_peft_model`` first.
         formatting_func: ``row -> str`` written into ``args.dataset_text_field``.
-        compute_metrics, callbacks, optimizers, optimizer_cls_and_kwargs: as in :class:`DPTrainer`.
+        compute_metrics: as in :class:`DPTrainer`.
+        callbacks: as in :class:`DPTrainer`.
+        optimizers: as in :class:`DPTrainer`.
+        optimizer_cls_and_kwargs: as in :class:`DPTrainer`.
 
     Besides the loss, :meth:`compute_per_example_loss_and_metrics` gives TRL's ``mean_token_accuracy``, ``entropy``
     and ``num_tokens`` per example (:mod:`opake_torch.transformers.trl.metrics`; outside the guarantee).
