@@ -33,6 +33,7 @@ import triton.language as tl
 
 from opake_torch.layerwise.calls import Call
 from opake_torch.layerwise.precision import add_bf16_product, bf16_floor
+from opake_torch.patches.kernels.product_norms import TILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_bench import _measure
@@ -44,7 +45,7 @@ SHAPES = [  # (name, m, T, in, out)
     ("llama1b.down_proj", 16, 512, 5632, 2048),
     ("llama1b.lm_head", 16, 512, 2048, 32000),
 ]
-BO, BK, BT = 128, 128, 32
+BO, BK, BT = TILE  # the norm kernel's tiles
 
 
 @triton.jit

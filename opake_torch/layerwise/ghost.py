@@ -41,6 +41,7 @@ from opake_torch.layerwise.precision import (
 )
 from opake_torch.layerwise.uses import DEPTHWISE
 from opake_torch.patches.kernels.product_norms import (
+    product_kernel_runs,
     product_norm_rounding,
     product_squared_norms,
     product_squared_norms_supported,
@@ -220,8 +221,8 @@ def product_norms(call: Call, m: int, precision: str) -> tuple[torch.Tensor, tor
     (:func:`~opake_torch.layerwise.precision.norm_rounding`). A gradient whose float32 squares overflow (entries
     beyond about ``1e19``) reports an infinite norm: the example is dropped, as any non-finite one.
 
-    On CUDA with Triton, bf16 factors and float32 ones under TF32 take a kernel that forms each tile of ``G~_i`` in
-    registers and keeps only its sum of squares
+    On CUDA (compute capability 8 or more) with Triton, bf16 factors and float32 ones under TF32 take a kernel that
+    forms each tile of ``G~_i`` in registers and keeps only its sum of squares
     (:func:`~opake_torch.patches.kernels.product_norms.product_squared_norms`, whose rounding bound replaces the row
     norms'): the same bound, with no gradient written to memory. Elsewhere the gradients are formed:
     ``m_c`` examples at a time, their ``[m_c, out, in]`` gradients holding at most the larger of
@@ -232,17 +233,19 @@ def product_norms(call: Call, m: int, precision: str) -> tuple[torch.Tensor, tor
     positions, width, out = g.shape[1], a.shape[-1], g.shape[-1]
     accumulated = torch.float64 if factors == torch.float64 else torch.float32
     gamma = product_norm_error(positions, factors=factors, precision=precision)
-    g, a = cast(g, factors), cast(a, factors)
-    if product_squared_norms_supported(g, a, precision):  # the gradients never stored
-        spread = _spread(g, a)
-        norms = product_squared_norms(g, a).sqrt_() * product_norm_rounding(out, width)
-        return norms + gamma * spread, spread
+    if product_kernel_runs(g.device, factors, precision):  # the gradients never stored
+        g, a = cast(g, factors), cast(a, factors)
+        if product_squared_norms_supported(g, a, precision):
+            spread = _spread(g, a)
+            norms = product_squared_norms(g, a).sqrt_() * product_norm_rounding(out, width)
+            return norms + gamma * spread, spread
     rounding = norm_rounding(width, accumulated)
     factor_bytes = g.numel() * g.element_size() + a.numel() * a.element_size()
     per_example = out * width * accumulated.itemsize
     step = max(1, max(PRODUCT_CAP_BYTES, factor_bytes) // per_example)
 
     def chunk(gc: torch.Tensor, ac: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gc, ac = cast(gc, factors), cast(ac, factors)  # a chunk at a time: one chunk's copy
         rows = torch.linalg.vector_norm(bmm_accumulated(gc.transpose(1, 2), ac), dim=-1)  # [m_c, out]; gradient freed
         spread = _spread(gc, ac)
         return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64) * rounding + gamma * spread, spread
