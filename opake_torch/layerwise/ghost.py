@@ -159,9 +159,9 @@ def ghost_norms(
     products (:func:`product_norms`), or the cheaper (``"auto"``: :func:`norm_route`, with the share of a shared input
     Gram matrix that ``input_gram``, an :class:`InputGrams`, says the call pays). Embeddings and experts keep
     their own paths. ``error``: the relative error of the products of the layer's float32 scaled sum
-    (:func:`~opake_torch.layerwise.precision.product_error`): a linear or Conv1D layer with float32 factors then
-    reports ``(||G_i|| + error S_i)^2``, ``S_i = sum_t ||g_t|| ||a_t||``, the bound of the norm of the gradient its
-    sum forms."""
+    (:func:`~opake_torch.layerwise.precision.product_error`): a linear or Conv1D layer with float32 or float16 factors
+    (which its sum casts to float32) then reports ``(||G_i|| + error S_i)^2``, ``S_i = sum_t ||g_t|| ||a_t||``, the
+    bound of the norm of the gradient its sum forms."""
     g = by_example(call.grad, m)
     if call.kind == "embedding":
         ids, live = live_ids(call, m)
@@ -169,7 +169,9 @@ def ghost_norms(
         return frobenius(same.to(torch.float64), gram(g))
     if call.kind == "experts":
         return _expert_norms(call, m)
-    summed_margin = bool(error) and not bf16_factors(call) and g.dtype == torch.float32  # bf16 factors: exact sum
+    # the sum's products run in float32 at the run's precision (float16 factors too, cast up): a margin for their
+    # rounding; bf16 factors take the exact two-part sum, float64 ones a float64 sum
+    summed_margin = bool(error) and not bf16_factors(call) and g.dtype != torch.float64
     if route == "auto":
         share = input_gram.share(call) if isinstance(input_gram, InputGrams) else 1.0
         width, precision = call.inputs.shape[-1], matmul_precision(g.device)

@@ -88,6 +88,54 @@ def test_without_the_margin_tf32_products_exceed_the_bound(monkeypatch):
     assert _contribution(monkeypatch, bound, margin=False) > 1.5 * bound  # the engine's sum would break the bound
 
 
+def _float16_case(clip_factor: float) -> tuple:
+    """A float16 linear layer and an example of two positions whose inputs differ by one float16 step and whose output
+    gradients cancel: the true gradient is ``v (x_2 - x_1)^T``, each entry ``2^-10 v``. The inputs are chosen so
+    that, scaled by ``clip_factor`` in float32 and rounded to TF32 (what the sum multiplies), they lie two TF32
+    steps apart where the true distance is 1.1 steps."""
+    torch.manual_seed(0)
+    model = nn.Linear(WIDTH, WIDTH, bias=False).half()
+    apply, params, frozen = functional_model(model)
+
+    def batch_loss(p, x, v):
+        return (apply(p, frozen, x).float() * v).sum(dim=(1, 2))
+
+    def loss(p, x, v):
+        return batch_loss(p, x[None], v[None])[0]
+
+    step = 2.0**-10  # float16's spacing in [1, 2)
+    low = 1 + step * torch.arange(1023.0)
+    apart = (_round(low * clip_factor + clip_factor * step, 10) - _round(low * clip_factor, 10)) / 2.0**-11
+    chosen = low[apart == 2]
+    x1 = chosen[torch.randint(0, len(chosen), (WIDTH,))]
+    x = torch.stack([x1, x1 + step])[None].half()
+    g = torch.randint(1, 8, (WIDTH,)).float()
+    v = torch.stack([g, -g])[None]
+    true = (v[0].T.double() @ x[0].double()).norm().item()
+    return model, params, loss, batch_loss, (x, v), true
+
+
+@pytest.mark.parametrize("margin", [True, False])
+def test_float16_layers_carry_the_margin_under_tf32(monkeypatch, margin):
+    """A float16 layer's sum casts its factors to float32 and multiplies them at the run's precision: its norms carry
+    the margin as a float32 layer's do. Without it the example below (clip factor 0.55) contributes about 1.45 times
+    the bound."""
+    model, params, loss, batch_loss, batch, true = _float16_case(0.55)
+    monkeypatch.setattr(ghost, "_add_product", _tf32_product)
+    monkeypatch.setattr(engine, "matmul_precision", lambda device: "tf32")
+    if not margin:
+        monkeypatch.setattr(engine, "product_error", lambda precision: 0.0)
+    bound = 0.55 * true
+    hooks = Engine(gradients=LayerwiseGradients(model, batch_loss))
+    grad_fn, state = clipped_grad(loss, clipping_norm=bound, batch_argnums=(1, 2), normalize_by=1.0, engine=hooks)
+    clipped, _ = grad_fn(params, *batch, state=state)
+    contribution = clipped.value["weight"].double().norm().item()
+    if margin:
+        assert contribution <= bound
+    else:
+        assert contribution > 1.3 * bound  # the case breaks the bound unless the margin is there
+
+
 def test_product_error_bounds_the_rounding_of_both_factors():
     assert product_error("ieee") == 0.0
     assert product_error("tf32") == pytest.approx(2 * 2.0**-10, rel=1e-3)
