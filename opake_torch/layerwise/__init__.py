@@ -22,7 +22,11 @@ A linear layer that ran in bfloat16 (bf16 weights or bf16 autocast: its output g
 gradient ``g^T bf16(a)``, a product of bf16 factors, so its norms are taken from the bf16-rounded input and its
 clipped sum runs on bf16 tensor cores with float32 accumulation: the clip factor rounded down to a bf16 number
 ``c'_i <= c_i`` makes ``c'_i g_it`` exactly two bf16 parts, so every example contributes ``c'_i G_i``, within the
-bound, by two bf16 tensor-core products (see :func:`~opake_torch.layerwise.precision.add_bf16_product`).
+bound, by two bf16 tensor-core products (see :func:`~opake_torch.layerwise.precision.add_bf16_product`). Where the
+Triton kernel runs (CUDA), the sum takes one pass instead: each example's tile of ``G_i`` accumulated in registers,
+times ``c_i``, with the norms carrying that accumulation's rounding margin
+(:func:`~opake_torch.patches.kernels.product_sums.clipped_product_sum`,
+:func:`~opake_torch.layerwise.ghost.one_pass_sum`).
 
 :class:`LayerwiseGradients` is the ``gradients`` part of an :class:`opake_core.clipping.Engine`. Clipping itself
 stays in :mod:`opake_core.clipping.rules`, which takes the squared norms, forms the scales with the same rule and

@@ -14,8 +14,9 @@ A linear or Conv1D call takes its norms by one of two routes (:data:`NORM_ROUTES
 
 The clipped sum is then ``sum_i c_i G_i = g^T (c * a)``, one matmul, the same as a non-private weight gradient
 ("book-keeping", Bu et al. 2023, arXiv 2210.00038), whichever route gave the norms; the scaled input ``c * a`` is
-formed once for the layers that read the same input (q, k and v). A weight takes this path where its factors hold
-less memory than its instantiated gradients (:func:`prefers_ghost`).
+formed once for the layers that read the same input (q, k and v). A layer that ran in bf16 adds two exact bf16
+parts, or, where the Triton kernel runs, takes one pass whose rounding its norms carry (:func:`one_pass_sum`). A
+weight takes this path where its factors hold less memory than its instantiated gradients (:func:`prefers_ghost`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from opake_torch.layerwise.precision import (
     matmul_precision,
     norm_rounding,
     product_norm_error,
+    product_sum_error,
 )
 from opake_torch.layerwise.uses import DEPTHWISE
 from opake_torch.patches.kernels.product_norms import (
@@ -46,6 +48,7 @@ from opake_torch.patches.kernels.product_norms import (
     product_squared_norms,
     product_squared_norms_supported,
 )
+from opake_torch.patches.kernels.product_sums import clipped_product_sum, clipped_product_sum_supported
 
 if TYPE_CHECKING:
     from opake_torch.layerwise.gradients import Gradients
@@ -61,6 +64,7 @@ __all__ = [
     "ghost_norms",
     "gram",
     "norm_route",
+    "one_pass_sum",
     "prefers_ghost",
     "product_norms",
     "route_costs",
@@ -83,6 +87,7 @@ _RATES = {
     "cpu": {"bf16": 1.0, "ieee": 1.0, "tf32": 1.0, "float64": 1 / 2},
 }
 _FLOPS_PER_BYTE = {"cuda": 300.0, "cpu": 10.0}
+_FLOAT32_SAFE = torch.finfo(torch.float32).max / 2  # a bound on the partial sums of a float32 accumulation
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:
@@ -122,11 +127,38 @@ class ScaledInputs:
         return self.value
 
 
-def add_ghost(call: Call, scale: torch.Tensor, drop: torch.Tensor, total: torch.Tensor, inputs: ScaledInputs) -> None:
+def one_pass_sum(call: Call, total: torch.dtype) -> bool:
+    """Whether the clipped sum of a call into a sum of dtype ``total`` may run in one pass
+    (:func:`~opake_torch.patches.kernels.product_sums.clipped_product_sum`): a linear or Conv1D layer that ran in
+    bf16, a float32 sum, a device where the kernel runs. The norms of such a call must carry that sum's margin
+    (:func:`ghost_norms` with ``one_pass``) before :func:`add_ghost` may take it."""
+    if not bf16_factors(call) or total != torch.float32:
+        return False
+    return product_kernel_runs(call.grad.device, torch.bfloat16, "ieee")
+
+
+def add_ghost(
+    call: Call,
+    scale: torch.Tensor,
+    drop: torch.Tensor,
+    total: torch.Tensor,
+    inputs: ScaledInputs,
+    *,
+    one_pass: bool = False,
+) -> None:
     """``total += sum_i scale_i G_i`` from the call's input and output gradient; ``scale`` and ``drop`` (whether the
-    scale is 0) are ``[m, 1, 1]``; an example with scale 0 adds exactly 0 whatever its values."""
+    scale is 0) are ``[m, 1, 1]``; an example with scale 0 adds exactly 0 whatever its values. A layer that ran in
+    bf16 adds to a float32 sum in one pass where ``one_pass`` (its norms carry that pass's margin,
+    :func:`one_pass_sum`) and the kernel takes the tensors, else in two exact bf16 parts
+    (:func:`~opake_torch.layerwise.precision.add_bf16_product`)."""
     m = scale.shape[0]
     if bf16_factors(call) and total.dtype == torch.float32:
+        if one_pass:
+            g, a = by_example(call.grad, m), input_factor(call, m)
+            left, right = (g, a) if call.kind == "linear" else (a, g)  # conv1d: weight [in, out]
+            if clipped_product_sum_supported(left, right, scale, total):
+                clipped_product_sum(left, right, scale, total)
+                return
         add_bf16_product(call, drop, scale, total)
         return
     g = cast(by_example(call.grad, m), total.dtype)
@@ -151,7 +183,13 @@ def add_ghost(call: Call, scale: torch.Tensor, drop: torch.Tensor, total: torch.
 
 
 def ghost_norms(
-    call: Call, m: int, input_gram: Callable[[Call], torch.Tensor], *, error: float = 0.0, route: str = "gram"
+    call: Call,
+    m: int,
+    input_gram: Callable[[Call], torch.Tensor],
+    *,
+    error: float = 0.0,
+    route: str = "gram",
+    one_pass: bool = False,
 ) -> torch.Tensor:
     """float64 ``[m]`` squared norms of the call's per-example weight gradients (an upper bound of them by the product
     route); ``route`` (:data:`NORM_ROUTES`) says how a linear or Conv1D call takes them: from Gram matrices (the
@@ -161,7 +199,10 @@ def ghost_norms(
     their own paths. ``error``: the relative error of the products of the layer's float32 scaled sum
     (:func:`~opake_torch.layerwise.precision.product_error`): a linear or Conv1D layer with float32 or float16 factors
     (which its sum casts to float32) then reports ``(||G_i|| + error S_i)^2``, ``S_i = sum_t ||g_t|| ||a_t||``, the
-    bound of the norm of the gradient its sum forms."""
+    bound of the norm of the gradient its sum forms. ``one_pass`` (:func:`one_pass_sum`): a layer that ran in bf16
+    reports ``(||G_i|| + eps S_i)^2`` with ``eps`` the one-pass sum's
+    (:func:`~opake_torch.layerwise.precision.product_sum_error`), and an infinite norm (the example is dropped) where
+    ``S_i`` could overflow that sum's float32 accumulation."""
     g = by_example(call.grad, m)
     if call.kind == "embedding":
         ids, live = live_ids(call, m)
@@ -170,19 +211,28 @@ def ghost_norms(
     if call.kind == "experts":
         return _expert_norms(call, m)
     # the sum's products run in float32 at the run's precision (float16 factors too, cast up): a margin for their
-    # rounding; bf16 factors take the exact two-part sum, float64 ones a float64 sum
-    summed_margin = bool(error) and not bf16_factors(call) and g.dtype != torch.float64
+    # rounding; bf16 factors take the exact two-part sum, or one pass with its margin; float64 ones a float64 sum
+    if bf16_factors(call):
+        margin = product_sum_error(g.shape[1]) if one_pass else 0.0
+    else:
+        margin = error if g.dtype != torch.float64 else 0.0
     if route == "auto":
         share = input_gram.share(call) if isinstance(input_gram, InputGrams) else 1.0
         width, precision = call.inputs.shape[-1], matmul_precision(g.device)
         route = norm_route(g.shape[1], width, g.shape[-1], _factors(call), g.device, precision, share)
     if route == "product":
         norms, spread = product_norms(call, m, matmul_precision(g.device))
-        return (norms + error * spread).square() if summed_margin else norms.square()
-    squares = frobenius(input_gram(call), gram(g))
-    if not summed_margin:
-        return squares
-    return (squares.sqrt() + error * _spread(g, by_example(call.inputs, m))).square()
+        if not margin:
+            return norms.square()
+    else:
+        squares = frobenius(input_gram(call), gram(g))
+        if not margin:
+            return squares
+        norms, spread = squares.sqrt(), _spread(g, input_factor(call, m))
+    bounded = norms + margin * spread
+    if one_pass:  # every partial sum of G~_i is at most (1 + eps) S_i: beyond float32, the example is dropped
+        bounded = torch.where(spread * (1 + margin) < _FLOAT32_SAFE, bounded, torch.inf)
+    return bounded.square()
 
 
 def _row_norms(x: torch.Tensor) -> torch.Tensor:

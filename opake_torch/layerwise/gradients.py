@@ -57,6 +57,7 @@ class Gradients:
     group_of: dict[str, _Group] = field(default_factory=dict)
     product_error: float = 0.0  # of the float32 ghost sums, at the run's matmul precision (precision.product_error)
     norm_route: str = "gram"  # how ghost linear and Conv1D calls take their norms (ghost.NORM_ROUTES)
+    one_pass: set[str] = field(default_factory=set)  # ghost weights whose norms carry the one-pass sum's margin
 
     def group(self, names: Sequence[str]) -> None:
         """The (dtype, shape) groups of the instantiated gradients of ``names``."""
@@ -114,5 +115,5 @@ class Gradients:
                 if key not in rows_of:
                     scale = rows[k].reshape(self.m, 1, 1)
                     rows_of[key] = (scale, scale == 0)
-                add_ghost(call, *rows_of[key], total, inputs)
+                add_ghost(call, *rows_of[key], total, inputs, one_pass=name in self.one_pass)
                 call.inputs = call.grad = None  # consumed, as the buffers are: the next sums run without them

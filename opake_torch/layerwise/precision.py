@@ -1,6 +1,7 @@
 """The precision of the engine's products: the run's float32 matmul setting and the margin the norms carry for it,
-the rounding bounds of the product norm route, and the layers that ran in bfloat16, whose factors are rounded as
-their forward rounded them and whose clipped sums split the scaled factor into two exact bf16 parts.
+the rounding bounds of the product norm route and of the one-pass bf16 sum, and the layers that ran in bfloat16,
+whose factors are rounded as their forward rounded them and whose clipped sums split the scaled factor into two exact
+bf16 parts (or take one pass, :func:`product_sum_error`).
 
 Reduced-precision float32 matmuls (TF32, bf16) round the factors of a ghost layer's scaled sum; :func:`product_error`
 bounds that rounding, and the ghost norms of those layers carry it as a margin
@@ -39,6 +40,7 @@ __all__ = [
     "norm_rounding",
     "product_error",
     "product_norm_error",
+    "product_sum_error",
     "summation_error",
 ]
 
@@ -173,6 +175,15 @@ def product_norm_error(positions: int, *, factors: torch.dtype, precision: str) 
         return gamma
     eps = torch.finfo(accumulation).eps if factors == torch.float64 or precision == "ieee" else product_error(precision)
     return (1 + eps) * (1 + gamma) - 1
+
+
+def product_sum_error(positions: int) -> float:
+    """``eps``: the relative error, entry by entry, of one example's contribution ``fl(c_i G~_i)`` to a bf16 layer's
+    clipped sum formed in one pass (:func:`~opake_torch.patches.kernels.product_sums.clipped_product_sum`): ``G~_i``
+    accumulates the exact products of ``positions`` bf16 rows in float32 (``gamma_n``, :func:`summation_error`), and
+    the product by ``c_i`` rounds once (``2^-24``): ``|fl(c_i G~_i) - c_i G_i| <= c_i eps sum_t |g_t| |a_t|^T`` with
+    ``eps = (1 + gamma_n)(1 + 2^-24) - 1``, so the contribution's norm is at most ``c_i (||G_i|| + eps S_i)``."""
+    return (1 + summation_error(positions)) * (1 + 2.0**-24) - 1
 
 
 def norm_rounding(width: int, dtype: torch.dtype) -> float:

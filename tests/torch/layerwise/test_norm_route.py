@@ -25,12 +25,20 @@ from torch import nn
 from opake_core.clipping import Engine, clipped_grad
 from opake_core.errors import ConfigurationError
 from opake_torch.functional import functional_model
-from opake_torch.layerwise import LayerwiseGradients, ghost, precision
+from opake_torch.layerwise import LayerwiseGradients, ghost, hooks, precision
 from opake_torch.layerwise.calls import Call
 from opake_torch.patches import apply_runtime_patches
 from opake_torch.patches.kernels import product_norms
 from opake_torch.transformers.data import collate, language_modeling_labels
 from opake_torch.transformers.loss import batch_losses, per_example_loss
+
+
+@pytest.fixture(autouse=True)
+def _two_part_sums(monkeypatch):
+    """These tests are of the norm routes: the one-pass bf16 sum, whose margin the norms would carry where its kernel
+    runs, is set aside (its tests: ``tests/torch/kernels/test_product_sums.py``)."""
+    monkeypatch.setattr(hooks, "one_pass_sum", lambda call, total: False)
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # both routes against a float64 loop over examples

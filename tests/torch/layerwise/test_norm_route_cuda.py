@@ -11,9 +11,17 @@ import torch
 from torch import nn
 
 from opake_torch.functional import functional_model
-from opake_torch.layerwise import LayerwiseGradients
+from opake_torch.layerwise import LayerwiseGradients, hooks
 
 pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(autouse=True)
+def _two_part_sums(monkeypatch):
+    """These tests are of the norm routes: the one-pass bf16 sum, whose margin the norms would carry where its kernel
+    runs, is set aside (its tests: ``tests/torch/kernels/test_product_sums.py``)."""
+    monkeypatch.setattr(hooks, "one_pass_sum", lambda call, total: False)
+
 
 POSITIONS, WIDTH = 512, 256
 
