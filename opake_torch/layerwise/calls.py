@@ -37,7 +37,10 @@ def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def by_example(x: torch.Tensor, m: int) -> torch.Tensor:
     """``[m, ..., d]`` as ``[m, T, d]`` (``T = 1`` for a layer applied once per example); the ``[m k, T, d]`` rows
-    of grouped examples (example-major) as ``[m, k T, d]``: an example's rows as one example of ``k T`` positions."""
+    of grouped examples (example-major) as ``[m, k T, d]``: an example's rows as one example of ``k T`` positions.
+    ``x`` itself where it is ``[m, T, d]`` already (no operator dispatched: this runs several times per layer call)."""
+    if x.dim() == 3 and x.shape[0] == m:
+        return x
     return x.reshape(m, -1, x.shape[-1])
 
 
