@@ -130,15 +130,15 @@ def padded(
     groups, and at most twice the rows in all. Yields ``(groups [n], index [n, W], blocks)``, ``index`` the sorted
     row of each padded row (``S`` for a padding row)."""
     total = rows[0].shape[0]
-    device = ends.device
     counts = torch.diff(ends, prepend=ends.new_zeros(1)).long()
+    starts = ends.long() - counts
     ranked = torch.argsort(counts, descending=True, stable=True)  # the order of _chunks' sort, on the device
     rows = tuple(F.pad(x, (0, 0, 0, 1)) for x in rows)  # row S: zeros, read by the padding rows
+    slots = torch.arange(max(sizes, default=0), device=ends.device)  # the widest run's; each run takes its first W
     for r0, r1, width in _chunks(sizes):
         groups = ranked[r0:r1]
-        slots = torch.arange(width, device=device)
-        index = (ends.long()[groups] - counts[groups])[:, None] + slots
-        index = torch.where(slots < counts[groups][:, None], index, total)
+        index = starts[groups][:, None] + slots[:width]
+        index = torch.where(slots[:width] < counts[groups][:, None], index, total)
         blocks = tuple(x.index_select(0, index.reshape(-1)).view(*index.shape, -1) for x in rows)
         yield groups, index, blocks
 
