@@ -80,10 +80,12 @@ at most the larger of this and what the call's two factors hold (:func:`product_
 
 # Matmul rates relative to the device's fastest (CUDA: bf16 tensor cores; CPU: float32), per dtype of the
 # accumulated factors and float32 matmul precision; CUDA fp64 and IEEE fp32 ~1/15 of bf16 (H100: 67 against 990
-# TFLOP/s dense), TF32 ~1/2; CPU fp64 ~1/2 of fp32. Bytes: the flops one byte of memory traffic costs (H100: 990
-# TFLOP/s against 3.35 TB/s; a CPU: about 10).
+# TFLOP/s dense); TF32 counts as IEEE: on an H100 the product route of float32 factors under TF32 ran at about 40
+# TFLOP/s, formed or through the norm kernel, and lost to the Gram route on every GPT-2 and BERT shape measured
+# (benchmarks/product_norms_bench.py, 2026-12-07); CPU fp64 ~1/2 of fp32. Bytes: the flops one byte of memory
+# traffic costs (H100: 990 TFLOP/s against 3.35 TB/s; a CPU: about 10).
 _RATES = {
-    "cuda": {"bf16": 1.0, "ieee": 1 / 15, "tf32": 1 / 2, "float64": 1 / 15},
+    "cuda": {"bf16": 1.0, "ieee": 1 / 15, "tf32": 1 / 15, "float64": 1 / 15},
     "cpu": {"bf16": 1.0, "ieee": 1.0, "tf32": 1.0, "float64": 1 / 2},
 }
 _FLOPS_PER_BYTE = {"cuda": 300.0, "cpu": 10.0}

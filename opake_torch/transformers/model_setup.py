@@ -22,7 +22,7 @@ from opake_torch.functional import functional_model
 from opake_torch.patches.activation_checkpointing import check_memory_knobs, enable_vmap_checkpointing
 from opake_torch.patches.compat import check_attention_implementation
 from opake_torch.patches.families import apply_family_patches, family_of
-from opake_torch.patches.performance import apply_performance_kernels, runtime_patches
+from opake_torch.patches.performance import CUDNN_ATTENTION_OFF, apply_performance_kernels, runtime_patches
 from opake_torch.patches.router_fp32 import apply_router_fp32
 from opake_torch.patches.runtime import VMAP_PATCHES, RuntimePatch, apply_runtime_patches
 from opake_torch.transformers.loss import infer_task, per_example_loss
@@ -158,8 +158,10 @@ def prepare_model(model: nn.Module, args: Any, topology: Any) -> tuple[nn.Module
 
 def training_patches(compat: list[str], performance: list[str]) -> tuple[RuntimePatch, ...]:
     """The process-level patches a run needs while it runs, from the names :func:`prepare_model` returned: the vmap
-    patches where ``compat`` lists them, the family RoPE kernel where ``performance`` does."""
-    return (*(patch for patch in VMAP_PATCHES if patch.name in compat), *runtime_patches(performance))
+    patches where ``compat`` lists them, the family RoPE kernel where ``performance`` does, and always SDPA's cuDNN
+    backend off (:data:`~opake_torch.patches.performance.CUDNN_ATTENTION_OFF`: the private step's shapes vary)."""
+    vmap = (patch for patch in VMAP_PATCHES if patch.name in compat)
+    return (*vmap, *runtime_patches(performance), CUDNN_ATTENTION_OFF)
 
 
 def with_training_patches(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -167,6 +167,7 @@ def _scenario() -> dict:
 
         def on_step_end(self, args, state, control, **kwargs):
             self.seen.append(list(applied_patches()))
+            self.cudnn = torch.backends.cuda.cudnn_sdp_enabled()
             if self.fail:
                 raise RuntimeError("stop here")
 
@@ -188,6 +189,8 @@ def _scenario() -> dict:
         return {
             "error": error,
             "during": watch.seen[0],
+            "cudnn_attention_during": watch.cudnn,
+            "cudnn_attention_after": torch.backends.cuda.cudnn_sdp_enabled(),
             "applied_after": list(applied_patches()),
             "changed": _changed(fresh),
             "trained_model_patches": list(applied_patches(model)),
@@ -220,6 +223,8 @@ def test_training_one_model_leaves_other_models_unpatched(tmp_path):
         assert seen["error"] == ("stop here" if run == "failing" else None), run
         assert set(vmap) <= set(seen["during"]), run  # applied while training
         assert (rope in seen["during"]) == (run == "kernels"), run
+        assert "torch.backends.cuda.enable_cudnn_sdp" in seen["during"], run  # SDPA's cuDNN backend off, and back
+        assert seen["cudnn_attention_during"] is False and seen["cudnn_attention_after"] is True, run
         assert seen["applied_after"] == [], run  # and undone after, also when train() raised
         assert seen["changed"] == [], run  # the family's and transformers' functions are the originals
         assert seen["other_model_patches"] == [], run
