@@ -29,6 +29,7 @@ from opake_torch.patches.kernels._triton import interpreting, jit, tl, triton
 
 __all__ = [
     "TILE",
+    "example_tile",
     "product_kernel_runs",
     "product_norm_rounding",
     "product_squared_norms",
@@ -37,6 +38,50 @@ __all__ = [
 
 TILE = (128, 128, 32)
 """``(BO, BK, BT)``: the rows and columns of ``G_i`` a program forms, and the positions of each step."""
+
+
+@jit
+def example_tile(
+    G,
+    A,
+    example,
+    rows,
+    cols,
+    T,
+    D_OUT,
+    D_IN,
+    stride_gm,
+    stride_gt,
+    stride_go,
+    stride_am,
+    stride_at,
+    stride_ai,
+    BO: tl.constexpr,
+    BK: tl.constexpr,
+    BT: tl.constexpr,
+    TF32: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The ``[BO, BK]`` tile (``rows``, ``cols``: 64-bit offsets) of ``G~_i = g_i^T a_i`` for ``example`` (64-bit),
+    accumulated in float32 over the ``T`` positions, ``BT`` a step, on tensor cores (TF32 products for float32
+    factors with ``TF32``; ``UPCAST``: bf16 factors multiplied as float32 numbers, for the interpreter)."""
+    steps = tl.arange(0, BT)
+    g_ptrs = G + example * stride_gm + steps[None, :].to(tl.int64) * stride_gt + rows[:, None] * stride_go  # g_i^T
+    a_ptrs = A + example * stride_am + steps[:, None].to(tl.int64) * stride_at + cols[None, :] * stride_ai
+    rows_in, cols_in = rows[:, None] < D_OUT, cols[None, :] < D_IN
+    acc = tl.zeros([BO, BK], dtype=tl.float32)
+    for start in range(0, T, BT):
+        g = tl.load(g_ptrs, mask=(start + steps[None, :] < T) & rows_in, other=0.0)  # [BO, BT]
+        a = tl.load(a_ptrs, mask=(start + steps[:, None] < T) & cols_in, other=0.0)  # [BT, BK]
+        if UPCAST:  # the interpreter's bf16 dot is wrong; bf16 products are exact in float32 alike
+            g, a = g.to(tl.float32), a.to(tl.float32)
+        if TF32:
+            acc = tl.dot(g, a, acc, input_precision="tf32")
+        else:
+            acc = tl.dot(g, a, acc)
+        g_ptrs += BT * stride_gt
+        a_ptrs += BT * stride_at
+    return acc
 
 
 @jit
@@ -65,22 +110,10 @@ def _tile_squares_kernel(
     example = tl.program_id(1).to(tl.int64)
     rows = ((tile // TILES_IN) * BO + tl.arange(0, BO)).to(tl.int64)  # 64-bit offsets: strides of large factors
     cols = ((tile % TILES_IN) * BK + tl.arange(0, BK)).to(tl.int64)
-    steps = tl.arange(0, BT)
-    g_ptrs = G + example * stride_gm + steps[None, :].to(tl.int64) * stride_gt + rows[:, None] * stride_go  # g_i^T
-    a_ptrs = A + example * stride_am + steps[:, None].to(tl.int64) * stride_at + cols[None, :] * stride_ai
-    rows_in, cols_in = rows[:, None] < D_OUT, cols[None, :] < D_IN
-    acc = tl.zeros([BO, BK], dtype=tl.float32)
-    for start in range(0, T, BT):
-        g = tl.load(g_ptrs, mask=(start + steps[None, :] < T) & rows_in, other=0.0)  # [BO, BT]
-        a = tl.load(a_ptrs, mask=(start + steps[:, None] < T) & cols_in, other=0.0)  # [BT, BK]
-        if UPCAST:  # the interpreter's bf16 dot is wrong; bf16 products are exact in float32 alike
-            g, a = g.to(tl.float32), a.to(tl.float32)
-        if TF32:
-            acc = tl.dot(g, a, acc, input_precision="tf32")
-        else:
-            acc = tl.dot(g, a, acc)
-        g_ptrs += BT * stride_gt
-        a_ptrs += BT * stride_at
+    acc = example_tile(
+        G, A, example, rows, cols, T, D_OUT, D_IN, stride_gm, stride_gt, stride_go, stride_am, stride_at, stride_ai,
+        BO=BO, BK=BK, BT=BT, TF32=TF32, UPCAST=UPCAST,
+    )  # fmt: skip
     wide = acc.to(tl.float64)  # a float32 number's square is exact in float64
     tl.store(OUT + example * TILES + tile, tl.sum(tl.sum(wide * wide, axis=1), axis=0))
 

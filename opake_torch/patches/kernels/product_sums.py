@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from opake_torch.patches.kernels._triton import interpreting, jit, tl, triton
-from opake_torch.patches.kernels.product_norms import TILE, product_kernel_runs
+from opake_torch.patches.kernels.product_norms import TILE, example_tile, product_kernel_runs
 
 __all__ = ["clipped_product_sum", "clipped_product_sum_supported"]
 
@@ -59,7 +59,6 @@ def _clipped_sum_kernel(
     tile, group = tl.program_id(0), tl.program_id(1)
     rows = ((tile // TILES_IN) * BO + tl.arange(0, BO)).to(tl.int64)  # 64-bit offsets: strides of large factors
     cols = ((tile % TILES_IN) * BK + tl.arange(0, BK)).to(tl.int64)
-    steps = tl.arange(0, BT)
     rows_in, cols_in = rows[:, None] < D_OUT, cols[None, :] < D_IN
     out_ptrs = OUT + group.to(tl.int64) * D_OUT * D_IN + rows[:, None] * D_IN + cols[None, :]
     if ACCUMULATE:  # one group: the tiles are added to the sum in place
@@ -69,17 +68,10 @@ def _clipped_sum_kernel(
     first = group.to(tl.int64) * PER_GROUP  # 64-bit loop variable: offsets of large factors
     for example in range(first, tl.minimum(first + PER_GROUP, m)):
         c = tl.load(SCALE + example)
-        g_ptrs = G + example * stride_gm + steps[None, :].to(tl.int64) * stride_gt + rows[:, None] * stride_go
-        a_ptrs = A + example * stride_am + steps[:, None].to(tl.int64) * stride_at + cols[None, :] * stride_ai
-        acc = tl.zeros([BO, BK], dtype=tl.float32)
-        for start in range(0, T, BT):
-            g = tl.load(g_ptrs, mask=(start + steps[None, :] < T) & rows_in, other=0.0)  # [BO, BT]
-            a = tl.load(a_ptrs, mask=(start + steps[:, None] < T) & cols_in, other=0.0)  # [BT, BK]
-            if UPCAST:  # the interpreter's bf16 dot is wrong; bf16 products are exact in float32 alike
-                g, a = g.to(tl.float32), a.to(tl.float32)
-            acc = tl.dot(g, a, acc)
-            g_ptrs += BT * stride_gt
-            a_ptrs += BT * stride_at
+        acc = example_tile(
+            G, A, example, rows, cols, T, D_OUT, D_IN, stride_gm, stride_gt, stride_go, stride_am, stride_at,
+            stride_ai, BO=BO, BK=BK, BT=BT, TF32=False, UPCAST=UPCAST,
+        )  # fmt: skip
         total += tl.where(c != 0.0, acc * c, 0.0)
     tl.store(out_ptrs, total, mask=rows_in & cols_in)
 

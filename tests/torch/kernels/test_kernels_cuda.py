@@ -12,10 +12,10 @@ same tests through the Triton interpreter on CPU (slow; a development aid).
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from kernel_device import DEVICE, kernel_device  # noqa: F401 (kernel_device: an autouse fixture)
 from torch.func import grad, vmap
 
 from opake_core.clipping import MaterializedGradients
@@ -23,19 +23,16 @@ from opake_core.clipping.rules import ClipRule
 from opake_torch.patches import kernels as K
 from opake_torch.patches.kernels import FusedGradients, clip_sum, cross_entropy, fused_add_rms_norm
 from opake_torch.patches.kernels import reference as R
-from opake_torch.patches.kernels._triton import can_launch, interpreting
+from opake_torch.patches.kernels._triton import interpreting
 
 pytestmark = pytest.mark.cuda
 
-DEVICE = os.environ.get("OPAKE_KERNEL_TEST_DEVICE", "cuda")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(autouse=True)
-def _device():
-    if not can_launch(torch.empty(0, device=DEVICE if DEVICE == "cpu" or torch.cuda.is_available() else "cpu")):
-        pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with OPAKE_KERNEL_TEST_DEVICE=cpu)")
+def _settings():
     torch.manual_seed(1234)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -12,15 +12,14 @@ interpreter on CPU.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
+from kernel_device import DEVICE, kernel_device  # noqa: F401 (kernel_device: an autouse fixture)
 
 from opake_torch.layerwise import ghost
 from opake_torch.layerwise.calls import Call
 from opake_torch.layerwise.precision import product_norm_error
-from opake_torch.patches.kernels._triton import can_launch
 from opake_torch.patches.kernels.product_norms import (
     product_norm_rounding,
     product_squared_norms,
@@ -29,18 +28,11 @@ from opake_torch.patches.kernels.product_norms import (
 
 pytestmark = pytest.mark.cuda
 
-DEVICE = os.environ.get("OPAKE_KERNEL_TEST_DEVICE", "cuda")
 CASES = {  # (m, T, out, in)
     "odd": (3, 70, 200, 130),
     "short": (2, 5, 129, 257),
     "wide": (2, 96, 64, 384),
 }
-
-
-@pytest.fixture(autouse=True)
-def _device():
-    if not can_launch(torch.empty(0, device=DEVICE if DEVICE == "cpu" or torch.cuda.is_available() else "cpu")):
-        pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with OPAKE_KERNEL_TEST_DEVICE=cpu)")
 
 
 def _factors(case: str, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

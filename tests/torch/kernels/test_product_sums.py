@@ -13,33 +13,25 @@ interpreter on CPU.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_device import DEVICE, kernel_device  # noqa: F401 (kernel_device: an autouse fixture)
 from torch import nn
 
 from opake_core.clipping import Engine, clipped_grad
 from opake_torch.functional import functional_model
 from opake_torch.layerwise import LayerwiseGradients, ghost
 from opake_torch.layerwise.precision import product_sum_error, summation_error
-from opake_torch.patches.kernels._triton import can_launch, interpreting
+from opake_torch.patches.kernels._triton import interpreting
 from opake_torch.patches.kernels.product_sums import clipped_product_sum, clipped_product_sum_supported
 
 pytestmark = pytest.mark.cuda
 
-DEVICE = os.environ.get("OPAKE_KERNEL_TEST_DEVICE", "cuda")
 CASES = {  # (m, T, out, in)
     "odd": (5, 70, 200, 130),
     "short": (3, 5, 129, 257),
     "wide": (4, 96, 64, 384),
 }
-
-
-@pytest.fixture(autouse=True)
-def _device():
-    if not can_launch(torch.empty(0, device=DEVICE if DEVICE == "cpu" or torch.cuda.is_available() else "cpu")):
-        pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with OPAKE_KERNEL_TEST_DEVICE=cpu)")
 
 
 def _case(case: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
