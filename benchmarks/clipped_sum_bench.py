@@ -49,19 +49,18 @@ def measure(name: str, m: int, positions: int, width_in: int, width_out: int, re
     scale[1] = 0.0  # one dropped example
     drop = (scale == 0).reshape(m, 1, 1)
     call = Call("linear", torch.nn.Linear(1, 1), {}, a.reshape(-1, width_in), positions, g.reshape(-1, width_out))
-    total = torch.zeros(width_out, width_in, device="cuda")
+    forms = {  # form: (add the clipped sum to a float32 total, the clip factors its contributions carry)
+        "two_parts": (lambda t: add_bf16_product(call, drop, scale.reshape(m, 1, 1), t), bf16_floor(scale)),
+        "one_pass": (lambda t: clipped_product_sum(g, a, scale, t), scale),
+    }
     row = {"shape": name, "m": m, "T": positions, "in": width_in, "out": width_out}
-    row["two_parts"] = _measure(lambda: add_bf16_product(call, drop, scale.reshape(m, 1, 1), total), repeats)
-    row["one_pass"] = _measure(lambda: clipped_product_sum(g, a, scale, total), repeats)
-    row["speedup"] = round(row["two_parts"]["ms"] / row["one_pass"]["ms"], 3)
-    for form, factor in (("two_parts", bf16_floor(scale)), ("one_pass", scale)):
-        ours = torch.zeros_like(total)
-        if form == "two_parts":
-            add_bf16_product(call, drop, scale.reshape(m, 1, 1), ours)
-        else:
-            clipped_product_sum(g, a, scale, ours)
+    for form, (add, factor) in forms.items():
+        total = torch.zeros(width_out, width_in, device="cuda")
+        add(total)
         exact = torch.einsum("i,ito,itk->ok", factor.double(), g.double(), a.double())
-        row[f"{form}_rel_error"] = ((ours.double() - exact).norm() / exact.norm()).item()
+        row[f"{form}_rel_error"] = ((total.double() - exact).norm() / exact.norm()).item()
+        row[form] = _measure(lambda add=add, total=total: add(total), repeats)
+    row["speedup"] = round(row["two_parts"]["ms"] / row["one_pass"]["ms"], 3)
     return row
 
 

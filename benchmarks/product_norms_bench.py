@@ -3,7 +3,7 @@
 the product route through the norm kernel (:mod:`opake_torch.patches.kernels.product_norms`, the gradient kept in
 registers). A diagnostic: the shapes of the 1.1B Llama's projections at 16 x 512 (bf16 factors) and GPT-2 small's
 at 16 x 512 and BERT-base's at 32 x 128 (float32 factors under TF32), and the cost model's choice for each (which
-still prices the formed gradients' traffic: this bench says what the kernel should change in it).
+prices the formed gradients' traffic even where the kernel runs).
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/product_norms_bench.py [--repeats 10]
 

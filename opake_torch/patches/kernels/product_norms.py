@@ -34,6 +34,7 @@ __all__ = [
     "product_norm_rounding",
     "product_squared_norms",
     "product_squared_norms_supported",
+    "tile_grid",
 ]
 
 TILE = (128, 128, 32)
@@ -150,7 +151,8 @@ def product_squared_norms_supported(g: torch.Tensor, a: torch.Tensor, precision:
     return 0 < g.shape[0] <= 65535 and g.shape[1] > 0 and product_kernel_runs(g.device, g.dtype, precision)
 
 
-def _tiles(out: int, width: int) -> tuple[int, int]:
+def tile_grid(out: int, width: int) -> tuple[int, int]:
+    """``(tiles along out, tiles along in)``: the ``TILE`` tiles that cover an ``[out, in]`` gradient."""
     bo, bk, _ = TILE
     return triton.cdiv(out, bo), triton.cdiv(width, bk)
 
@@ -161,7 +163,7 @@ def product_norm_rounding(out: int, width: int) -> float:
     from opake_torch.layerwise.precision import norm_rounding  # here: the layerwise engine imports this module
 
     bo, bk, _ = TILE
-    tiles_out, tiles_in = _tiles(out, width)
+    tiles_out, tiles_in = tile_grid(out, width)
     return norm_rounding(bo * bk + tiles_out * tiles_in, torch.float64)
 
 
@@ -172,7 +174,7 @@ def product_squared_norms(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     m, positions, out = g.shape
     width = a.shape[-1]
     bo, bk, bt = TILE
-    tiles_out, tiles_in = _tiles(out, width)
+    tiles_out, tiles_in = tile_grid(out, width)
     tiles = tiles_out * tiles_in
     partial = torch.empty(m, tiles, dtype=torch.float64, device=g.device)
     _tile_squares_kernel[(tiles, m)](

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from opake_torch.patches.kernels._triton import interpreting, jit, tl, triton
-from opake_torch.patches.kernels.product_norms import TILE, example_tile, product_kernel_runs
+from opake_torch.patches.kernels.product_norms import TILE, example_tile, product_kernel_runs, tile_grid
 
 __all__ = ["clipped_product_sum", "clipped_product_sum_supported"]
 
@@ -110,8 +110,8 @@ def clipped_product_sum(
     m, positions, out = g.shape
     width = a.shape[-1]
     bo, bk, bt = TILE
-    tiles_in = triton.cdiv(width, bk)
-    tiles = triton.cdiv(out, bo) * tiles_in
+    tiles_out, tiles_in = tile_grid(out, width)
+    tiles = tiles_out * tiles_in
     groups = _groups(g.device, tiles, m) if groups is None else max(1, min(groups, m))
     per_group = triton.cdiv(m, groups)
     groups = triton.cdiv(m, per_group)
