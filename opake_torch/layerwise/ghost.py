@@ -230,7 +230,8 @@ def ghost_norms(
         squares = frobenius(input_gram(call), gram(g))
         if not margin:
             return squares
-        norms, spread = squares.sqrt(), _spread(g, input_factor(call, m))
+        rows = input_gram.rows(call) if isinstance(input_gram, InputGrams) else _row_norms(input_factor(call, m))
+        norms, spread = squares.sqrt(), (_row_norms(g) * rows).sum(dim=1)
     bounded = norms + margin * spread
     if one_pass:  # every partial sum of G~_i is at most (1 + eps) S_i: beyond float32, the example is dropped
         bounded = torch.where(spread * (1 + margin) < _FLOAT32_SAFE, bounded, torch.inf)
@@ -377,25 +378,34 @@ def norm_route(
 
 
 class InputGrams:
-    """The float64 Gram matrices of layer inputs, each formed once for the calls that read the same tensor and kept
-    until the last of those calls has been recorded (``readers`` counts them as the forward registers them)."""
+    """The float64 Gram matrices of layer inputs, and the bounds of their rows' norms that the rounding margins read
+    (:func:`_row_norms`), each formed once for the calls that read the same tensor and kept until the last of those
+    calls has been recorded (``readers`` counts them as the forward registers them)."""
 
     def __init__(self, m: int) -> None:
         self.m = m
         self.readers: dict[tuple[Any, ...], int] = {}
         self.grams: dict[tuple[Any, ...], tuple[bool, torch.Tensor]] = {}  # key -> (bf16-rounded, Gram)
+        self.row_norms: dict[tuple[Any, ...], tuple[bool, torch.Tensor]] = {}  # key -> (bf16-rounded, [m, T])
 
     def read_by(self, call: Call) -> None:
         self.readers[call.input_key] = self.readers.get(call.input_key, 0) + 1
 
     def __call__(self, call: Call) -> torch.Tensor:
+        return self._shared(self.grams, call, gram)
+
+    def rows(self, call: Call) -> torch.Tensor:
+        """float64 ``[m, T]``: :func:`_row_norms` of the call's input factor."""
+        return self._shared(self.row_norms, call, _row_norms)
+
+    def _shared(self, kept: dict, call: Call, form: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         rounded = bf16_factors(call)
-        rounded_then, matrix = self.grams.get(call.input_key, (rounded, None))
-        if matrix is None or rounded_then != rounded:
-            matrix = gram(input_factor(call, self.m))
+        rounded_then, value = kept.get(call.input_key, (rounded, None))
+        if value is None or rounded_then != rounded:
+            value = form(input_factor(call, self.m))
             if self.readers.get(call.input_key, 0) > 1:
-                self.grams[call.input_key] = (rounded, matrix)
-        return matrix
+                kept[call.input_key] = (rounded, value)
+        return value
 
     def share(self, call: Call) -> float:
         """The share of the input's Gram matrix that ``call`` would pay (:func:`route_costs`): 0 when an earlier call
@@ -410,6 +420,7 @@ class InputGrams:
         self.readers[call.input_key] = left
         if left <= 0:
             self.grams.pop(call.input_key, None)
+            self.row_norms.pop(call.input_key, None)
 
 
 def _expert_norms(call: Call, m: int) -> torch.Tensor:

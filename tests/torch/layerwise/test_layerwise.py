@@ -495,6 +495,56 @@ def test_layers_reading_one_tensor_share_its_gram_matrix(monkeypatch):
     assert scaled == [model.q, model.other, model.head]
 
 
+def test_layers_reading_one_tensor_share_its_row_norms(monkeypatch):
+    """Under TF32 (the engine told so; the CPU's products stay IEEE) the ghost norms carry the rounding margin of the
+    sum's products, which reads the row norms of each layer's input: q, k and v take one set of them for the hidden
+    states they share, as they share its Gram matrix, and the clipped sum is bit for bit the one with a set per
+    layer."""
+    from opake_torch.layerwise import engine, ghost
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v, self.other = (nn.Linear(16, 16, bias=False) for _ in range(4))
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mixed = self.q(x) * self.k(x).sigmoid() + self.v(x) + self.other(torch.tanh(x))
+            return self.head(mixed.mean(dim=1))
+
+    torch.manual_seed(0)
+    model = Shared()
+    apply, params, frozen = functional_model(model)
+    x, y = torch.randn(5, 2, 16), torch.randint(0, 3, (5,))
+
+    def loss(p, xi, yi):
+        return F.cross_entropy(apply(p, frozen, xi[None]), yi[None])
+
+    def batch_loss(p, xb, yb):
+        return F.cross_entropy(apply(p, frozen, xb), yb, reduction="none")
+
+    monkeypatch.setattr(engine, "matmul_precision", lambda device: "tf32")
+    read = []
+    row_norms = ghost._row_norms
+    monkeypatch.setattr(ghost, "_row_norms", lambda t: read.append(t.shape) or row_norms(t))
+
+    def clipped_sum() -> dict:
+        read.clear()
+        engine_ = Engine(gradients=LayerwiseGradients(model, batch_loss))
+        grad_fn, state = clipped_grad(loss, clipping_norm=0.5, batch_argnums=(1, 2), engine=engine_)
+        return grad_fn(params, x, y, state=state)[0].value
+
+    shared = clipped_sum()
+    # per pass (the coupling check's and the chunk's): inputs x (once for q, k and v), tanh(x) and the head's; the
+    # output gradients of q, k, v, other and the head
+    assert len(read) == 2 * (3 + 5)
+    monkeypatch.setattr(ghost.InputGrams, "rows", lambda self, call: ghost._row_norms(ghost.input_factor(call, self.m)))
+    apart = clipped_sum()
+    assert len(read) == 2 * (5 + 5)
+    for k in params:
+        assert torch.equal(shared[k], apart[k])
+
+
 class _Bf16Stack(nn.Module):
     """Bias-free linear layers whose weights all take ghost norms at T = 4, and a linear head (ghost at T = 1)."""
 
