@@ -222,35 +222,38 @@ def ghost_norms(
         share = input_gram.share(call) if isinstance(input_gram, InputGrams) else 1.0
         width, precision = call.inputs.shape[-1], matmul_precision(g.device)
         route = norm_route(g.shape[1], width, g.shape[-1], _factors(call), g.device, precision, share)
+    input_rows = input_gram.rows if isinstance(input_gram, InputGrams) else lambda c: _row_norms(input_factor(c, m))
     if route == "product":
-        norms, spread = product_norms(call, m, matmul_precision(g.device))
+        norms, spread = product_norms(call, m, matmul_precision(g.device), input_rows(call))
         if not margin:
-            return norms.square()
+            return norms.square_()
     else:
         squares = frobenius(input_gram(call), gram(g))
         if not margin:
             return squares
-        rows = input_gram.rows(call) if isinstance(input_gram, InputGrams) else _row_norms(input_factor(call, m))
-        norms, spread = squares.sqrt(), (_row_norms(g) * rows).sum(dim=1)
-    bounded = norms + margin * spread
+        norms, spread = squares.sqrt_(), _spread(_row_norms(g), input_rows(call), g.shape[-1], call.inputs.shape[-1])
+    bounded = norms.add_(spread, alpha=margin)  # operators in place: a few per call, for [m] numbers
     if one_pass:  # every partial sum of G~_i is at most (1 + eps) S_i: beyond float32, the example is dropped
-        bounded = torch.where(spread * (1 + margin) < _FLOAT32_SAFE, bounded, torch.inf)
-    return bounded.square()
+        bounded.masked_fill_(spread >= _FLOAT32_SAFE / (1 + margin), torch.inf)  # a NaN spread: a NaN norm
+    return bounded.square_()
 
 
 def _row_norms(x: torch.Tensor) -> torch.Tensor:
-    """float64 ``[m, T]`` upper bounds of the norms of the rows of ``x`` ``[m, T, d]``: taken in float32 (float64 for
-    float64 ``x``), with no float64 copy of ``x``, and raised by their rounding bound
-    (:func:`~opake_torch.layerwise.precision.norm_rounding`)."""
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rows = torch.linalg.vector_norm(x, dim=-1, dtype=dtype)
-    return rows.to(torch.float64) * norm_rounding(x.shape[-1], dtype)
+    """``[m, T]``: the norms of the rows of ``x`` ``[m, T, d]``, taken in float32 (float64 for float64 ``x``) with
+    no float64 copy of ``x``; :func:`_spread` accounts for their rounding."""
+    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
 
 
-def _spread(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+def _spread(g_rows: torch.Tensor, a_rows: torch.Tensor, out: int, width: int) -> torch.Tensor:
     """float64 ``[m]``: an upper bound of ``S_i = sum_t ||g_t|| ||a_t||``, which bounds ``sum_t |g_t| |a_t|^T`` in
-    Frobenius norm."""
-    return (_row_norms(g) * _row_norms(a)).sum(dim=1)
+    Frobenius norm, from the ``[m, T]`` row norms (:func:`_row_norms`) of the output gradient (``out`` numbers a row)
+    and of the input (``width``): their products formed in the rows' dtype and summed in float64, raised by the
+    rounding bounds of the two norms (:func:`~opake_torch.layerwise.precision.norm_rounding`), of the products (one
+    rounding) and of the float64 sum and scaling (``T + 1`` roundings)."""
+    product = torch.float64 if torch.float64 in (g_rows.dtype, a_rows.dtype) else torch.float32
+    rounding = norm_rounding(out, g_rows.dtype) * norm_rounding(width, a_rows.dtype) / (1 - torch.finfo(product).eps)
+    rounding /= (1 - torch.finfo(torch.float64).eps) ** (g_rows.shape[-1] + 1)
+    return (g_rows * a_rows).sum(dim=1, dtype=torch.float64).mul_(rounding)
 
 
 def _factors(call: Call) -> torch.dtype:
@@ -261,7 +264,9 @@ def _factors(call: Call) -> torch.dtype:
     return torch.float64 if torch.float64 in (call.grad.dtype, call.inputs.dtype) else torch.float32
 
 
-def product_norms(call: Call, m: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+def product_norms(
+    call: Call, m: int, precision: str, input_rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(N, S)``, float64 ``[m]`` each: ``N_i >= ||G_i||`` from the example's gradient formed by a matmul, and
     ``S_i = sum_t ||g_t|| ||a_t||``, for a linear or Conv1D call (``precision``: the run's float32 matmul setting,
     :func:`~opake_torch.layerwise.precision.matmul_precision`).
@@ -282,33 +287,34 @@ def product_norms(call: Call, m: int, precision: str) -> tuple[torch.Tensor, tor
     norms'): the same bound, with no gradient written to memory. Elsewhere the gradients are formed:
     ``m_c`` examples at a time, their ``[m_c, out, in]`` gradients holding at most the larger of
     :data:`PRODUCT_CAP_BYTES` and the bytes of the call's two factors, freed before the next ``m_c``, and their
-    float32 row norms; ``S`` from the row norms of the factors (no float64 copy of them)."""
+    float32 row norms. ``S`` (:func:`_spread`) from the row norms of the factors, the input's given by ``input_rows``
+    (:func:`_row_norms` of the input factor, shared by the calls that read it) or taken here."""
     factors = _factors(call)
     g, a = by_example(call.grad, m), input_factor(call, m)
     positions, width, out = g.shape[1], a.shape[-1], g.shape[-1]
+    spread = _spread(_row_norms(g), _row_norms(a) if input_rows is None else input_rows, out, width)
     accumulated = torch.float64 if factors == torch.float64 else torch.float32
     gamma = product_norm_error(positions, factors=factors, precision=precision)
     if product_kernel_runs(g.device, factors, precision):  # the gradients never stored
         g, a = cast(g, factors), cast(a, factors)
         if product_squared_norms_supported(g, a, precision):
-            spread = _spread(g, a)
-            norms = product_squared_norms(g, a).sqrt_() * product_norm_rounding(out, width)
-            return norms + gamma * spread, spread
+            norms = product_squared_norms(g, a).sqrt_().mul_(product_norm_rounding(out, width))
+            return norms.add_(spread, alpha=gamma), spread
     rounding = norm_rounding(width, accumulated)
     factor_bytes = g.numel() * g.element_size() + a.numel() * a.element_size()
     per_example = out * width * accumulated.itemsize
     step = max(1, max(PRODUCT_CAP_BYTES, factor_bytes) // per_example)
 
-    def chunk(gc: torch.Tensor, ac: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def chunk(gc: torch.Tensor, ac: torch.Tensor) -> torch.Tensor:
         gc, ac = cast(gc, factors), cast(ac, factors)  # a chunk at a time: one chunk's copy
         rows = torch.linalg.vector_norm(bmm_accumulated(gc.transpose(1, 2), ac), dim=-1)  # [m_c, out]; gradient freed
-        spread = _spread(gc, ac)
-        return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64) * rounding + gamma * spread, spread
+        return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64).mul_(rounding)
 
     if step >= m:  # the usual case: one chunk, without slices and concatenations
-        return chunk(g, a)
-    parts = [chunk(g[start : start + step], a[start : start + step]) for start in range(0, m, step)]
-    return torch.cat([norms for norms, _ in parts]), torch.cat([spread for _, spread in parts])
+        norms = chunk(g, a)
+    else:
+        norms = torch.cat([chunk(g[start : start + step], a[start : start + step]) for start in range(0, m, step)])
+    return norms.add_(spread, alpha=gamma), spread
 
 
 def route_costs(
