@@ -9,7 +9,8 @@
 #   benchmarks/gpu_tables.sh max-sequence    # the longest sequence of the 8B-shaped LoRA model, private first
 #   benchmarks/gpu_tables.sh moe             # Qwen3-MoE-shaped full fine-tune, profiled (expert dispatch share)
 #   benchmarks/gpu_tables.sh compile         # torch_compile=True against the eager step: BERT-base, GPT-2, 1.1B LoRA
-#   benchmarks/gpu_tables.sh layer-kernels   # one linear call's norms by route and its clipped sum, two forms
+#   benchmarks/gpu_tables.sh layer-kernels   # one linear call's norms by route and its clipped sum, two forms; the
+#                                            # kernels' launch settings swept
 #   benchmarks/gpu_tables.sh cuda-tests      # the CUDA tests (pytest -m cuda)
 set -euo pipefail
 part=${1:?"usage: $0 trainer-small|trainer-small-tf32|trainer-lora|scale|max-sequence|moe|compile|layer-kernels|cuda-tests"}
@@ -38,7 +39,8 @@ case $part in
       --modes hf dp dp_compile ;;
   layer-kernels)
     python benchmarks/product_norms_bench.py --repeats 10 | tee "$out/norms.jsonl"
-    python benchmarks/clipped_sum_bench.py --repeats 10 | tee "$out/sums.jsonl" ;;
+    python benchmarks/clipped_sum_bench.py --repeats 10 | tee "$out/sums.jsonl"
+    python benchmarks/kernel_tiles.py | tee "$out/tiles.jsonl" ;;
   cuda-tests)
     # the notebooks' test needs nbformat, which GPU images often lack; it has no CUDA test
     python -m pytest -q -rf -m cuda tests --ignore tests/test_notebooks.py 2>&1 | tee "$out/pytest.txt" ;;
