@@ -26,8 +26,12 @@ except ImportError:  # CPU CI, or a platform without Triton wheels
 __all__ = ["available", "can_launch", "interpreting", "jit", "next_power_of_2", "tl", "triton"]
 
 
-def jit(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return fn if triton is None else triton.jit(fn)
+def jit(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
+    """``triton.jit`` with its keyword ``options`` (``@jit`` or ``@jit(do_not_specialize=[...])``); without Triton,
+    the function unchanged."""
+    if fn is None:
+        return lambda function: jit(function, **options)
+    return fn if triton is None else triton.jit(fn, **options)
 
 
 def interpreting() -> bool:

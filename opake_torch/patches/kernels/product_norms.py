@@ -85,7 +85,7 @@ def example_tile(
     return acc
 
 
-@jit
+@jit(do_not_specialize=["T"])  # the positions change with each batch: one compilation, not one per kind
 def _tile_squares_kernel(
     G,
     A,

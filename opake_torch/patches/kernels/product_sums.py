@@ -37,7 +37,7 @@ loads in flight the one-pass sum of the 1.1B Llama's projections at 16 x 512 too
 0.73 ms at 32 positions and three stages (H100, docs/performance.md: tiles, steps, warps and stages swept)."""
 
 
-@jit
+@jit(do_not_specialize=["m", "T", "PER_GROUP"])  # they change with each draw: one compilation, not one per kind
 def _clipped_sum_kernel(
     G,
     A,
