@@ -384,7 +384,7 @@ def norm_route(
 
 
 class InputGrams:
-    """The float64 Gram matrices of layer inputs, and the bounds of their rows' norms that the rounding margins read
+    """The float64 Gram matrices of layer inputs, and the norms of their rows that the rounding margins read
     (:func:`_row_norms`), each formed once for the calls that read the same tensor and kept until the last of those
     calls has been recorded (``readers`` counts them as the forward registers them)."""
 
@@ -401,7 +401,7 @@ class InputGrams:
         return self._shared(self.grams, call, gram)
 
     def rows(self, call: Call) -> torch.Tensor:
-        """float64 ``[m, T]``: :func:`_row_norms` of the call's input factor."""
+        """``[m, T]``: :func:`_row_norms` of the call's input factor."""
         return self._shared(self.row_norms, call, _row_norms)
 
     def _shared(self, kept: dict, call: Call, form: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
