@@ -19,12 +19,17 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import sys
+from pathlib import Path
 
 import torch
 
 from opake_torch.patches.kernels._triton import jit, tl, triton
 from opake_torch.patches.kernels.product_norms import _tile_squares_kernel
 from opake_torch.patches.kernels.product_sums import _clipped_sum_kernel, _groups
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels_bench import _measure
 
 SHAPES = [
     ("q", 16, 512, 2048, 2048),
@@ -105,16 +110,9 @@ def flat_kernel(
     tl.store(out_ptrs, total, mask=rows_in & cols_in)
 
 
-def timed(fn, repeats=10):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(repeats):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return round(s.elapsed_time(e) / repeats, 4)
+def timed(fn) -> float:
+    """Mean milliseconds of 10 calls after one (:func:`kernels_bench._measure`)."""
+    return _measure(fn, 10)["ms"]
 
 
 def run_sum(kernel, g, a, scale, total, cfg, flat):

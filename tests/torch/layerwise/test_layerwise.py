@@ -442,23 +442,26 @@ def test_ghost_sums_run_at_the_runs_float32_precision_and_leave_it_as_it_was(mon
     assert seen and set(seen) == {("high", False)}
 
 
+class _Shared(nn.Module):
+    """q, k and v read the same hidden states; ``other`` reads another tensor of the same shape; a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.other = (nn.Linear(16, 16, bias=False) for _ in range(4))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mixed = self.q(x) * self.k(x).sigmoid() + self.v(x) + self.other(torch.tanh(x))
+        return self.head(mixed.mean(dim=1))
+
+
 def test_layers_reading_one_tensor_share_its_gram_matrix(monkeypatch):
     """Three ghost-norm layers that read the same hidden states (q, k and v) take one Gram matrix of it; a fourth
     that reads another tensor of the same shape gets its own. The clipped sum equals the float64 loop."""
     from opake_torch.layerwise import ghost, gradients
 
-    class Shared(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.q, self.k, self.v, self.other = (nn.Linear(16, 16, bias=False) for _ in range(4))
-            self.head = nn.Linear(16, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            mixed = self.q(x) * self.k(x).sigmoid() + self.v(x) + self.other(torch.tanh(x))
-            return self.head(mixed.mean(dim=1))
-
     torch.manual_seed(0)
-    model = Shared().double()
+    model = _Shared().double()
     apply, params, frozen = functional_model(model)
     x, y = torch.randn(5, 2, 16, dtype=torch.float64), torch.randint(0, 3, (5,))  # T = 2: ghost norms for 16 x 16
 
@@ -502,18 +505,8 @@ def test_layers_reading_one_tensor_share_its_row_norms(monkeypatch):
     layer."""
     from opake_torch.layerwise import engine, ghost
 
-    class Shared(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.q, self.k, self.v, self.other = (nn.Linear(16, 16, bias=False) for _ in range(4))
-            self.head = nn.Linear(16, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            mixed = self.q(x) * self.k(x).sigmoid() + self.v(x) + self.other(torch.tanh(x))
-            return self.head(mixed.mean(dim=1))
-
     torch.manual_seed(0)
-    model = Shared()
+    model = _Shared()
     apply, params, frozen = functional_model(model)
     x, y = torch.randn(5, 2, 16), torch.randint(0, 3, (5,))
 
