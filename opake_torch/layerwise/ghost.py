@@ -21,8 +21,9 @@ weight takes this path where its factors hold less memory than its instantiated 
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,10 +57,13 @@ if TYPE_CHECKING:
 __all__ = [
     "NORM_ROUTES",
     "PRODUCT_CAP_BYTES",
+    "Bound",
     "InputGrams",
     "ScaledInputs",
     "add_ghost",
+    "finish",
     "frobenius",
+    "ghost_bound",
     "ghost_names",
     "ghost_norms",
     "gram",
@@ -184,6 +188,31 @@ def add_ghost(
     total.index_add_(0, ids.reshape(-1), g.reshape(-1, g.shape[-1]))
 
 
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """A call's per-example norm bounds, left unfinished so that the calls of a chunk finish theirs together
+    (:func:`finish`: a few operators for all of them, where each call would take as many): ``N_i = rounding
+    sqrt(squares_i) + alpha S_i`` with ``S_i <= spread_i spread_rounding`` (the raw sums of :func:`_spread`),
+    reported as ``N_i^2``, and infinite where ``S_i`` reaches ``limit``. ``squares`` and ``spread``: float64 ``[m]``."""
+
+    squares: torch.Tensor
+    rounding: float
+    spread: torch.Tensor
+    spread_rounding: float
+    alpha: float
+    limit: float = math.inf
+
+
+def finish(bounds: Sequence[Bound]) -> torch.Tensor:
+    """float64 ``[len(bounds), m]``: the squared norms the ``bounds`` report (:class:`Bound`), in one batch of
+    operators (NaN stays NaN: its example is dropped, as any non-finite one)."""
+    squares, spread = torch.stack([b.squares for b in bounds]), torch.stack([b.spread for b in bounds])
+    coefficients = [[b.rounding, b.alpha * b.spread_rounding, b.limit / b.spread_rounding] for b in bounds]
+    rounding, alpha, limit = torch.tensor(coefficients, dtype=torch.float64).to(squares.device).unsqueeze(-1).unbind(1)
+    norms = squares.sqrt_().mul_(rounding).addcmul_(spread, alpha)
+    return norms.masked_fill_(spread >= limit, torch.inf).square_()
+
+
 def ghost_norms(
     call: Call,
     m: int,
@@ -193,18 +222,32 @@ def ghost_norms(
     route: str = "gram",
     one_pass: bool = False,
 ) -> torch.Tensor:
-    """float64 ``[m]`` squared norms of the call's per-example weight gradients (an upper bound of them by the product
-    route); ``route`` (:data:`NORM_ROUTES`) says how a linear or Conv1D call takes them: from Gram matrices (the
-    input's from ``input_gram``, which shares one among the calls that read the same tensor), from the per-example
-    products (:func:`product_norms`), or the cheaper (``"auto"``: :func:`norm_route`, with the share of a shared input
-    Gram matrix that ``input_gram``, an :class:`InputGrams`, says the call pays). Embeddings and experts keep
-    their own paths. ``error``: the relative error of the products of the layer's float32 scaled sum
-    (:func:`~opake_torch.layerwise.precision.product_error`): a linear or Conv1D layer with float32 or float16 factors
-    (which its sum casts to float32) then reports ``(||G_i|| + error S_i)^2``, ``S_i = sum_t ||g_t|| ||a_t||``, the
-    bound of the norm of the gradient its sum forms. ``one_pass`` (:func:`one_pass_sum`): a layer that ran in bf16
-    reports ``(||G_i|| + eps S_i)^2`` with ``eps`` the one-pass sum's
-    (:func:`~opake_torch.layerwise.precision.product_sum_error`), and an infinite norm (the example is dropped) where
-    ``S_i`` could overflow that sum's float32 accumulation."""
+    """float64 ``[m]``: the squared norms that :func:`ghost_bound` gives, finished."""
+    bound = ghost_bound(call, m, input_gram, error=error, route=route, one_pass=one_pass)
+    return finish([bound])[0] if isinstance(bound, Bound) else bound
+
+
+def ghost_bound(
+    call: Call,
+    m: int,
+    input_gram: Callable[[Call], torch.Tensor],
+    *,
+    error: float = 0.0,
+    route: str = "gram",
+    one_pass: bool = False,
+) -> torch.Tensor | Bound:
+    """float64 ``[m]`` squared norms of the call's per-example weight gradients, or a :class:`Bound` of them left to
+    :func:`finish` (an upper bound by the product route, or with a rounding margin); ``route`` (:data:`NORM_ROUTES`)
+    says how a linear or Conv1D call takes them: from Gram matrices (the input's from ``input_gram``, which shares one
+    among the calls that read the same tensor), from the per-example products (:func:`product_norms`), or the cheaper
+    (``"auto"``: :func:`norm_route`, with the share of a shared input Gram matrix that ``input_gram``, an
+    :class:`InputGrams`, says the call pays). Embeddings and experts keep their own paths. ``error``: the relative
+    error of the products of the layer's float32 scaled sum (:func:`~opake_torch.layerwise.precision.product_error`):
+    a linear or Conv1D layer with float32 or float16 factors (which its sum casts to float32) then reports
+    ``(||G_i|| + error S_i)^2``, ``S_i = sum_t ||g_t|| ||a_t||``, the bound of the norm of the gradient its sum forms.
+    ``one_pass`` (:func:`one_pass_sum`): a layer that ran in bf16 reports ``(||G_i|| + eps S_i)^2`` with ``eps`` the
+    one-pass sum's (:func:`~opake_torch.layerwise.precision.product_sum_error`), and an infinite norm (the example is
+    dropped) where ``S_i`` could overflow that sum's float32 accumulation."""
     g = by_example(call.grad, m)
     if call.kind == "embedding":
         ids, live = live_ids(call, m)
@@ -222,20 +265,19 @@ def ghost_norms(
         share = input_gram.share(call) if isinstance(input_gram, InputGrams) else 1.0
         width, precision = call.inputs.shape[-1], matmul_precision(g.device)
         route = norm_route(g.shape[1], width, g.shape[-1], _factors(call), g.device, precision, share)
-    input_rows = input_gram.rows if isinstance(input_gram, InputGrams) else lambda c: _row_norms(input_factor(c, m))
+    shared = isinstance(input_gram, InputGrams)  # it keeps the input's row norms for the calls that read it
     if route == "product":
-        norms, spread = product_norms(call, m, matmul_precision(g.device), input_rows(call))
-        if not margin:
-            return norms.square_()
+        bound = product_norms(call, m, matmul_precision(g.device), input_gram.rows(call) if shared else None)
     else:
         squares = frobenius(input_gram(call), gram(g))
         if not margin:
             return squares
-        norms, spread = squares.sqrt_(), _spread(_row_norms(g), input_rows(call), g.shape[-1], call.inputs.shape[-1])
-    bounded = norms.add_(spread, alpha=margin)  # operators in place: a few per call, for [m] numbers
-    if one_pass:  # every partial sum of G~_i is at most (1 + eps) S_i: beyond float32, the example is dropped
-        bounded.masked_fill_(spread >= _FLOAT32_SAFE / (1 + margin), torch.inf)  # a NaN spread: a NaN norm
-    return bounded.square_()
+        input_rows = input_gram.rows(call) if shared else _row_norms(input_factor(call, m))
+        spread, rounding = _spread(_row_norms(g), input_rows, g.shape[-1], call.inputs.shape[-1])
+        bound = Bound(squares, 1.0, spread, rounding, 0.0)
+    # every partial sum of a one-pass G~_i is at most (1 + eps) S_i: beyond float32, the example is dropped
+    limit = _FLOAT32_SAFE / (1 + margin) if one_pass else math.inf
+    return dataclasses.replace(bound, alpha=bound.alpha + margin, limit=limit)
 
 
 def _row_norms(x: torch.Tensor) -> torch.Tensor:
@@ -244,16 +286,16 @@ def _row_norms(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
 
 
-def _spread(g_rows: torch.Tensor, a_rows: torch.Tensor, out: int, width: int) -> torch.Tensor:
-    """float64 ``[m]``: an upper bound of ``S_i = sum_t ||g_t|| ||a_t||``, which bounds ``sum_t |g_t| |a_t|^T`` in
-    Frobenius norm, from the ``[m, T]`` row norms (:func:`_row_norms`) of the output gradient (``out`` numbers a row)
-    and of the input (``width``): their products formed in the rows' dtype and summed in float64, raised by the
-    rounding bounds of the two norms (:func:`~opake_torch.layerwise.precision.norm_rounding`), of the products (one
-    rounding) and of the float64 sum and scaling (``T + 1`` roundings)."""
+def _spread(g_rows: torch.Tensor, a_rows: torch.Tensor, out: int, width: int) -> tuple[torch.Tensor, float]:
+    """``(sums, f)``: float64 ``[m]`` sums with ``S_i = sum_t ||g_t|| ||a_t|| <= f sums_i`` (``S_i`` bounds ``sum_t
+    |g_t| |a_t|^T`` in Frobenius norm), from the ``[m, T]`` row norms (:func:`_row_norms`) of the output gradient
+    (``out`` numbers a row) and of the input (``width``): their products formed in the rows' dtype and summed in
+    float64. ``f`` covers the rounding of the two norms (:func:`~opake_torch.layerwise.precision.norm_rounding`), of
+    the products (one rounding) and of the float64 sum and its scaling (``T + 1`` roundings)."""
     product = torch.float64 if torch.float64 in (g_rows.dtype, a_rows.dtype) else torch.float32
     rounding = norm_rounding(out, g_rows.dtype) * norm_rounding(width, a_rows.dtype) / (1 - torch.finfo(product).eps)
     rounding /= (1 - torch.finfo(torch.float64).eps) ** (g_rows.shape[-1] + 1)
-    return (g_rows * a_rows).sum(dim=1, dtype=torch.float64).mul_(rounding)
+    return (g_rows * a_rows).sum(dim=1, dtype=torch.float64), rounding
 
 
 def _factors(call: Call) -> torch.dtype:
@@ -264,12 +306,10 @@ def _factors(call: Call) -> torch.dtype:
     return torch.float64 if torch.float64 in (call.grad.dtype, call.inputs.dtype) else torch.float32
 
 
-def product_norms(
-    call: Call, m: int, precision: str, input_rows: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(N, S)``, float64 ``[m]`` each: ``N_i >= ||G_i||`` from the example's gradient formed by a matmul, and
-    ``S_i = sum_t ||g_t|| ||a_t||``, for a linear or Conv1D call (``precision``: the run's float32 matmul setting,
-    :func:`~opake_torch.layerwise.precision.matmul_precision`).
+def product_norms(call: Call, m: int, precision: str, input_rows: torch.Tensor | None = None) -> Bound:
+    """The :class:`Bound` ``N_i >= ||G_i||`` of a linear or Conv1D call, from the example's gradient formed by a
+    matmul (``precision``: the run's float32 matmul setting,
+    :func:`~opake_torch.layerwise.precision.matmul_precision`), with ``S_i = sum_t ||g_t|| ||a_t||``.
 
     ``G~_i = g_i^T a_i`` (``[out, in]``, the input as the weight gradient reads it,
     :func:`~opake_torch.layerwise.precision.input_factor`) is accumulated in float32 (float64 for float64 factors):
@@ -292,14 +332,14 @@ def product_norms(
     factors = _factors(call)
     g, a = by_example(call.grad, m), input_factor(call, m)
     positions, width, out = g.shape[1], a.shape[-1], g.shape[-1]
-    spread = _spread(_row_norms(g), _row_norms(a) if input_rows is None else input_rows, out, width)
+    spread, spread_rounding = _spread(_row_norms(g), _row_norms(a) if input_rows is None else input_rows, out, width)
     accumulated = torch.float64 if factors == torch.float64 else torch.float32
     gamma = product_norm_error(positions, factors=factors, precision=precision)
     if product_kernel_runs(g.device, factors, precision):  # the gradients never stored
         g, a = cast(g, factors), cast(a, factors)
         if product_squared_norms_supported(g, a, precision):
-            norms = product_squared_norms(g, a).sqrt_().mul_(product_norm_rounding(out, width))
-            return norms.add_(spread, alpha=gamma), spread
+            squares = product_squared_norms(g, a)
+            return Bound(squares, product_norm_rounding(out, width), spread, spread_rounding, gamma)
     rounding = norm_rounding(width, accumulated)
     factor_bytes = g.numel() * g.element_size() + a.numel() * a.element_size()
     per_example = out * width * accumulated.itemsize
@@ -308,13 +348,13 @@ def product_norms(
     def chunk(gc: torch.Tensor, ac: torch.Tensor) -> torch.Tensor:
         gc, ac = cast(gc, factors), cast(ac, factors)  # a chunk at a time: one chunk's copy
         rows = torch.linalg.vector_norm(bmm_accumulated(gc.transpose(1, 2), ac), dim=-1)  # [m_c, out]; gradient freed
-        return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64).mul_(rounding)
+        return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float64).square_()
 
     if step >= m:  # the usual case: one chunk, without slices and concatenations
-        norms = chunk(g, a)
+        squares = chunk(g, a)
     else:
-        norms = torch.cat([chunk(g[start : start + step], a[start : start + step]) for start in range(0, m, step)])
-    return norms.add_(spread, alpha=gamma), spread
+        squares = torch.cat([chunk(g[start : start + step], a[start : start + step]) for start in range(0, m, step)])
+    return Bound(squares, rounding, spread, spread_rounding, gamma)
 
 
 def route_costs(

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opake_torch.layerwise.calls import Call
-from opake_torch.layerwise.ghost import ScaledInputs, add_ghost
+from opake_torch.layerwise.ghost import Bound, ScaledInputs, add_ghost, finish
 from opake_torch.layerwise.precision import float32_matmuls
 
 __all__ = ["NORM_NUMEL", "Gradients"]
@@ -52,7 +52,7 @@ class Gradients:
     m: int
     device: torch.device
     dense: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [m, *shape], a view of its group's buffer
-    ghost: dict[str, tuple[Call, torch.Tensor]] = field(default_factory=dict)  # name -> (call, squared norms)
+    ghost: dict[str, tuple[Call, torch.Tensor | Bound]] = field(default_factory=dict)  # name -> (call, squared norms)
     groups: list[_Group] = field(default_factory=list)
     group_of: dict[str, _Group] = field(default_factory=dict)
     product_error: float = 0.0  # of the float32 ghost sums, at the run's matmul precision (precision.product_error)
@@ -78,7 +78,10 @@ class Gradients:
         return self.dense[name]
 
     def squared_norms(self) -> torch.Tensor:
-        rows = {name: sq for name, (_, sq) in self.ghost.items()}
+        rows = {name: sq for name, (_, sq) in self.ghost.items() if not isinstance(sq, Bound)}
+        bounds = {name: sq for name, (_, sq) in self.ghost.items() if isinstance(sq, Bound)}
+        if bounds:  # the ghost calls' bounds in one batch
+            rows.update(zip(bounds, finish(list(bounds.values())).unbind(0), strict=True))
         for group in self.groups:  # vector_norm reads a float64 copy of what it is given: NORM_NUMEL at a time
             if group.buffer is None:
                 continue

@@ -125,8 +125,7 @@ def test_the_route_with_the_kernel_reports_the_route_without_it(monkeypatch):
     g, a = _factors("odd", torch.bfloat16)
     m = g.shape[0]
     call = Call("linear", torch.nn.Linear(1, 1), {}, a.reshape(-1, a.shape[-1]), g.shape[1], g.reshape(-1, g.shape[-1]))
-    fused, spread = ghost.product_norms(call, m, "ieee")
+    fused = ghost.product_norms(call, m, "ieee")
     monkeypatch.setattr(ghost, "product_squared_norms_supported", lambda *args: False)
-    formed, formed_spread = ghost.product_norms(call, m, "ieee")
-    torch.testing.assert_close(spread, formed_spread, rtol=1e-6, atol=0)
-    torch.testing.assert_close(fused, formed, rtol=1e-3, atol=0)
+    formed = ghost.product_norms(call, m, "ieee")
+    torch.testing.assert_close(ghost.finish([fused]), ghost.finish([formed]), rtol=2e-3, atol=0)

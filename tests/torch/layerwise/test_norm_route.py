@@ -687,7 +687,32 @@ def test_the_spread_bounds_its_float64_value(dtype):
     g = (torch.randn(m, positions, out, generator=gen, dtype=torch.float64) * 3).to(dtype)
     a = torch.rand(m, positions, width, generator=gen, dtype=torch.float64).to(dtype)
     exact = (g.double().norm(dim=-1) * a.double().norm(dim=-1)).sum(dim=1)
-    spread = ghost._spread(ghost._row_norms(g), ghost._row_norms(a), out, width)
+    sums, rounding = ghost._spread(ghost._row_norms(g), ghost._row_norms(a), out, width)
+    spread = sums * rounding
     assert spread.dtype == torch.float64
     assert bool((spread >= exact).all())
     assert float((spread / exact).max()) < 1 + 5e-5
+
+
+def test_bounds_finish_the_same_alone_and_together():
+    """A chunk finishes its calls' bounds in one batch: each row equals the bound finished alone, bit for bit, and
+    the stated formula ``(rounding sqrt(squares) + alpha spread_rounding spread)^2`` in float64; a spread whose bound
+    reaches the limit reports an infinite norm, and a NaN stays NaN (its example is dropped)."""
+    gen = torch.Generator().manual_seed(0)
+    squares, spread = torch.rand(3, 6, generator=gen, dtype=torch.float64), torch.rand(3, 6, generator=gen).double()
+    squares[1, 2], spread[1, 2] = float("nan"), 0.1  # a NaN below the limit
+    bounds = [
+        ghost.Bound(squares[0], 1.0 + 1e-5, spread[0], 1.0 + 2e-5, 3e-3),
+        ghost.Bound(squares[1], 1.0, spread[1], 1.0 + 1e-5, 7e-4, limit=0.5),
+        ghost.Bound(squares[2], 1.0 + 3e-6, spread[2], 1.0, 0.0),
+    ]
+    together = ghost.finish(bounds)
+    alone = torch.stack([ghost.finish([b])[0] for b in bounds])
+    assert torch.equal(together.isnan(), alone.isnan())
+    finite = ~together.isnan()
+    assert torch.equal(together[finite], alone[finite])
+    for row, b in zip(together, bounds, strict=True):
+        expected = (b.squares.sqrt() * b.rounding + b.alpha * b.spread_rounding * b.spread).square()
+        expected = torch.where(b.spread * b.spread_rounding >= b.limit, torch.inf, expected)
+        torch.testing.assert_close(row, expected, rtol=1e-15, atol=0, equal_nan=True)
+    assert bool(together[1].isinf().any()) and bool(together[1, 2].isnan())
