@@ -12,8 +12,11 @@
 #   benchmarks/gpu_tables.sh layer-kernels   # one linear call's norms by route and its clipped sum, two forms; the
 #                                            # kernels' launch settings swept
 #   benchmarks/gpu_tables.sh cuda-tests      # the CUDA tests (pytest -m cuda)
+#   BASE=DIR benchmarks/gpu_tables.sh same-draws  # the 1.1B full row on the same Poisson draws, this tree and the
+#                                            # one in DIR (its opake_core and opake_torch: git archive REV opake_core
+#                                            # opake_torch | tar -x -C DIR)
 set -euo pipefail
-part=${1:?"usage: $0 trainer-small|trainer-small-tf32|trainer-lora|scale|max-sequence|moe|compile|layer-kernels|cuda-tests"}
+part=${1:?"usage: $0 trainer-small|trainer-small-tf32|trainer-lora|scale|max-sequence|moe|compile|layer-kernels|cuda-tests|same-draws"}
 out=${OUT:-gpu_results}/$part
 mkdir -p "$out"
 e2e=(python benchmarks/e2e_trainer.py --steps 20 --warmup 15 --profile-steps 2 --budget-s 520)
@@ -44,6 +47,11 @@ case $part in
   cuda-tests)
     # the notebooks' test needs nbformat, which GPU images often lack; it has no CUDA test
     python -m pytest -q -rf -m cuda tests --ignore tests/test_notebooks.py 2>&1 | tee "$out/pytest.txt" ;;
+  same-draws)  # --privacy-seed (a diagnostic flag) draws the same batches in both runs
+    same=(python benchmarks/e2e_trainer.py --steps 10 --warmup 4 --profile-steps 1 --privacy-seed 1
+      --workloads llama1b_full_s512_b16_ckpt)
+    "${same[@]}" --modes hf dp --out "$out/this"
+    PYTHONPATH="${BASE:?set BASE to the other tree}:${PYTHONPATH:-}" "${same[@]}" --modes dp --out "$out/base" ;;
   *)
     echo "unknown part: $part" >&2
     exit 2 ;;
