@@ -191,7 +191,7 @@ def add_ghost(
 @dataclasses.dataclass(frozen=True)
 class Bound:
     """A call's per-example norm bounds, left unfinished so that the calls of a chunk finish theirs together
-    (:func:`finish`: a few operators for all of them, where each call would take as many): ``N_i = rounding
+    (:func:`finish`: a few operators for each layer shape, where each call would take as many): ``N_i = rounding
     sqrt(squares_i) + alpha S_i`` with ``S_i <= spread_i spread_rounding`` (the raw sums of :func:`_spread`),
     reported as ``N_i^2``, and infinite where ``S_i`` reaches ``limit``. ``squares`` and ``spread``: float64 ``[m]``."""
 
@@ -203,14 +203,24 @@ class Bound:
     limit: float = math.inf
 
 
-def finish(bounds: Sequence[Bound]) -> torch.Tensor:
-    """float64 ``[len(bounds), m]``: the squared norms the ``bounds`` report (:class:`Bound`), in one batch of
-    operators (NaN stays NaN: its example is dropped, as any non-finite one)."""
-    squares, spread = torch.stack([b.squares for b in bounds]), torch.stack([b.spread for b in bounds])
-    coefficients = [[b.rounding, b.alpha * b.spread_rounding, b.limit / b.spread_rounding] for b in bounds]
-    rounding, alpha, limit = torch.tensor(coefficients, dtype=torch.float64).to(squares.device).unsqueeze(-1).unbind(1)
-    norms = squares.sqrt_().mul_(rounding).addcmul_(spread, alpha)
-    return norms.masked_fill_(spread >= limit, torch.inf).square_()
+def finish(bounds: Sequence[Bound]) -> list[torch.Tensor]:
+    """float64 ``[m]`` for each of ``bounds``: the squared norms it reports (:class:`Bound`; NaN stays NaN, so its
+    example is dropped, as any non-finite one). The bounds with the same numbers (the calls of a layer shape) are
+    finished together, a few operators for each such group, with no number copied to the device (a CUDA graph may
+    capture it)."""
+    groups: dict[tuple[float, float, float], list[int]] = {}
+    for k, b in enumerate(bounds):
+        groups.setdefault((b.rounding, b.alpha * b.spread_rounding, b.limit / b.spread_rounding), []).append(k)
+    rows: list[Any] = [None] * len(bounds)
+    for (rounding, alpha, limit), members in groups.items():
+        squares = torch.stack([bounds[k].squares for k in members])
+        spread = torch.stack([bounds[k].spread for k in members])
+        norms = squares.sqrt_().mul_(rounding).add_(spread, alpha=alpha)
+        if limit < math.inf:
+            norms.masked_fill_(spread >= limit, torch.inf)
+        for k, row in zip(members, norms.square_().unbind(0), strict=True):
+            rows[k] = row
+    return rows
 
 
 def ghost_norms(

@@ -81,7 +81,7 @@ class Gradients:
         rows = {name: sq for name, (_, sq) in self.ghost.items() if not isinstance(sq, Bound)}
         bounds = {name: sq for name, (_, sq) in self.ghost.items() if isinstance(sq, Bound)}
         if bounds:  # the ghost calls' bounds in one batch
-            rows.update(zip(bounds, finish(list(bounds.values())).unbind(0), strict=True))
+            rows.update(zip(bounds, finish(list(bounds.values())), strict=True))
         for group in self.groups:  # vector_norm reads a float64 copy of what it is given: NORM_NUMEL at a time
             if group.buffer is None:
                 continue

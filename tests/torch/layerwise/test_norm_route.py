@@ -706,7 +706,9 @@ def test_bounds_finish_the_same_alone_and_together():
         ghost.Bound(squares[1], 1.0, spread[1], 1.0 + 1e-5, 7e-4, limit=0.5),
         ghost.Bound(squares[2], 1.0 + 3e-6, spread[2], 1.0, 0.0),
     ]
-    together = ghost.finish(bounds)
+    together = torch.stack(ghost.finish([*bounds, bounds[0]]))  # the first twice: a group of two
+    assert torch.equal(together[3], together[0])
+    together = together[:3]
     alone = torch.stack([ghost.finish([b])[0] for b in bounds])
     assert torch.equal(together.isnan(), alone.isnan())
     finite = ~together.isnan()
