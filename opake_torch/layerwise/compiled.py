@@ -44,7 +44,7 @@ from opake_core.errors import ConfigurationError
 from opake_torch.layerwise.calls import Call, by_example, cast
 from opake_torch.layerwise.dense import add_dense
 from opake_torch.layerwise.engine import LayerwiseGradients
-from opake_torch.layerwise.ghost import add_ghost, ghost_names, ghost_norms, gram
+from opake_torch.layerwise.ghost import add_ghost, finished, ghost_names, ghost_norms, gram
 from opake_torch.layerwise.gradients import Gradients
 from opake_torch.layerwise.precision import float32_matmuls, input_factor, matmul_precision, product_error
 
@@ -111,7 +111,7 @@ class _TracedGradients:
                 g = self.dense[name].reshape(self.m, -1)
                 rows.append(torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).square())
             elif name in self.ghost and self.ghost[name].grad is not None:
-                rows.append(ghost_norms(self.ghost[name], self.m, self._input_gram, error=self.error))
+                rows.append(finished(ghost_norms(self.ghost[name], self.m, self._input_gram, error=self.error)))
             else:  # the loss does not depend on this parameter
                 rows.append(zeros)
         return torch.stack(rows)

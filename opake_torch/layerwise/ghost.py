@@ -62,8 +62,8 @@ __all__ = [
     "ScaledInputs",
     "add_ghost",
     "finish",
+    "finished",
     "frobenius",
-    "ghost_bound",
     "ghost_names",
     "ghost_norms",
     "gram",
@@ -223,21 +223,12 @@ def finish(bounds: Sequence[Bound]) -> list[torch.Tensor]:
     return rows
 
 
+def finished(norms: torch.Tensor | Bound) -> torch.Tensor:
+    """float64 ``[m]``: the squared norms :func:`ghost_norms` gave, a :class:`Bound` finished alone."""
+    return finish([norms])[0] if isinstance(norms, Bound) else norms
+
+
 def ghost_norms(
-    call: Call,
-    m: int,
-    input_gram: Callable[[Call], torch.Tensor],
-    *,
-    error: float = 0.0,
-    route: str = "gram",
-    one_pass: bool = False,
-) -> torch.Tensor:
-    """float64 ``[m]``: the squared norms that :func:`ghost_bound` gives, finished."""
-    bound = ghost_bound(call, m, input_gram, error=error, route=route, one_pass=one_pass)
-    return finish([bound])[0] if isinstance(bound, Bound) else bound
-
-
-def ghost_bound(
     call: Call,
     m: int,
     input_gram: Callable[[Call], torch.Tensor],

@@ -21,7 +21,7 @@ from opake_core.errors import ConfigurationError
 from opake_torch.layerwise.calls import Call, same_tensor
 from opake_torch.layerwise.dense import add_dense
 from opake_torch.layerwise.experts import Routing, replace_forward, tapped_experts_forward
-from opake_torch.layerwise.ghost import InputGrams, ghost_bound, one_pass_sum
+from opake_torch.layerwise.ghost import InputGrams, ghost_norms, one_pass_sum
 from opake_torch.layerwise.gradients import Gradients
 from opake_torch.layerwise.precision import Bf16Inputs
 from opake_torch.layerwise.uses import DEPTHWISE, ELEMENTWISE, ParameterUses, Watched
@@ -198,8 +198,8 @@ class ChunkPass:
                 error = out.product_error if out.dtypes[name] == torch.float32 else 0.0
                 if one_pass := one_pass_sum(call, out.dtypes[name]):
                     out.one_pass.add(name)  # the sum may take one pass: these norms carry its margin
-                norms = ghost_bound(call, out.m, self.grams, error=error, route=out.norm_route, one_pass=one_pass)
-                out.ghost[name] = (call, norms)  # a Bound: finished with the chunk's others (Gradients.squared_norms)
+                norms = ghost_norms(call, out.m, self.grams, error=error, route=out.norm_route, one_pass=one_pass)
+                out.ghost[name] = (call, norms)  # a Bound is finished with the chunk's others (Gradients.squared_norms)
             else:
                 add_dense(call, attr, out.block(name), first=name not in self.written)
                 self.written.add(name)
