@@ -78,10 +78,10 @@ class Gradients:
         return self.dense[name]
 
     def squared_norms(self) -> torch.Tensor:
-        rows = {name: sq for name, (_, sq) in self.ghost.items() if not isinstance(sq, Bound)}
-        bounds = {name: sq for name, (_, sq) in self.ghost.items() if isinstance(sq, Bound)}
-        if bounds:  # the ghost calls' bounds in one batch
-            rows.update(zip(bounds, finish(list(bounds.values())), strict=True))
+        rows, bounds = {}, {}
+        for name, (_, norms) in self.ghost.items():
+            (bounds if isinstance(norms, Bound) else rows)[name] = norms
+        rows.update(zip(bounds, finish(list(bounds.values())), strict=True))  # a layer shape at a time
         for group in self.groups:  # vector_norm reads a float64 copy of what it is given: NORM_NUMEL at a time
             if group.buffer is None:
                 continue

@@ -255,8 +255,8 @@ CUDNN_ATTENTION_OFF = RuntimePatch(
 an execution plan for every new input shape, on the host, and a private step meets many: a Poisson draw has a
 different number of rows each step, and draws above the microbatch run as two chunks. On one H100 (torch 2.11, the
 1.1B Llama full fine-tune at 16 x 512 under checkpointing) cuDNN attention took 152 ms of host time in a profiled
-private step, and turning it off on both sides took the private step from 2.12x to 1.75x of ``Trainer``'s (whose
-fixed batches ran 0.193 s with cuDNN and 0.192 s without)."""
+private step; with it off the ``Trainer``'s fixed batches ran as before (0.193 s with cuDNN, 0.192 s without).
+What it saves the private step in its ratio is not measured on the same draws yet (docs/performance.md)."""
 
 
 def runtime_patches(applied: list[str]) -> tuple[RuntimePatch, ...]:
