@@ -1,12 +1,13 @@
 """CPU diagnostic: the operators one ``clipped_grad`` call of the layerwise engine dispatches, by Opake function.
 
 A GPU step that is bound by its host work pays per operator; this counts them on a CPU for a small Llama-style model
-(2 layers, width 256, 4 x 32 tokens: every linear layer takes ghost norms), one call after a warm-up, under a
+(2 layers, width 256, 4 x 32 tokens: every linear layer takes ghost norms) or BERT (``--model bert``: 2 layers, width
+256, sequence classification, the same tokens), one call after a warm-up, under a
 ``TorchDispatchMode``: each ATen operator is charged to the innermost ``opake_core`` or ``opake_torch`` frame on the
 Python stack ("other": the model's own forward and backward outside them). Triton launches count one each, the
 interpreter's work inside them none.
 
-    python benchmarks/host_ops.py [--bf16] [--route gram|product] [--tf32]
+    python benchmarks/host_ops.py [--model llama|bert] [--layers N] [--bf16] [--route gram|product] [--tf32]
 
 ``--bf16``: bf16 autocast (with ``TRITON_INTERPRET=1`` and Triton importable, the norm and one-pass sum kernels run as
 on a GPU); ``--route``: the norm route forced for every ghost call (default: the engine's choice, which on a CPU is
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
 from opake_core.clipping import Engine, clipped_grad
 from opake_torch.functional import functional_model
@@ -75,6 +76,8 @@ class _Launch:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("llama", "bert"), default="llama")
+    parser.add_argument("--layers", type=int, default=2, help="decoder or encoder layers (per-layer counts: run two)")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--route", choices=("gram", "product"))
     parser.add_argument("--tf32", action="store_true")
@@ -84,23 +87,26 @@ def main() -> None:
     if opts.tf32:
         engine.matmul_precision = lambda device: "tf32"
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=128)  # fmt: skip
-    model = LlamaForCausalLM(config)
-    model.config._attn_implementation = "sdpa"
+    shape = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": opts.layers, "num_attention_heads": 4,
+             "vocab_size": 128, "max_position_embeddings": 128, "attn_implementation": "sdpa"}  # fmt: skip
+    if opts.model == "bert":
+        model, task = BertForSequenceClassification(BertConfig(num_labels=2, **shape)), "sequence_classification"
+    else:
+        model, task = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, **shape)), "causal_lm"
     model.train()
     apply, params, frozen = functional_model(model)
-    ids = torch.randint(1, config.vocab_size, (4, 32))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    ids = torch.randint(1, shape["vocab_size"], (4, 32))
+    labels = torch.randint(0, 2, (4,)) if opts.model == "bert" else ids.clone()
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
     precision = torch.autocast("cpu", dtype=torch.bfloat16) if opts.bf16 else contextlib.nullcontext()
 
     def loss(p: dict, example: dict) -> torch.Tensor:
         with precision:
-            return per_example_loss(apply, p, frozen, example, task="causal_lm")
+            return per_example_loss(apply, p, frozen, example, task=task)
 
     def batch_loss(p: dict, examples: dict) -> torch.Tensor:
         with precision:
-            return batch_losses(apply, p, frozen, examples, task="causal_lm")
+            return batch_losses(apply, p, frozen, examples, task=task)
 
     grad_fn, state = clipped_grad(
         loss, clipping_norm=1.0, batch_argnums=1, engine=Engine(gradients=LayerwiseGradients(model, batch_loss))

@@ -298,7 +298,7 @@ def accumulators(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     for (dtype, device), indices in groups.items():
         flat = torch.zeros(sum(leaves[i].numel() for i in indices), dtype=dtype, device=device)
         for i, view in zip(indices, flat.split([leaves[i].numel() for i in indices]), strict=True):
-            out[i] = view.view(leaves[i].shape)
+            out[i] = view if view.shape == leaves[i].shape else view.view(leaves[i].shape)  # 1-D: already shaped
     return out
 
 

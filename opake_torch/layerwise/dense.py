@@ -48,9 +48,9 @@ def add_dense(call: Call, attr: str, out: torch.Tensor, *, first: bool) -> None:
         return
     if call.kind in NORMS:
         dims = len(call.module.normalized_shape) if call.kind in ("layer_norm", "rms_norm") else 1
-        g = g.reshape(m, -1, *g.shape[-dims:])
+        g = _shaped(g, (m, -1, *g.shape[-dims:]))
         if attr == "weight":
-            g = g * cast(_normalized(call), dtype).reshape(g.shape)
+            g = g * _shaped(cast(_normalized(call), dtype), g.shape)
         _add_sum(g, out, first=first)
         return
     g = by_example(g, m)
@@ -66,6 +66,14 @@ def add_dense(call: Call, attr: str, out: torch.Tensor, *, first: bool) -> None:
         out.baddbmm_(g.transpose(1, 2), cast(input_factor(call, m), dtype))  # [m, out, in]
     else:  # conv1d: [m, in, out]
         out.baddbmm_(cast(input_factor(call, m), dtype).transpose(1, 2), g)
+
+
+def _shaped(x: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """``x.reshape(shape)``, or ``x`` itself where it has that shape already (no operator dispatched: this runs for
+    each norm layer's call)."""
+    if len(shape) == x.dim() and all(n in (-1, d) for n, d in zip(shape, x.shape, strict=True)):
+        return x
+    return x.reshape(shape)
 
 
 def _add_sum(g: torch.Tensor, out: torch.Tensor, *, first: bool) -> None:

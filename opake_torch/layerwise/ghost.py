@@ -129,7 +129,7 @@ class ScaledInputs:
         key = (call.input_key, dtype, scale.data_ptr())
         if key != self.key:
             self.key = self.value = None  # the previous copy is freed before the next is made
-            self.key, self.value = key, torch.where(drop, 0.0, cast(by_example(call.inputs, self.m), dtype) * scale)
+            self.key, self.value = key, (cast(by_example(call.inputs, self.m), dtype) * scale).masked_fill_(drop, 0.0)
         return self.value
 
 
@@ -170,15 +170,15 @@ def add_ghost(
     g = cast(by_example(call.grad, m), total.dtype)
     if call.kind in ("linear", "conv1d"):  # sum_i scale_i g_i^T a_i = g^T (scale a)
         a = inputs(call, scale, drop, total.dtype).reshape(-1, call.inputs.shape[-1])
-        g = torch.where(drop, 0.0, g).reshape(-1, g.shape[-1])
+        g = g.masked_fill(drop, 0.0).reshape(-1, g.shape[-1])
         if call.kind == "linear":
             _add_product(total, g.T, a)
         else:  # conv1d: weight [in, out]
             _add_product(total, a.T, g)
         return
-    g = torch.where(drop, 0.0, g * scale)
+    g = (g * scale).masked_fill_(drop, 0.0)
     if call.kind == "experts":  # their norms carry no margin for reduced-precision products
-        a = torch.where(drop, 0.0, cast(by_example(call.inputs, m), total.dtype))
+        a = cast(by_example(call.inputs, m), total.dtype).masked_fill(drop, 0.0)
         with float32_matmuls(total.device, highest=True):
             _add_expert_products(call, g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1]), total)
         return

@@ -72,8 +72,9 @@ def _hook_output(output: torch.Tensor, record: Callable[[torch.Tensor], None]) -
     shape, index = output.shape, base.output_nr  # not the output itself: the node would keep it alive
 
     def prehook(grads: tuple[torch.Tensor | None, ...]) -> None:
-        if grads[index] is not None:
-            record(grads[index].view(shape))
+        grad = grads[index]
+        if grad is not None:
+            record(grad if grad.shape == shape else grad.view(shape))  # (a view is a host operation per call)
 
     base.grad_fn.register_prehook(prehook)
     return True
@@ -192,7 +193,7 @@ class ChunkPass:
                 "(x = x * ...) or vmap(grad) for this model."
             )
         self.bf16.release()  # the backward has begun: the forward's calls hold what they keep
-        call.grad = grad.detach()
+        call.grad = grad.detach() if grad.requires_grad else grad  # (a detach is a host operation per call)
         for attr, name in call.names.items():
             if name in out.ghost:
                 error = out.product_error if out.dtypes[name] == torch.float32 else 0.0

@@ -265,7 +265,7 @@ def add_bf16_product(call: Call, drop: torch.Tensor, scale: torch.Tensor, total:
     m, out = scale.shape[0], call.grad.shape[-1]
     g = by_example(call.grad, m)
     parts = bf16_scaled_parts(g, scale, drop).reshape(-1, 2 * out)
-    a = torch.where(drop, 0.0, input_factor(call, m)).reshape(m * g.shape[1], -1)
+    a = input_factor(call, m).masked_fill(drop, 0.0).reshape(m * g.shape[1], -1)
     if call.kind == "linear":
         high, low = _mm_float32(parts.T, a).view(2, out, -1).unbind(0)
     else:  # conv1d: weight [in, out]
