@@ -15,8 +15,9 @@
 #   BASE=DIR benchmarks/gpu_tables.sh same-draws  # the 1.1B full row on the same Poisson draws, this tree and the
 #                                            # one in DIR (its opake_core and opake_torch: git archive REV opake_core
 #                                            # opake_torch | tar -x -C DIR)
+#   BASE=DIR benchmarks/gpu_tables.sh same-draws-small  # BERT-base and GPT-2 small under TF32, the same way
 set -euo pipefail
-part=${1:?"usage: $0 trainer-small|trainer-small-tf32|trainer-lora|scale|max-sequence|moe|compile|layer-kernels|cuda-tests|same-draws"}
+part=${1:?"usage: $0 trainer-small|trainer-small-tf32|trainer-lora|scale|max-sequence|moe|compile|layer-kernels|cuda-tests|same-draws|same-draws-small"}
 out=${OUT:-gpu_results}/$part
 mkdir -p "$out"
 e2e=(python benchmarks/e2e_trainer.py --steps 20 --warmup 15 --profile-steps 2 --budget-s 520)
@@ -50,6 +51,11 @@ case $part in
   same-draws)  # --privacy-seed (a diagnostic flag) draws the same batches in both runs
     same=(python benchmarks/e2e_trainer.py --steps 10 --warmup 4 --profile-steps 1 --privacy-seed 1
       --workloads llama1b_full_s512_b16_ckpt)
+    "${same[@]}" --modes hf dp --out "$out/this"
+    PYTHONPATH="${BASE:?set BASE to the other tree}:${PYTHONPATH:-}" "${same[@]}" --modes dp --out "$out/base" ;;
+  same-draws-small)
+    same=(python benchmarks/e2e_trainer.py --steps 10 --warmup 4 --profile-steps 1 --privacy-seed 1 --tf32
+      --workloads bert_base_s128_b32 gpt2_small_s512_b16)
     "${same[@]}" --modes hf dp --out "$out/this"
     PYTHONPATH="${BASE:?set BASE to the other tree}:${PYTHONPATH:-}" "${same[@]}" --modes dp --out "$out/base" ;;
   *)
