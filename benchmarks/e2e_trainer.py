@@ -61,6 +61,10 @@ norms) at a size where a CPU step is bound by host work, as BERT-base's step is 
 ``--device cpu --workloads host_bert12_w48_s8_b32 --modes hf dp dp_fixed``. ``--seq`` runs the named workloads at
 another sequence length (``max_sequence.py`` searches the longest that fits with it).
 
+``--kernel-owners PATTERN ...`` (a diagnostic, with ``--profile-steps``) records in each row's profile who launched
+the GPU kernels whose names contain a pattern: the operator, its input shapes and the Opake frames on its stack
+(``--kernel-owners simt_sgemm`` finds the float32 SIMT matmuls of a step).
+
 Writes ``results.json`` and ``results.md`` to ``--out`` after every row.
 """
 
@@ -126,8 +130,10 @@ class StepClock:
     """Host timestamps of step ends (after a device synchronize) and the memory peaks over the timed steps; then, with
     ``profile`` steps, a profile of that many more steps (:func:`step_profile`)."""
 
-    def __init__(self, device: torch.device, warmup: int, total: int, profile: int = 0) -> None:
-        self.device, self.warmup, self.total, self.profile = device, warmup, total, profile
+    def __init__(
+        self, device: torch.device, warmup: int, total: int, profile: int = 0, owners: tuple[str, ...] = ()
+    ) -> None:
+        self.device, self.warmup, self.total, self.profile, self.owners = device, warmup, total, profile, owners
         self.stamps: list[float] = []
         self.peak: float | None = None
         self.reserved: float | None = None
@@ -147,11 +153,13 @@ class StepClock:
         if len(self.stamps) == self.total:
             self.peak, self.reserved = peak_gib(self.device), reserved_gib(self.device)
             if self.profile:
-                self.profiler = profiler(self.device)
+                self.profiler = profiler(self.device, stacks=bool(self.owners))
                 self.profiler.__enter__()
         if self.profiler is not None and len(self.stamps) == self.max_steps:
             self.profiler.__exit__(None, None, None)
             self.profiled = step_profile(self.profiler, self.profile)
+            if self.owners:
+                self.profiled["kernel_owners"] = kernel_owners(self.profiler, self.owners, self.profile)
             self.profiler = None
 
     def callback(self) -> Any:
@@ -182,11 +190,48 @@ class StepClock:
         }
 
 
-def profiler(device: torch.device) -> Any:
+def profiler(device: torch.device, *, stacks: bool = False) -> Any:
+    """A profiler of the host and, on CUDA, the device; ``stacks``: with the Python frames and input shapes of each
+    operator (:func:`kernel_owners`), which slow the host."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    return profile(activities=activities)
+    return profile(activities=activities, with_stack=stacks, record_shapes=stacks)
+
+
+def kernel_owners(prof: Any, patterns: tuple[str, ...], steps: int, top: int = 12) -> list[dict[str, Any]]:
+    """Who launched the GPU kernels whose names contain one of ``patterns`` (on a CPU: the operators so named), per
+    profiled step: the top-level operator, the launching operator's input shapes, and the innermost Opake,
+    Transformers or checkpoint frames on its Python stack (a profiler with ``stacks``), most frequent first."""
+    found: dict[tuple[str, ...], float] = {}
+
+    def frames(event: Any) -> str:
+        names, parent = [], event.cpu_parent
+        while parent is not None and len(names) < 5:
+            if "opake_" in parent.name:
+                names.append(parent.name[parent.name.index("opake_") :])
+            elif "transformers/" in parent.name or "checkpoint" in parent.name:
+                names.append(parent.name.rsplit("site-packages/", 1)[-1])
+            parent = parent.cpu_parent
+        return " < ".join(names)
+
+    def add(name: str, event: Any) -> None:
+        outer = event
+        while outer.cpu_parent is not None and outer.cpu_parent.name.startswith("aten::"):
+            outer = outer.cpu_parent
+        key = (name[:80], outer.name, str(getattr(event, "input_shapes", ""))[:200], frames(event))
+        found[key] = found.get(key, 0.0) + 1 / steps
+
+    for event in prof.events():
+        for kernel in getattr(event, "kernels", None) or []:
+            if any(pattern in kernel.name for pattern in patterns):
+                add(kernel.name, event)
+        on_host = str(getattr(event, "device_type", "")).endswith("CPU")
+        if on_host and any(pattern == event.name for pattern in patterns):
+            add(event.name, event)
+    rows = sorted(found.items(), key=lambda kv: -kv[1])[:top]
+    return [{"kernel": k, "operator": op, "shapes": shapes, "frames": where, "calls": round(n, 1)}
+            for (k, op, shapes, where), n in rows]  # fmt: skip
 
 
 def step_profile(prof: Any, steps: int, top: int = 15) -> dict[str, Any]:
@@ -417,7 +462,7 @@ def measure_row(workload: Workload, mode: str, opts: argparse.Namespace) -> dict
         return {**record, "skipped": True, "error": "opacus is not importable"}
     free(opts.device)
     begin = time.perf_counter()
-    clock = StepClock(opts.device, opts.warmup, opts.warmup + opts.steps, opts.profile_steps)
+    clock = StepClock(opts.device, opts.warmup, opts.warmup + opts.steps, opts.profile_steps, opts.kernel_owners)
     try:
         with tf32(opts.tf32):
             record.update(RUNNERS[mode](workload, opts, clock))
@@ -447,7 +492,8 @@ def child_command(opts: argparse.Namespace, workload: Workload, mode: str, resul
     command += ["--workloads", workload.name, "--modes", mode, "--device", str(opts.device), "--seq", str(workload.seq)]
     command += ["--steps", str(opts.steps), "--warmup", str(opts.warmup), "--profile-steps", str(opts.profile_steps)]
     seed = [] if opts.privacy_seed is None else ["--privacy-seed", str(opts.privacy_seed)]
-    return command + ["--tiny"] * opts.tiny + ["--tf32"] * opts.tf32 + seed
+    owners = ["--kernel-owners", *opts.kernel_owners] if opts.kernel_owners else []
+    return command + ["--tiny"] * opts.tiny + ["--tf32"] * opts.tf32 + seed + owners
 
 
 def child_environment() -> dict[str, str]:
@@ -598,6 +644,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="diagnostic: the private rows' keys from this seed (privacy_noise_seed), so that two commits draw the "
         "same Poisson batches; the noise is then public (default: secret keys, as users run)",
     )
+    parser.add_argument(
+        "--kernel-owners",
+        nargs="+",
+        default=(),
+        help="diagnostic: with --profile-steps, the operators and Python frames that launched the GPU kernels whose "
+        "names contain these strings (on a CPU: the operators named exactly so), in the row's profile",
+    )
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: measure one row, write it here
     opts = parser.parse_args(argv)
     suite = SUITES["smoke" if opts.tiny else "gpu"]
@@ -618,6 +671,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     opts.warmup = (1 if opts.tiny else 5) if opts.warmup is None else opts.warmup
     if opts.profile_steps < 0:
         parser.error("--profile-steps must be >= 0")
+    if opts.kernel_owners and not opts.profile_steps:
+        parser.error("--kernel-owners needs --profile-steps")
+    opts.kernel_owners = tuple(opts.kernel_owners)
     if opts.steps < 1 or opts.warmup < 1:
         parser.error("--steps and --warmup must be at least 1 (the first timed gap starts at the last warm-up step)")
     opts.device = torch.device(opts.device or ("cpu" if opts.tiny else "cuda"))

@@ -155,6 +155,22 @@ def test_e2e_trainer_passes_the_workload_knobs_to_both_trainers(tmp_path: Path) 
     assert records[1]["engine"] == "layerwise"
 
 
+def test_kernel_owners_name_the_engine_functions_that_launched_them(tmp_path: Path) -> None:
+    """``--kernel-owners`` (on a CPU: operators named exactly so) attributes each launch to the Opake frames that made
+    it: the private step's batched matmuls come from the layerwise engine's norms and sums."""
+    command = [sys.executable, str(E2E_TRAINER), "--tiny", "--in-process", "--modes", "dp", "--out", str(tmp_path)]
+    command += ["--workloads", "tiny_llama_full_s16_b4_ckpt", "--steps", "1", "--profile-steps", "1"]
+    command += ["--kernel-owners", "aten::bmm"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (record,) = json.loads((tmp_path / "results.json").read_text())["records"]
+    owners = record["profile"]["kernel_owners"]
+    assert owners and all(row["kernel"] == "aten::bmm" and row["calls"] > 0 for row in owners), owners
+    frames = " ".join(row["frames"] for row in owners)
+    assert "opake_torch/layerwise/ghost.py" in frames and "opake_torch/layerwise/precision.py" in frames, frames
+
+
 def test_the_moe_workload_runs_its_routers_and_experts_on_the_layerwise_engine(tmp_path) -> None:
     """The mixture-of-experts workload (a full fine-tune, routers and stacked experts included) runs on both
     trainers, the private one on the layerwise engine."""
