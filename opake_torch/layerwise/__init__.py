@@ -66,13 +66,15 @@ their leading size with ``R``, and the norms, the clipping and the coupling chec
 are over the ``m`` examples. Every layer kind above is served grouped; the traced pass of
 :mod:`~opake_torch.layerwise.compiled` is not (the hook engine runs).
 
-A parameter used by several layers or calls (tied embeddings) is instantiated per call and summed before its norm
-is taken. The batched pass assumes that examples do not interact: modules that mix examples (batch normalization) are
-refused, the engine's first chunk (per set of trainable names and training mode) runs once more with half its rows
-replaced and refuses a model whose other rows change a row's norms, and :meth:`LayerwiseGradients.check` compares the
-per-example gradients with ``grad`` of the per-example loss, one example at a time, on a few examples: that catches a
-parameter used outside a supported layer. An in-place operation on a layer's output is served; one on a layer's input
-after the layer ran is refused. Hooks exist only for the duration of one call.
+A weight tied between an embedding and a linear head takes ghost norms with the cross term of its two parts
+(:func:`~opake_torch.layerwise.ghost.tied_norms`); any other parameter used by several layers or calls is
+instantiated per call and summed before its norm is taken. The batched pass assumes that examples do not interact:
+modules that mix examples (batch normalization) are refused, the engine's first chunk (per set of trainable names and
+training mode) runs once more with half its rows replaced and refuses a model whose other rows change a row's norms,
+and :meth:`LayerwiseGradients.check` compares the per-example gradients with ``grad`` of the per-example loss, one
+example at a time, on a few examples: that catches a parameter used outside a supported layer. An in-place operation
+on a layer's output is served; one on a layer's input after the layer ran is refused. Hooks exist only for the
+duration of one call.
 
 Modules: :mod:`~opake_torch.layerwise.engine` (:class:`LayerwiseGradients`), :mod:`~opake_torch.layerwise.hooks` (the
 hooks of one chunk's pass), :mod:`~opake_torch.layerwise.kinds` (the layers served), :mod:`~opake_torch.layerwise.calls`

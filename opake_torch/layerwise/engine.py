@@ -20,7 +20,7 @@ from torch import nn
 
 from opake_core.errors import ConfigurationError, InputTypeError
 from opake_torch.layerwise.calls import Call
-from opake_torch.layerwise.ghost import NORM_ROUTES, ghost_names
+from opake_torch.layerwise.ghost import NORM_ROUTES, ghost_names, tied_names
 from opake_torch.layerwise.gradients import Gradients
 from opake_torch.layerwise.hooks import ChunkPass
 from opake_torch.layerwise.kinds import mixes, owners, unsupported_parameters
@@ -327,6 +327,9 @@ class LayerwiseGradients:
             raise ConfigurationError(f"batch_loss returned {losses.shape[0]} losses for a batch of {out.m} examples.")
         if not instantiate:
             out.ghost.update(ghost_names(calls, out, self.ghost_advantage))
+            tied = tied_names(calls, out, self.ghost_advantage)
+            out.ghost.update(tied)
+            out.tied.update(dict.fromkeys(tied))
         used = {name for call in calls for name in call.names.values()}
         out.group([name for name in out.names if name in used and name not in out.ghost])
         if losses.requires_grad:

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from opake_torch.layerwise.gradients import Gradients
 
 __all__ = [
+    "GRAM_COPY_BYTES",
     "NORM_ROUTES",
     "PRODUCT_CAP_BYTES",
     "Bound",
@@ -72,11 +73,18 @@ __all__ = [
     "prefers_ghost",
     "product_norms",
     "route_costs",
+    "tied_names",
+    "tied_norms",
 ]
 
 NORM_ROUTES = ("auto", "gram", "product")
 """How a ghost linear or Conv1D call takes its per-example norms: ``"auto"`` (:func:`norm_route`), or one route
 forced."""
+
+GRAM_COPY_BYTES = 256 * 2**20
+"""The most bytes of float64 copy :func:`gram` forms at once: a wide factor (a language-model head's output gradient
+over a vocabulary of 50k, 3.3 GB in float64 for 16 x 512 positions) is taken a few examples at a time, so that its
+copy stays below what the kept factor itself holds."""
 
 PRODUCT_CAP_BYTES = 64 * 2**20
 """The product route forms ``[m_c, out, in]`` accumulated gradients at a time, ``m_c`` examples chosen so that they hold
@@ -97,9 +105,18 @@ _FLOAT32_SAFE = torch.finfo(torch.float32).max / 2  # a bound on the partial sum
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:
-    """float64 ``[m, T, T]`` Gram matrices of ``x`` ``[m, T, d]``."""
-    x = x.to(torch.float64)
-    return torch.bmm(x, x.transpose(1, 2))
+    """float64 ``[m, T, T]`` Gram matrices of ``x`` ``[m, T, d]``, its float64 copy formed at most
+    :data:`GRAM_COPY_BYTES` at a time (one example at least; a single launch below that)."""
+    m, positions = x.shape[0], x.shape[1]
+    step = max(1, GRAM_COPY_BYTES // max(1, 8 * x[0].numel())) if m else 1
+    if x.dtype == torch.float64 or step >= m:
+        x = x.to(torch.float64)
+        return torch.bmm(x, x.transpose(1, 2))
+    out = torch.empty(m, positions, positions, dtype=torch.float64, device=x.device)
+    for start in range(0, m, step):
+        part = x[start : start + step].to(torch.float64)
+        torch.bmm(part, part.transpose(1, 2), out=out[start : start + step])
+    return out
 
 
 def frobenius(a: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
@@ -192,8 +209,12 @@ def add_ghost(
 class Bound:
     """A call's per-example norm bounds, left unfinished so that the calls of a chunk finish theirs together
     (:func:`finish`: a few operators for each layer shape, where each call would take as many): ``N_i = rounding
-    sqrt(squares_i) + alpha S_i`` with ``S_i <= spread_i spread_rounding`` (the raw sums of :func:`_spread`),
-    reported as ``N_i^2``, and infinite where ``S_i`` reaches ``limit``. ``squares`` and ``spread``: float64 ``[m]``."""
+    sqrt(squares_i) + (alpha + margin) S_i`` with ``S_i <= spread_i spread_rounding`` (the raw sums of
+    :func:`_spread`), reported as ``N_i^2``, and infinite where ``S_i`` reaches ``limit``. ``alpha S_i`` bounds the
+    rounding of the norm's own products (``rounding sqrt(squares_i) + alpha S_i >= ||G_i||``), ``margin S_i`` that of
+    the layer's clipped sum (the stored contribution is within ``margin S_i`` of ``G_i``): a weight that a second call
+    also writes (:func:`tied_norms`) adds the margin after the other call's part. ``squares`` and ``spread``: float64
+    ``[m]``."""
 
     squares: torch.Tensor
     rounding: float
@@ -201,6 +222,7 @@ class Bound:
     spread_rounding: float
     alpha: float
     limit: float = math.inf
+    margin: float = 0.0
 
 
 def finish(bounds: Sequence[Bound]) -> list[torch.Tensor]:
@@ -210,7 +232,9 @@ def finish(bounds: Sequence[Bound]) -> list[torch.Tensor]:
     capture it)."""
     groups: dict[tuple[float, float, float], list[int]] = {}
     for k, b in enumerate(bounds):
-        groups.setdefault((b.rounding, b.alpha * b.spread_rounding, b.limit / b.spread_rounding), []).append(k)
+        groups.setdefault(
+            (b.rounding, (b.alpha + b.margin) * b.spread_rounding, b.limit / b.spread_rounding), []
+        ).append(k)
     rows: list[Any] = [None] * len(bounds)
     for (rounding, alpha, limit), members in groups.items():
         squares = torch.stack([bounds[k].squares for k in members])
@@ -278,7 +302,7 @@ def ghost_norms(
         bound = Bound(squares, 1.0, spread, rounding, 0.0)
     # every partial sum of a one-pass G~_i is at most (1 + eps) S_i: beyond float32, the example is dropped
     limit = _FLOAT32_SAFE / (1 + margin) if one_pass else math.inf
-    return dataclasses.replace(bound, alpha=bound.alpha + margin, limit=limit)
+    return dataclasses.replace(bound, margin=margin, limit=limit)
 
 
 def _row_norms(x: torch.Tensor) -> torch.Tensor:
@@ -523,3 +547,55 @@ def ghost_names(calls: list[Call], out: Gradients, advantage: float) -> dict[str
         if (name := call.names.get("weight")) is not None and uses[name] == 1
         if prefers_ghost(call, out.shapes[name], out.m, advantage)
     }
+
+
+def tied_names(calls: list[Call], out: Gradients, advantage: float) -> dict[str, tuple[Call, torch.Tensor]]:
+    """The weights a model ties (an embedding and its language-model head, which reads the same ``[V, d]`` matrix):
+    used by exactly one embedding call and one linear call, where the linear call would take ghost norms
+    (:func:`prefers_ghost` with ``advantage``), as ``name -> (linear call, zeros)`` like :func:`ghost_names`. Such a
+    weight's norms are :func:`tied_norms` and its clipped sum both calls' (:func:`add_ghost`), so its ``[m, V, d]``
+    per-example gradients (a GiB an example for a 128k vocabulary at width 2048) are never formed."""
+    users: dict[str, list[Call]] = {}
+    for call in calls:
+        for name in call.names.values():
+            users.setdefault(name, []).append(call)
+    zeros = torch.zeros(out.m, dtype=torch.float64, device=out.device)
+    tied = {}
+    for name, pair in users.items():
+        if len(pair) != 2 or sorted(call.kind for call in pair) != ["embedding", "linear"]:
+            continue
+        head = pair[0] if pair[0].kind == "linear" else pair[1]
+        if all(call.names.get("weight") == name for call in pair) and prefers_ghost(
+            head, out.shapes[name], out.m, advantage
+        ):
+            tied[name] = (head, zeros)
+    return tied
+
+
+def tied_norms(
+    head: Call, head_norms: torch.Tensor | Bound, embedding: Call, embedding_norms: torch.Tensor, m: int
+) -> torch.Tensor:
+    """float64 ``[m]`` squared norms of a tied weight's per-example gradients ``G_i = E_i + H_i``: the embedding's
+    part ``E_i = sum_t e_{id_t} u_t^T`` (``embedding_norms``: ``||E_i||^2``, :func:`ghost_norms`) and the head's
+    ``H_i = sum_s g_s a_s^T`` (``head_norms``, any route, a :class:`Bound` or exact), so that ``||G_i||^2 = ||E_i||^2
+    + ||H_i||^2 + 2 <E_i, H_i>`` with the cross term ``<E_i, H_i> = sum_{s,t} g_s[id_t] (a_s . u_t)`` over the
+    embedding's live positions ``t`` (not ``padding_idx``): two ``[T, T]`` matrices an example, in float64.
+
+    A bound's own rounding stays inside (``||H_i||`` replaced by its upper bound, which can only raise the root), and
+    the head's sum margin is added outside, ``N_i = sqrt(||E_i||^2 + N_H,i^2 + 2 <E_i, H_i>) + margin S_i``, since the
+    stored contribution ``E_i + H~_i`` is within ``||H~_i - H_i|| <= margin S_i`` of ``G_i`` (the margin of ``H`` alone
+    would not cover ``||E_i + H~_i||``). A head the backward did not reach adds nothing."""
+    if head.grad is None:
+        return finished(head_norms) + embedding_norms
+    ids, live = live_ids(embedding, m)
+    u = by_example(embedding.grad, m).to(torch.float64)  # [m, Te, d]
+    g, a = by_example(head.grad, m), input_factor(head, m)  # [m, Th, V], [m, Th, d]
+    picked = torch.gather(g, 2, ids[:, None, :].expand(-1, g.shape[1], -1))  # [m, Th, Te]: g_s[id_t], exact values
+    inner = torch.bmm(a.to(torch.float64), u.transpose(1, 2))  # [m, Th, Te]: a_s . u_t
+    cross = frobenius(inner, picked.to(torch.float64).masked_fill_(~live[:, None, :], 0.0))
+    other = embedding_norms + 2 * cross
+    if not isinstance(head_norms, Bound):
+        return (head_norms + other).clamp_(min=0.0)
+    inside = finished(dataclasses.replace(head_norms, margin=0.0))  # infinite where the sum could overflow
+    outside = head_norms.spread * (head_norms.margin * head_norms.spread_rounding)
+    return (inside + other).clamp_(min=0.0).sqrt_().add_(outside).square_()

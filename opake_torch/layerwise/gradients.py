@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opake_torch.layerwise.calls import Call
-from opake_torch.layerwise.ghost import Bound, ScaledInputs, add_ghost, finish
+from opake_torch.layerwise.ghost import Bound, ScaledInputs, add_ghost, finish, tied_norms
 from opake_torch.layerwise.precision import float32_matmuls
 
 __all__ = ["NORM_NUMEL", "Gradients"]
@@ -58,6 +58,8 @@ class Gradients:
     product_error: float = 0.0  # of the float32 ghost sums, at the run's matmul precision (precision.product_error)
     norm_route: str = "gram"  # how ghost linear and Conv1D calls take their norms (ghost.NORM_ROUTES)
     one_pass: set[str] = field(default_factory=set)  # ghost weights whose norms carry the one-pass sum's margin
+    # ghost weights tied to an embedding (ghost.tied_names): its call and norms once the backward records it
+    tied: dict[str, tuple[Call, torch.Tensor] | None] = field(default_factory=dict)
 
     def group(self, names: Sequence[str]) -> None:
         """The (dtype, shape) groups of the instantiated gradients of ``names``."""
@@ -79,8 +81,11 @@ class Gradients:
 
     def squared_norms(self) -> torch.Tensor:
         rows, bounds = {}, {}
-        for name, (_, norms) in self.ghost.items():
-            (bounds if isinstance(norms, Bound) else rows)[name] = norms
+        for name, (call, norms) in self.ghost.items():
+            if (embedding := self.tied.get(name)) is not None:  # a tied weight: both calls' parts and their cross term
+                rows[name] = tied_norms(call, norms, *embedding, self.m)
+            else:
+                (bounds if isinstance(norms, Bound) else rows)[name] = norms
         rows.update(zip(bounds, finish(list(bounds.values())), strict=True))  # a layer shape at a time
         for group in self.groups:  # vector_norm reads a float64 copy of what it is given: NORM_NUMEL at a time
             if group.buffer is None:
@@ -109,14 +114,16 @@ class Gradients:
         inputs = ScaledInputs(self.m)
         with float32_matmuls(self.device, highest=not self.product_error):  # the precision the norms assumed
             for name, (call, _) in self.ghost.items():
-                if call.grad is None:  # the loss does not depend on this layer's output: a zero gradient
-                    continue
-                k = index[name]
-                total = sums[k]
-                rows = scales[total.dtype]
-                key = (total.dtype, k if rows.stride(0) else 0)  # one row for all leaves (stride 0): one mask
-                if key not in rows_of:
-                    scale = rows[k].reshape(self.m, 1, 1)
-                    rows_of[key] = (scale, scale == 0)
-                add_ghost(call, *rows_of[key], total, inputs, one_pass=name in self.one_pass)
-                call.inputs = call.grad = None  # consumed, as the buffers are: the next sums run without them
+                embedding = self.tied.get(name)
+                for part in (call, None if embedding is None else embedding[0]):
+                    if part is None or part.grad is None:  # the loss does not depend on this output: zero gradient
+                        continue
+                    k = index[name]
+                    total = sums[k]
+                    rows = scales[total.dtype]
+                    key = (total.dtype, k if rows.stride(0) else 0)  # one row for all leaves (stride 0): one mask
+                    if key not in rows_of:
+                        scale = rows[k].reshape(self.m, 1, 1)
+                        rows_of[key] = (scale, scale == 0)
+                    add_ghost(part, *rows_of[key], total, inputs, one_pass=part is call and name in self.one_pass)
+                    part.inputs = part.grad = None  # consumed, as the buffers are: the next sums run without them

@@ -195,7 +195,9 @@ class ChunkPass:
         self.bf16.release()  # the backward has begun: the forward's calls hold what they keep
         call.grad = grad.detach() if grad.requires_grad else grad  # (a detach is a host operation per call)
         for attr, name in call.names.items():
-            if name in out.ghost:
+            if name in out.tied and call.kind == "embedding":  # a tied weight's other part (Gradients.squared_norms)
+                out.tied[name] = (call, ghost_norms(call, out.m, self.grams))
+            elif name in out.ghost:
                 error = out.product_error if out.dtypes[name] == torch.float32 else 0.0
                 if one_pass := one_pass_sum(call, out.dtypes[name]):
                     out.one_pass.add(name)  # the sum may take one pass: these norms carry its margin

@@ -80,12 +80,13 @@ def _model(family: str, checkpointing: bool) -> nn.Module:
 
 def _engine_norms(model, batch_loss, params, batch, route: str, grouped: bool = False) -> tuple[dict, set]:
     """Squared norms ``{name: [m]}`` of the engine with every weight (used once) ghost and ``route`` forced, and the
-    names of the ghost linear and Conv1D weights."""
+    names of the ghost linear and Conv1D weights (not a tied one, whose norms hold its embedding's part too:
+    test_tied.py)."""
     engine = LayerwiseGradients(model, batch_loss, ghost_advantage=1e-6, norm_route=route, grouped=grouped)
     with torch.no_grad():
         grads, _ = engine(None, (params, batch), (1,))
         squared = grads.squared_norms()
-    ghosts = {name for name, (call, _) in grads.ghost.items() if call.kind in ("linear", "conv1d")}
+    ghosts = {n for n, (call, _) in grads.ghost.items() if call.kind in ("linear", "conv1d") and n not in grads.tied}
     return dict(zip(grads.names, squared, strict=True)), ghosts
 
 
@@ -696,7 +697,8 @@ def test_the_spread_bounds_its_float64_value(dtype):
 
 def test_bounds_finish_the_same_alone_and_together():
     """A chunk finishes its calls' bounds together, a group of equal numbers at a time: each row equals the bound
-    finished alone, bit for bit, and the stated formula ``(rounding sqrt(squares) + alpha spread_rounding spread)^2``
+    finished alone, bit for bit, and the stated formula ``(rounding sqrt(squares) + (alpha + margin) spread_rounding
+    spread)^2``
     in float64; a spread whose bound reaches the limit reports an infinite norm, and a NaN stays NaN (its example is
     dropped)."""
     gen = torch.Generator().manual_seed(0)
@@ -704,7 +706,7 @@ def test_bounds_finish_the_same_alone_and_together():
     squares[1, 2], spread[1, 2] = float("nan"), 0.1  # a NaN below the limit
     bounds = [
         ghost.Bound(squares[0], 1.0 + 1e-5, spread[0], 1.0 + 2e-5, 3e-3),
-        ghost.Bound(squares[1], 1.0, spread[1], 1.0 + 1e-5, 7e-4, limit=0.5),
+        ghost.Bound(squares[1], 1.0, spread[1], 1.0 + 1e-5, 7e-4, limit=0.5, margin=2e-4),
         ghost.Bound(squares[2], 1.0 + 3e-6, spread[2], 1.0, 0.0),
     ]
     together = torch.stack(ghost.finish([*bounds, bounds[0]]))  # the first twice: a group of two
@@ -715,7 +717,7 @@ def test_bounds_finish_the_same_alone_and_together():
     finite = ~together.isnan()
     assert torch.equal(together[finite], alone[finite])
     for row, b in zip(together, bounds, strict=True):
-        expected = (b.squares.sqrt() * b.rounding + b.alpha * b.spread_rounding * b.spread).square()
+        expected = (b.squares.sqrt() * b.rounding + (b.alpha + b.margin) * b.spread_rounding * b.spread).square()
         expected = torch.where(b.spread * b.spread_rounding >= b.limit, torch.inf, expected)
         torch.testing.assert_close(row, expected, rtol=1e-15, atol=0, equal_nan=True)
     assert bool(together[1].isinf().any()) and bool(together[1, 2].isnan())
