@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import (
@@ -40,9 +40,11 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def tiny_model(family: str) -> torch.nn.Module:
+def tiny_model(family: str, **overrides: Any) -> torch.nn.Module:
+    """A one-layer model of ``family`` (``"llama"``, ``"qwen2"``, ``"gpt2"`` or ``"bert"``) with random weights (seed
+    0) and eager attention; ``overrides`` go to its config (``tie_word_embeddings=True``, ``pad_token_id=0``)."""
     torch.manual_seed(0)
-    common = {"vocab_size": VOCAB, "max_position_embeddings": 32}
+    common = {"vocab_size": VOCAB, "max_position_embeddings": 32, **overrides}
     if family == "llama":
         config = LlamaConfig(
             hidden_size=16,
@@ -75,6 +77,7 @@ def tiny_model(family: str) -> torch.nn.Module:
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
+            **overrides,
         )
         model = GPT2LMHeadModel(config)
     elif family == "bert":

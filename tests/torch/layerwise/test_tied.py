@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 from tiny_hf import VOCAB, functional_losses, tiny_model, token_data
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from opake_core.clipping import Engine, clipped_grad
 from opake_torch.functional import functional_model
@@ -20,21 +19,9 @@ from opake_torch.transformers.loss import batch_losses
 
 
 def _tied_llama() -> torch.nn.Module:
-    """A tiny Llama whose head is its embedding, with ``padding_idx`` 0: the collated batch's padding positions
-    give that embedding part nothing (the head part reads every position)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(config)
+    """A tiny Llama whose head is its embedding, with ``padding_idx`` 0: the batch's padding ids give that embedding
+    part nothing (the head part reads every position)."""
+    model = tiny_model("llama", tie_word_embeddings=True, pad_token_id=0)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     return model
 
