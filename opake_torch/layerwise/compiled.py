@@ -44,7 +44,7 @@ from opake_core.errors import ConfigurationError
 from opake_torch.layerwise.calls import Call, by_example, cast
 from opake_torch.layerwise.dense import add_dense
 from opake_torch.layerwise.engine import LayerwiseGradients
-from opake_torch.layerwise.ghost import add_ghost, finished, ghost_names, ghost_norms, gram
+from opake_torch.layerwise.ghost import add_ghost, finished, ghost_names, ghost_norms, gram, tied_names, tied_norms
 from opake_torch.layerwise.gradients import Gradients
 from opake_torch.layerwise.precision import float32_matmuls, input_factor, matmul_precision, product_error
 
@@ -94,7 +94,8 @@ class _Recording:
 class _TracedGradients:
     """One chunk's per-example gradients (the :class:`~opake_core.clipping.engine.PerExampleGradients` protocol):
     ``dense`` holds the instantiated ones ``[m, *shape]`` in the accumulation dtype, ``ghost`` the calls whose norms
-    and sums come from their input and output gradient."""
+    and sums come from their input and output gradient, ``tied`` the embedding calls of the ghost weights tied to one
+    (:func:`~opake_torch.layerwise.ghost.tied_norms`)."""
 
     names: list[str]
     m: int
@@ -102,6 +103,7 @@ class _TracedGradients:
     ghost: dict[str, Call]
     error: float  # the relative error of a float32 ghost sum's products (precision.product_error)
     device: torch.device
+    tied: dict[str, Call] = field(default_factory=dict)
 
     def squared_norms(self) -> torch.Tensor:
         zeros = torch.zeros(self.m, dtype=torch.float64, device=self.device)
@@ -110,11 +112,20 @@ class _TracedGradients:
             if name in self.dense:
                 g = self.dense[name].reshape(self.m, -1)
                 rows.append(torch.linalg.vector_norm(g, dim=1, dtype=torch.float64).square())
-            elif name in self.ghost and self.ghost[name].grad is not None:
-                rows.append(finished(ghost_norms(self.ghost[name], self.m, self._input_gram, error=self.error)))
+            elif name in self.ghost:
+                rows.append(self._ghost_norms(name, zeros))
             else:  # the loss does not depend on this parameter
                 rows.append(zeros)
         return torch.stack(rows)
+
+    def _ghost_norms(self, name: str, zeros: torch.Tensor) -> torch.Tensor:
+        """float64 ``[m]`` squared norms of a ghost weight: its call's, or a tied weight's two calls' (zeros for a
+        call the loss does not depend on)."""
+        head, embedding = self.ghost[name], self.tied.get(name)
+        norms = zeros if head.grad is None else ghost_norms(head, self.m, self._input_gram, error=self.error)
+        if embedding is None or embedding.grad is None:
+            return finished(norms)
+        return tied_norms(head, norms, embedding, ghost_norms(embedding, self.m, self._input_gram), self.m)
 
     def _input_gram(self, call: Call) -> torch.Tensor:
         return gram(input_factor(call, self.m))
@@ -130,9 +141,11 @@ class _TracedGradients:
                 g = self.dense[name]
                 g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) * scale.reshape(-1, *[1] * (g.dim() - 1))
                 total.add_(g.sum(dim=0))
-            elif name in self.ghost and self.ghost[name].grad is not None:
+            elif name in self.ghost:
                 scale = scale.reshape(self.m, 1, 1)
-                add_ghost(self.ghost[name], scale, scale == 0, total, self._scaled_input)
+                for call in (self.ghost[name], self.tied.get(name)):  # a tied weight: both calls' parts
+                    if call is not None and call.grad is not None:
+                        add_ghost(call, scale, scale == 0, total, self._scaled_input)
 
 
 class CompiledLayerwise:
@@ -244,6 +257,9 @@ class CompiledLayerwise:
         meta = Gradients(out.names, shapes, dtypes, m, first.device)
         advantage = self.layerwise.ghost_advantage
         out.ghost = {name: call for name, (call, _) in ghost_names(recording.calls, meta, advantage).items()}
+        tied = tied_names(recording.calls, meta, advantage)
+        out.ghost.update({name: head for name, (head, _) in tied.items()})
+        out.tied = {name: embedding for name, (_, embedding) in tied.items()}
         for call in recording.calls:
             for attr, name in call.names.items():
                 if name in out.ghost or call.grad is None:

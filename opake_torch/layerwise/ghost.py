@@ -549,26 +549,25 @@ def ghost_names(calls: list[Call], out: Gradients, advantage: float) -> dict[str
     }
 
 
-def tied_names(calls: list[Call], out: Gradients, advantage: float) -> dict[str, tuple[Call, torch.Tensor]]:
+def tied_names(calls: list[Call], out: Gradients, advantage: float) -> dict[str, tuple[Call, Call]]:
     """The weights a model ties (an embedding and its language-model head, which reads the same ``[V, d]`` matrix):
     used by exactly one embedding call and one linear call, where the linear call would take ghost norms
-    (:func:`prefers_ghost` with ``advantage``), as ``name -> (linear call, zeros)`` like :func:`ghost_names`. Such a
-    weight's norms are :func:`tied_norms` and its clipped sum both calls' (:func:`add_ghost`), so its ``[m, V, d]``
-    per-example gradients (a GiB an example for a 128k vocabulary at width 2048) are never formed."""
+    (:func:`prefers_ghost` with ``advantage``), as ``name -> (linear call, embedding call)``. Such a weight's norms
+    are :func:`tied_norms` and its clipped sum both calls' (:func:`add_ghost`), so its ``[m, V, d]`` per-example
+    gradients (a GiB an example for a 128k vocabulary at width 2048) are never formed."""
     users: dict[str, list[Call]] = {}
     for call in calls:
         for name in call.names.values():
             users.setdefault(name, []).append(call)
-    zeros = torch.zeros(out.m, dtype=torch.float64, device=out.device)
     tied = {}
     for name, pair in users.items():
         if len(pair) != 2 or sorted(call.kind for call in pair) != ["embedding", "linear"]:
             continue
-        head = pair[0] if pair[0].kind == "linear" else pair[1]
+        head, embedding = pair if pair[0].kind == "linear" else pair[::-1]
         if all(call.names.get("weight") == name for call in pair) and prefers_ghost(
             head, out.shapes[name], out.m, advantage
         ):
-            tied[name] = (head, zeros)
+            tied[name] = (head, embedding)
     return tied
 
 
