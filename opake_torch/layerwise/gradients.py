@@ -114,14 +114,14 @@ class Gradients:
         inputs = ScaledInputs(self.m)
         with float32_matmuls(self.device, highest=not self.product_error):  # the precision the norms assumed
             for name, (call, _) in self.ghost.items():
+                k = index[name]
+                total = sums[k]
+                rows = scales[total.dtype]
+                key = (total.dtype, k if rows.stride(0) else 0)  # one row for all leaves (stride 0): one mask
                 embedding = self.tied.get(name)
-                for part in (call, None if embedding is None else embedding[0]):
+                for part in (call, None if embedding is None else embedding[0]):  # a tied weight: both calls' parts
                     if part is None or part.grad is None:  # the loss does not depend on this output: zero gradient
                         continue
-                    k = index[name]
-                    total = sums[k]
-                    rows = scales[total.dtype]
-                    key = (total.dtype, k if rows.stride(0) else 0)  # one row for all leaves (stride 0): one mask
                     if key not in rows_of:
                         scale = rows[k].reshape(self.m, 1, 1)
                         rows_of[key] = (scale, scale == 0)
