@@ -327,10 +327,12 @@ class LayerwiseGradients:
             raise ConfigurationError(f"batch_loss returned {losses.shape[0]} losses for a batch of {out.m} examples.")
         if not instantiate:
             out.ghost.update(ghost_names(calls, out, self.ghost_advantage))
-            tied = tied_names(calls, out, self.ghost_advantage)
-            zeros = torch.zeros(out.m, dtype=torch.float64, device=out.device)  # until the backward records the head
-            out.ghost.update({name: (head, zeros) for name, (head, _) in tied.items()})
-            out.tied.update(dict.fromkeys(tied))  # the embedding's part, once recorded
+            if tied := tied_names(calls, out, self.ghost_advantage):  # (most models tie nothing: no allocation)
+                zeros = torch.zeros(
+                    out.m, dtype=torch.float64, device=out.device
+                )  # until the backward records the head
+                out.ghost.update({name: (head, zeros) for name, (head, _) in tied.items()})
+                out.tied.update(dict.fromkeys(tied))  # the embedding's part, once recorded
         used = {name for call in calls for name in call.names.values()}
         out.group([name for name in out.names if name in used and name not in out.ghost])
         if losses.requires_grad:

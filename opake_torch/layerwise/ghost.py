@@ -108,7 +108,7 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     """float64 ``[m, T, T]`` Gram matrices of ``x`` ``[m, T, d]``, its float64 copy formed at most
     :data:`GRAM_COPY_BYTES` at a time (one example at least; a single launch below that)."""
     m, positions = x.shape[0], x.shape[1]
-    step = max(1, GRAM_COPY_BYTES // max(1, 8 * x[0].numel())) if m else 1
+    step = max(1, GRAM_COPY_BYTES // max(1, 8 * math.prod(x.shape[1:])))  # (no indexing: no operator dispatched)
     if x.dtype == torch.float64 or step >= m:
         x = x.to(torch.float64)
         return torch.bmm(x, x.transpose(1, 2))

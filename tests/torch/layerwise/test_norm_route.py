@@ -698,9 +698,8 @@ def test_the_spread_bounds_its_float64_value(dtype):
 def test_bounds_finish_the_same_alone_and_together():
     """A chunk finishes its calls' bounds together, a group of equal numbers at a time: each row equals the bound
     finished alone, bit for bit, and the stated formula ``(rounding sqrt(squares) + (alpha + margin) spread_rounding
-    spread)^2``
-    in float64; a spread whose bound reaches the limit reports an infinite norm, and a NaN stays NaN (its example is
-    dropped)."""
+    spread)^2`` in float64; a spread whose bound reaches the limit reports an infinite norm, and a NaN stays NaN (its
+    example is dropped)."""
     gen = torch.Generator().manual_seed(0)
     squares, spread = torch.rand(3, 6, generator=gen, dtype=torch.float64), torch.rand(3, 6, generator=gen).double()
     squares[1, 2], spread[1, 2] = float("nan"), 0.1  # a NaN below the limit
