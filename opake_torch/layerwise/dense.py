@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from opake_torch.layerwise.calls import Call, by_example, cast, live_ids
 from opake_torch.layerwise.experts import grouped_sums
 from opake_torch.layerwise.kinds import NORMS
-from opake_torch.layerwise.precision import input_factor
+from opake_torch.layerwise.precision import bf16_factors, bmm_accumulated, input_factor
 from opake_torch.layerwise.uses import DEPTHWISE, ELEMENTWISE, add_conv_gradient
 
 __all__ = ["add_dense"]
@@ -53,6 +53,9 @@ def add_dense(call: Call, attr: str, out: torch.Tensor, *, first: bool) -> None:
             g = g * _shaped(cast(_normalized(call), dtype), g.shape)
         _add_sum(g, out, first=first)
         return
+    if attr == "weight" and dtype == torch.float32 and bf16_factors(call):
+        _add_bf16_weight_product(call, out, m)
+        return
     g = by_example(g, m)
     if call.kind == "experts":
         _add_expert_dense(call, attr, g, cast(by_example(call.inputs, m), dtype), out)
@@ -66,6 +69,16 @@ def add_dense(call: Call, attr: str, out: torch.Tensor, *, first: bool) -> None:
         out.baddbmm_(g.transpose(1, 2), cast(input_factor(call, m), dtype))  # [m, out, in]
     else:  # conv1d: [m, in, out]
         out.baddbmm_(cast(input_factor(call, m), dtype).transpose(1, 2), g)
+
+
+def _add_bf16_weight_product(call: Call, out: torch.Tensor, m: int) -> None:
+    """``out += `` the float32 ``[m, out, in]`` (Conv1D: ``[m, in, out]``) weight gradients of a linear or Conv1D call
+    that ran in bfloat16: the products of its bf16 factors on tensor cores, accumulated in float32
+    (:func:`~opake_torch.layerwise.precision.bmm_accumulated`), not float32 copies of them multiplied by float32
+    matmuls (IEEE unless the run set TF32: several times slower, the same exact products summed in float32)."""
+    g, a = by_example(call.grad, m), input_factor(call, m)
+    left, right = (g.transpose(1, 2), a) if call.kind == "linear" else (a.transpose(1, 2), g)
+    out.add_(bmm_accumulated(left, right))
 
 
 def _shaped(x: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:

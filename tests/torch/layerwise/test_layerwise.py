@@ -16,7 +16,7 @@ from opake_core.random import key
 from opake_core.tree import per_group
 from opake_torch.functional import functional_model
 from opake_torch.layerwise import LayerwiseGradients, unsupported_parameters
-from opake_torch.layerwise.precision import product_sum_error
+from opake_torch.layerwise.precision import bmm_accumulated, product_sum_error
 from opake_torch.patches import apply_runtime_patches
 from opake_torch.patches.kernels.product_norms import product_kernel_runs
 from opake_torch.transformers.data import collate, language_modeling_labels
@@ -639,3 +639,76 @@ def test_bf16_layers_take_norms_and_sums_from_their_bf16_factors(monkeypatch, de
         one, _ = grad_fn(params, x[i : i + 1] * 100, y[i : i + 1], state=state)
         norm = math.sqrt(sum(float(v.double().square().sum()) for v in one.value.values()))
         assert (1 - under) * 1e-3 < norm <= 1e-3
+
+
+class _Bf16Conv1DStack(nn.Module):
+    """A linear layer, a GPT-2 Conv1D with its bias and a linear head: every weight instantiated when the engine's
+    ``ghost_advantage`` is large."""
+
+    def __init__(self) -> None:
+        from transformers.pytorch_utils import Conv1D
+
+        super().__init__()
+        self.first, self.second = nn.Linear(32, 48, bias=False), Conv1D(32, 48)  # Conv1D(nf=out, nx=in)
+        self.head = nn.Linear(32, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.second(torch.tanh(self.first(x))).mean(dim=1))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_instantiated_bf16_weights_are_the_products_of_their_bf16_factors(monkeypatch, device):
+    """Under bf16 autocast an instantiated weight's per-example gradient is the product of its bf16 factors (the
+    output gradient and the bf16-rounded input) accumulated in float32, taken by ``bmm_accumulated`` (on CUDA, bf16
+    tensor cores), for a linear layer's ``g^T a`` and a Conv1D's ``a^T g`` alike: the norms and the clipped sum
+    equal the float64 products of those factors to 1e-6 of their size."""
+    from opake_torch.layerwise import dense
+
+    torch.manual_seed(0)
+    model = _Bf16Conv1DStack().to(device)
+    apply, params, frozen = functional_model(model)
+    x, y = torch.randn(6, 4, 32, device=device) * 3, torch.randint(0, 3, (6,), device=device)
+
+    def batch_loss(p, xb, yb):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return F.cross_entropy(apply(p, frozen, xb), yb, reduction="none")
+
+    inputs, grads, handles = {}, {}, []
+    for name, layer in {"first": model.first, "second": model.second, "head": model.head}.items():
+
+        def keep(module, inp, out, name=name):
+            inputs[name] = inp[0].to(torch.bfloat16).double().reshape(6, -1, inp[0].shape[-1])
+            out.register_hook(lambda grad: grads.__setitem__(name, grad.double().reshape(6, -1, grad.shape[-1])))
+
+        handles.append(layer.register_forward_hook(keep))
+    batch_loss(dict(model.named_parameters()), x, y).sum().backward()
+    for handle in handles:
+        handle.remove()
+    per_example = {
+        "first.weight": torch.einsum("mto,mti->moi", grads["first"], inputs["first"]),
+        "second.weight": torch.einsum("mti,mto->mio", inputs["second"], grads["second"]),
+        "second.bias": grads["second"].sum(dim=1),
+        "head.weight": torch.einsum("mto,mti->moi", grads["head"], inputs["head"]),
+    }
+    norms = torch.sqrt(sum(g.flatten(1).square().sum(dim=1) for g in per_example.values()))
+
+    products = []
+    monkeypatch.setattr(dense, "bmm_accumulated", lambda a, b: products.append(a.dtype) or bmm_accumulated(a, b))
+    gradients = LayerwiseGradients(model, batch_loss, ghost_advantage=1e6)
+    with torch.no_grad():
+        measured = gradients(None, (params, x, y), (1, 2))[0].squared_norms().sum(dim=0).double().sqrt()
+    assert products == [torch.bfloat16] * 6  # the three weights from their bf16 factors, in the chunk's pass and the
+    # independence check's
+    assert torch.allclose(measured, norms, rtol=1e-6, atol=0)
+
+    def loss(p, xi, yi):
+        return batch_loss(p, xi[None], yi[None])[0]
+
+    bound = 0.05
+    grad_fn, state = clipped_grad(loss, clipping_norm=bound, batch_argnums=(1, 2), engine=Engine(gradients=gradients))
+    clipped, _ = grad_fn(params, x, y, state=state)
+    assert (norms > bound).all()  # every example clipped: the sum depends on the norms
+    scales = torch.clamp(bound / norms, max=1.0)
+    for name, g in per_example.items():
+        expected = torch.einsum("m,m...->...", scales, g)
+        assert (clipped.value[name].double() - expected).norm() <= 1e-6 * expected.norm(), name
