@@ -712,3 +712,31 @@ def test_instantiated_bf16_weights_are_the_products_of_their_bf16_factors(monkey
     for name, g in per_example.items():
         expected = torch.einsum("m,m...->...", scales, g)
         assert (clipped.value[name].double() - expected).norm() <= 1e-6 * expected.norm(), name
+
+
+def test_float32_rmsnorm_weights_equal_autograd_per_example():
+    """A float32 Llama's RMSNorm weights, instantiated from the normalized input the engine recomputes as the layer's
+    forward computed it (float32 arithmetic, then the cast): each example's gradient equals ``grad`` of its own loss
+    in float32, to float32 rounding."""
+    from opake_torch.transformers.data import collate, language_modeling_labels
+    from opake_torch.transformers.loss import batch_losses, per_example_loss
+
+    apply_runtime_patches()
+    torch.manual_seed(0)
+    model = tiny_model("llama").float().eval()
+    apply, params, frozen = functional_model(model)
+    batch = language_modeling_labels(collate(token_data(6), pad_token_id=0))
+
+    def loss(p, example):
+        return per_example_loss(apply, p, frozen, example, task="causal_lm")
+
+    def batch_loss(p, b):
+        return batch_losses(apply, p, frozen, b, task="causal_lm")
+
+    grads, _ = LayerwiseGradients(model, batch_loss)._run(params, (batch,), instantiate=False)
+    names = [name for name in params if "norm" in name]
+    assert names and all(params[name].dtype == torch.float32 for name in names)
+    for i in range(6):
+        expected = torch.func.grad(loss)(params, {k: v[i] for k, v in batch.items()})
+        for name in names:
+            torch.testing.assert_close(grads.dense[name][i], expected[name], rtol=1e-5, atol=1e-7, msg=name)
