@@ -6,7 +6,8 @@ A linear or Conv1D call takes its norms by one of two routes (:data:`NORM_ROUTES
 
 * ``"gram"``, the ghost norm (Li et al. 2022, arXiv 2110.05679, section 4.2):
   ``||G_i||^2 = sum_{t,s} (a_it . a_is)(g_it . g_is)`` in float64 from two ``T x T`` Gram matrices, ``2 T^2 (in +
-  out)`` float64 flops per example;
+  out)`` float64 flops per example, which the chunk's calls form together after the backward, a batch of calls with
+  inputs of one shape at a time (:func:`gram_squares`);
 * ``"product"``: the example's gradient ``G~_i = sum_t g_t a_t^T`` formed at the matmul rate for its norm only
   (``2 T in out`` flops: bf16 factors on tensor cores with float32 accumulation), a few examples at a time and freed
   at once, its norm plus the rounding margin ``gamma S_i`` (:func:`~opake_torch.layerwise.precision.product_norm_error`,
@@ -55,10 +56,12 @@ if TYPE_CHECKING:
     from opake_torch.layerwise.gradients import Gradients
 
 __all__ = [
+    "GRAM_BATCH_BYTES",
     "GRAM_COPY_BYTES",
     "NORM_ROUTES",
     "PRODUCT_CAP_BYTES",
     "Bound",
+    "GramSquares",
     "InputGrams",
     "ScaledInputs",
     "add_ghost",
@@ -68,6 +71,7 @@ __all__ = [
     "ghost_names",
     "ghost_norms",
     "gram",
+    "gram_squares",
     "norm_route",
     "one_pass_sum",
     "prefers_ghost",
@@ -85,6 +89,10 @@ GRAM_COPY_BYTES = 256 * 2**20
 """The most bytes of float64 copy :func:`gram` forms at once: a wide factor (a language-model head's output gradient
 over a vocabulary of 50k, 3.3 GB in float64 for 16 x 512 positions) is taken a few examples at a time, so that its
 copy stays below what the kept factor itself holds."""
+
+GRAM_BATCH_BYTES = 256 * 2**20
+"""The most bytes of float64 factor copies and Gram matrices :func:`gram_squares` forms for one batch of calls (one
+call at least)."""
 
 PRODUCT_CAP_BYTES = 64 * 2**20
 """The product route forms ``[m_c, out, in]`` accumulated gradients at a time, ``m_c`` examples chosen so that they hold
@@ -117,6 +125,93 @@ def gram(x: torch.Tensor) -> torch.Tensor:
         part = x[start : start + step].to(torch.float64)
         torch.bmm(part, part.transpose(1, 2), out=out[start : start + step])
     return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GramSquares:
+    """A linear or Conv1D call's squared norms by the Gram route, ``sum_{s,t} (a_s . a_t)(g_s . g_t)``, left to
+    :func:`gram_squares`, so that the chunk's calls form their Gram matrices a batch at a time: a few operators for
+    each batch of calls whose inputs have one shape, where each call would dispatch about ten."""
+
+    call: Call
+
+
+def _deferrable(call: Call, m: int) -> bool:
+    """Whether the Gram-route squares of a linear or Conv1D call may wait for :func:`gram_squares`: its float64
+    factor copies fit :data:`GRAM_COPY_BYTES` (a wider factor, a language-model head's output gradient, forms its Gram
+    matrix at once, a few examples at a time: :func:`gram`)."""
+    rows = call.inputs.numel() // max(1, call.inputs.shape[-1])  # m T
+    return 8 * rows * max(call.inputs.shape[-1], call.grad.shape[-1]) <= GRAM_COPY_BYTES
+
+
+def gram_squares(pending: Sequence[GramSquares], m: int) -> list[torch.Tensor]:
+    """float64 ``[m]`` squared norms for each of ``pending``, the sums :func:`ghost_norms` would form call by call:
+    the calls whose input factors have one shape and dtype taken in batches (in their order, at most
+    :data:`GRAM_BATCH_BYTES` of copies and Gram matrices each); a batch stacks its distinct inputs into one float64
+    copy and one batched matmul, its output gradients of each shape likewise, then takes one product and one sum for
+    each output shape."""
+    factors = [(input_factor(p.call, m), by_example(p.call.grad, m)) for p in pending]
+    keys = [(p.call.input_key, bf16_factors(p.call)) for p in pending]
+    rows: list[Any] = [None] * len(pending)
+    by_input: dict[tuple[Any, ...], list[int]] = {}
+    for k, (a, _) in enumerate(factors):
+        by_input.setdefault((tuple(a.shape), a.dtype), []).append(k)
+    for members in by_input.values():
+        batch: list[int] = []
+        size = 0
+        for k in members:
+            a, g = factors[k]
+            need = 8 * m * a.shape[1] * (a.shape[-1] + g.shape[-1] + 3 * a.shape[1])  # copies, two Grams, a product
+            if batch and size + need > GRAM_BATCH_BYTES:
+                _batch_squares(rows, batch, factors, keys)
+                batch, size = [], 0
+            batch.append(k)
+            size += need
+        _batch_squares(rows, batch, factors, keys)
+    return rows
+
+
+def _batch_squares(
+    rows: list[Any], batch: list[int], factors: list[tuple[torch.Tensor, torch.Tensor]], keys: list[tuple[Any, ...]]
+) -> None:
+    """Sets ``rows[k]`` for ``k`` in ``batch`` (calls whose input factors have one shape; ``factors[k]``: input and
+    output gradient ``[m, T, d]``, ``keys[k]``: the input's identity): one Gram matmul for their distinct inputs, one
+    for their output gradients of each shape."""
+    first: dict[tuple[Any, ...], int] = {}
+    inputs, slot = [], {}
+    for k in batch:
+        if keys[k] not in first:
+            first[keys[k]] = len(inputs)
+            inputs.append(factors[k][0])
+        slot[k] = first[keys[k]]
+    input_grams = _stacked_grams(inputs)  # [n_in, m, T, T]
+    by_output: dict[tuple[Any, ...], list[int]] = {}
+    for k in batch:
+        g = factors[k][1]
+        by_output.setdefault((tuple(g.shape), g.dtype), []).append(k)
+    for members in by_output.values():
+        output_grams = _stacked_grams([factors[k][1] for k in members])  # [n, m, T, T]
+        index = [slot[k] for k in members]
+        if len(set(index)) == 1:  # one input (q, k and v): broadcast, no copy
+            matched = input_grams[index[0]]
+        elif index == list(range(len(inputs))):
+            matched = input_grams
+        else:  # stacked views: no index tensor copied from the host (a CUDA graph may capture this)
+            matched = torch.stack([input_grams[i] for i in index])
+        for k, row in zip(members, output_grams.mul_(matched).sum(dim=(2, 3)).unbind(0), strict=True):
+            rows[k] = row
+
+
+def _stacked_grams(xs: list[torch.Tensor]) -> torch.Tensor:
+    """float64 ``[n, m, T, T]``: the Gram matrices of the ``n`` tensors ``xs`` (each ``[m, T, d]``, one shape), from
+    one float64 copy of them all and one batched matmul."""
+    m, positions, width = xs[0].shape
+    if len(xs) == 1:
+        flat = cast(xs[0], torch.float64)
+    else:
+        copy = torch.empty(len(xs), m, positions, width, dtype=torch.float64, device=xs[0].device)
+        flat = torch.stack(xs, out=copy).view(-1, positions, width)
+    return torch.bmm(flat, flat.transpose(1, 2)).view(len(xs), m, positions, positions)
 
 
 def frobenius(a: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
@@ -214,9 +309,9 @@ class Bound:
     rounding of the norm's own products (``rounding sqrt(squares_i) + alpha S_i >= ||G_i||``), ``margin S_i`` that of
     the layer's clipped sum (the stored contribution is within ``margin S_i`` of ``G_i``): a weight that a second call
     also writes (:func:`tied_norms`) adds the margin after the other call's part. ``squares`` and ``spread``: float64
-    ``[m]``."""
+    ``[m]`` (``squares`` a :class:`GramSquares` until the chunk forms it)."""
 
-    squares: torch.Tensor
+    squares: torch.Tensor | GramSquares
     rounding: float
     spread: torch.Tensor
     spread_rounding: float
@@ -260,7 +355,8 @@ def ghost_norms(
     error: float = 0.0,
     route: str = "gram",
     one_pass: bool = False,
-) -> torch.Tensor | Bound:
+    defer: bool = False,
+) -> torch.Tensor | Bound | GramSquares:
     """float64 ``[m]`` squared norms of the call's per-example weight gradients, or a :class:`Bound` of them left to
     :func:`finish` (an upper bound by the product route, or with a rounding margin); ``route`` (:data:`NORM_ROUTES`)
     says how a linear or Conv1D call takes them: from Gram matrices (the input's from ``input_gram``, which shares one
@@ -272,7 +368,9 @@ def ghost_norms(
     ``(||G_i|| + error S_i)^2``, ``S_i = sum_t ||g_t|| ||a_t||``, the bound of the norm of the gradient its sum forms.
     ``one_pass`` (:func:`one_pass_sum`): a layer that ran in bf16 reports ``(||G_i|| + eps S_i)^2`` with ``eps`` the
     one-pass sum's (:func:`~opake_torch.layerwise.precision.product_sum_error`), and an infinite norm (the example is
-    dropped) where ``S_i`` could overflow that sum's float32 accumulation."""
+    dropped) where ``S_i`` could overflow that sum's float32 accumulation. ``defer`` (with an :class:`InputGrams`):
+    the Gram route's squares are left as a :class:`GramSquares` for the chunk to form in batches (:func:`gram_squares`),
+    in place of the tensor or of the :class:`Bound`'s ``squares``."""
     g = by_example(call.grad, m)
     if call.kind == "embedding":
         ids, live = live_ids(call, m)
@@ -294,7 +392,11 @@ def ghost_norms(
     if route == "product":
         bound = product_norms(call, m, matmul_precision(g.device), input_gram.rows(call) if shared else None)
     else:
-        squares = frobenius(input_gram(call), gram(g))
+        if defer and shared and _deferrable(call, m):
+            input_gram.defer(call)
+            squares = GramSquares(call)
+        else:
+            squares = frobenius(input_gram(call), gram(g))
         if not margin:
             return squares
         input_rows = input_gram.rows(call) if shared else _row_norms(input_factor(call, m))
@@ -458,6 +560,7 @@ class InputGrams:
         self.readers: dict[tuple[Any, ...], int] = {}
         self.grams: dict[tuple[Any, ...], tuple[bool, torch.Tensor]] = {}  # key -> (bf16-rounded, Gram)
         self.row_norms: dict[tuple[Any, ...], tuple[bool, torch.Tensor]] = {}  # key -> (bf16-rounded, [m, T])
+        self.deferred: set[tuple[Any, ...]] = set()  # (key, bf16-rounded) of the inputs whose Gram gram_squares forms
 
     def read_by(self, call: Call) -> None:
         self.readers[call.input_key] = self.readers.get(call.input_key, 0) + 1
@@ -478,11 +581,18 @@ class InputGrams:
                 kept[call.input_key] = (rounded, value)
         return value
 
+    def defer(self, call: Call) -> None:
+        """Note that :func:`gram_squares` forms the Gram matrix of the call's input (the later readers pay none)."""
+        self.deferred.add((call.input_key, bf16_factors(call)))
+
     def share(self, call: Call) -> float:
         """The share of the input's Gram matrix that ``call`` would pay (:func:`route_costs`): 0 when an earlier call
-        formed it (and keeps it for this one), ``1 / r`` for the ``r`` calls still to read it, this one included."""
+        formed it (and keeps it for this one) or left it to :func:`gram_squares`, ``1 / r`` for the ``r`` calls still
+        to read it, this one included."""
         rounded_then, matrix = self.grams.get(call.input_key, (None, None))
         if matrix is not None and rounded_then == bf16_factors(call):
+            return 0.0
+        if (call.input_key, bf16_factors(call)) in self.deferred:
             return 0.0
         return 1.0 / max(1, self.readers.get(call.input_key, 1))
 

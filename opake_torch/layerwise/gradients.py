@@ -4,6 +4,7 @@ calls, with their squared norms and their scaled sum (the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from opake_torch.layerwise.calls import Call
-from opake_torch.layerwise.ghost import Bound, ScaledInputs, add_ghost, finish, tied_norms
+from opake_torch.layerwise.ghost import Bound, GramSquares, ScaledInputs, add_ghost, finish, gram_squares, tied_norms
 from opake_torch.layerwise.precision import float32_matmuls
 
 __all__ = ["NORM_NUMEL", "Gradients"]
@@ -80,6 +81,7 @@ class Gradients:
         return self.dense[name]
 
     def squared_norms(self) -> torch.Tensor:
+        self._form_gram_squares()
         rows, bounds = {}, {}
         for name, (call, norms) in self.ghost.items():
             if (embedding := self.tied.get(name)) is not None:  # a tied weight: both calls' parts and their cross term
@@ -97,6 +99,20 @@ class Gradients:
                 rows.update(zip(group.names[start : start + step], sq.unbind(0), strict=True))
         zeros = torch.zeros(self.m, dtype=torch.float64, device=self.device)
         return torch.stack([rows.get(name, zeros) for name in self.names])
+
+    def _form_gram_squares(self) -> None:
+        """The Gram-route squares the calls left (:class:`~opake_torch.layerwise.ghost.GramSquares`), formed a batch
+        at a time (:func:`~opake_torch.layerwise.ghost.gram_squares`) and put in their place."""
+        pending = {}
+        for name, (_, norms) in self.ghost.items():
+            squares = norms.squares if isinstance(norms, Bound) else norms
+            if isinstance(squares, GramSquares):
+                pending[name] = squares
+        if not pending:
+            return
+        for name, value in zip(pending, gram_squares(list(pending.values()), self.m), strict=True):
+            call, norms = self.ghost[name]
+            self.ghost[name] = (call, dataclasses.replace(norms, squares=value) if isinstance(norms, Bound) else value)
 
     def add_scaled(self, scales: dict[torch.dtype, torch.Tensor], sums: list[torch.Tensor]) -> None:
         """Consumes the instantiated buffers (scaled in place): call once, after :meth:`squared_norms`."""

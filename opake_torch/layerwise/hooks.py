@@ -201,7 +201,9 @@ class ChunkPass:
                 error = out.product_error if out.dtypes[name] == torch.float32 else 0.0
                 if one_pass := one_pass_sum(call, out.dtypes[name]):
                     out.one_pass.add(name)  # the sum may take one pass: these norms carry its margin
-                norms = ghost_norms(call, out.m, self.grams, error=error, route=out.norm_route, one_pass=one_pass)
+                norms = ghost_norms(
+                    call, out.m, self.grams, error=error, route=out.norm_route, one_pass=one_pass, defer=True
+                )
                 out.ghost[name] = (call, norms)  # a Bound is finished with the chunk's others (Gradients.squared_norms)
             else:
                 add_dense(call, attr, out.block(name), first=name not in self.written)

@@ -456,8 +456,9 @@ class _Shared(nn.Module):
 
 
 def test_layers_reading_one_tensor_share_its_gram_matrix(monkeypatch):
-    """Three ghost-norm layers that read the same hidden states (q, k and v) take one Gram matrix of it; a fourth
-    that reads another tensor of the same shape gets its own. The clipped sum equals the float64 loop."""
+    """Three ghost-norm layers that read the same hidden states (q, k and v) take one Gram matrix of it (formed for
+    the chunk's calls together, or at once); a fourth that reads another tensor of the same shape gets its own. The
+    clipped sum equals the float64 loop."""
     from opake_torch.layerwise import ghost, gradients
 
     torch.manual_seed(0)
@@ -472,8 +473,9 @@ def test_layers_reading_one_tensor_share_its_gram_matrix(monkeypatch):
         return F.cross_entropy(apply(p, frozen, xb), yb, reduction="none")
 
     shapes, scaled = [], []
-    gram = ghost.gram
+    gram, stacked = ghost.gram, ghost._stacked_grams
     monkeypatch.setattr(ghost, "gram", lambda t: shapes.append(t.shape[-1]) or gram(t))
+    monkeypatch.setattr(ghost, "_stacked_grams", lambda ts: shapes.extend(t.shape[-1] for t in ts) or stacked(ts))
 
     class CountedInputs(ghost.ScaledInputs):
         def __call__(self, call, *args):
