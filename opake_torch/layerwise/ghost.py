@@ -131,9 +131,11 @@ def gram(x: torch.Tensor) -> torch.Tensor:
 class GramSquares:
     """A linear or Conv1D call's squared norms by the Gram route, ``sum_{s,t} (a_s . a_t)(g_s . g_t)``, left to
     :func:`gram_squares`, so that the chunk's calls form their Gram matrices a batch at a time: a few operators for
-    each batch of calls whose inputs have one shape, where each call would dispatch about ten."""
+    each batch of calls whose inputs have one shape, where each call would dispatch about ten. ``spread``: the
+    call's norms carry a margin, which reads the spread :func:`gram_squares` then forms too."""
 
     call: Call
+    spread: bool = False
 
 
 def _deferrable(call: Call, m: int) -> bool:
@@ -144,14 +146,17 @@ def _deferrable(call: Call, m: int) -> bool:
     return 8 * rows * max(call.inputs.shape[-1], call.grad.shape[-1]) <= GRAM_COPY_BYTES
 
 
-def gram_squares(pending: Sequence[GramSquares], m: int) -> list[torch.Tensor]:
-    """float64 ``[m]`` squared norms for each of ``pending``, the sums :func:`ghost_norms` would form call by call:
-    the calls whose input factors have one shape and dtype taken in batches (in their order, at most
-    :data:`GRAM_BATCH_BYTES` of copies and Gram matrices each); a batch stacks its distinct inputs into one float64
-    copy and one batched matmul, its output gradients of each shape likewise, then takes one product and one sum for
+def gram_squares(pending: Sequence[GramSquares], m: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """For each of ``pending``, float64 ``[m]`` squared norms (the sums :func:`ghost_norms` would form call by call)
+    and, where one of its output shape asks (``GramSquares.spread``; else None), spreads ``sum_t sqrt(||g_t||^2
+    ||a_t||^2)`` from the Gram matrices' diagonals (:func:`_gram_spread_rounding`
+    bounds their rounding): the calls whose input factors have one shape and dtype taken in batches (in their order,
+    at most :data:`GRAM_BATCH_BYTES` of copies and Gram matrices each); a batch stacks its distinct inputs into one
+    float64 copy and one batched matmul, its output gradients of each shape likewise, then takes a few operators for
     each output shape."""
     factors = [(input_factor(p.call, m), by_example(p.call.grad, m)) for p in pending]
     keys = [(p.call.input_key, bf16_factors(p.call)) for p in pending]
+    wanted = [p.spread for p in pending]
     rows: list[Any] = [None] * len(pending)
     by_input: dict[tuple[Any, ...], list[int]] = {}
     for k, (a, _) in enumerate(factors):
@@ -163,20 +168,24 @@ def gram_squares(pending: Sequence[GramSquares], m: int) -> list[torch.Tensor]:
             a, g = factors[k]
             need = 8 * m * a.shape[1] * (a.shape[-1] + g.shape[-1] + 3 * a.shape[1])  # copies, two Grams, a product
             if batch and size + need > GRAM_BATCH_BYTES:
-                _batch_squares(rows, batch, factors, keys)
+                _batch_squares(rows, batch, factors, keys, wanted)
                 batch, size = [], 0
             batch.append(k)
             size += need
-        _batch_squares(rows, batch, factors, keys)
+        _batch_squares(rows, batch, factors, keys, wanted)
     return rows
 
 
 def _batch_squares(
-    rows: list[Any], batch: list[int], factors: list[tuple[torch.Tensor, torch.Tensor]], keys: list[tuple[Any, ...]]
+    rows: list[Any],
+    batch: list[int],
+    factors: list[tuple[torch.Tensor, torch.Tensor]],
+    keys: list[tuple[Any, ...]],
+    wanted: list[bool],
 ) -> None:
-    """Sets ``rows[k]`` for ``k`` in ``batch`` (calls whose input factors have one shape; ``factors[k]``: input and
-    output gradient ``[m, T, d]``, ``keys[k]``: the input's identity): one Gram matmul for their distinct inputs, one
-    for their output gradients of each shape."""
+    """Sets ``rows[k]`` (squares, spread or None) for ``k`` in ``batch`` (calls whose input factors have one shape;
+    ``factors[k]``: input and output gradient ``[m, T, d]``, ``keys[k]``: the input's identity, ``wanted[k]``: whether
+    its spread is read): one Gram matmul for their distinct inputs, one for their output gradients of each shape."""
     first: dict[tuple[Any, ...], int] = {}
     inputs, slot = [], {}
     for k in batch:
@@ -198,8 +207,24 @@ def _batch_squares(
             matched = input_grams
         else:  # stacked views: no index tensor copied from the host (a CUDA graph may capture this)
             matched = torch.stack([input_grams[i] for i in index])
-        for k, row in zip(members, output_grams.mul_(matched).sum(dim=(2, 3)).unbind(0), strict=True):
-            rows[k] = row
+        spreads: Sequence[Any] = [None] * len(members)
+        if any(wanted[k] for k in members):  # from the diagonals, before the Gram matrices are overwritten below
+            diagonals = output_grams.diagonal(dim1=2, dim2=3) * matched.diagonal(dim1=-2, dim2=-1)  # [n, m, T]
+            spreads = diagonals.sqrt_().sum(dim=2).unbind(0)
+        squares = output_grams.mul_(matched).sum(dim=(2, 3)).unbind(0)
+        for k, row, spread in zip(members, squares, spreads, strict=True):
+            rows[k] = (row, spread)
+
+
+def _gram_spread_rounding(call: Call, m: int) -> float:
+    """``f >= 1`` with ``S_i <= f s~_i`` for the spreads :func:`gram_squares` returns: each ``||g_t||^2`` a diagonal
+    entry of a float64 Gram matrix of float32, float16 or bf16 numbers (exact squares, then at most ``out`` roundings on
+    any path of the matmul's sum, as for :func:`~opake_torch.layerwise.precision.norm_rounding`; ``||a_t||^2``
+    likewise), their product and its square root (two roundings) and the float64 sum over the ``T`` positions."""
+    eps = torch.finfo(torch.float64).eps
+    out, width = call.grad.shape[-1], call.inputs.shape[-1]
+    positions = by_example(call.inputs, m).shape[1]
+    return norm_rounding(out, torch.float64) * norm_rounding(width, torch.float64) / (1 - eps) ** (positions + 2)
 
 
 def _stacked_grams(xs: list[torch.Tensor]) -> torch.Tensor:
@@ -309,11 +334,11 @@ class Bound:
     rounding of the norm's own products (``rounding sqrt(squares_i) + alpha S_i >= ||G_i||``), ``margin S_i`` that of
     the layer's clipped sum (the stored contribution is within ``margin S_i`` of ``G_i``): a weight that a second call
     also writes (:func:`tied_norms`) adds the margin after the other call's part. ``squares`` and ``spread``: float64
-    ``[m]`` (``squares`` a :class:`GramSquares` until the chunk forms it)."""
+    ``[m]`` (both a :class:`GramSquares` until the chunk forms them)."""
 
     squares: torch.Tensor | GramSquares
     rounding: float
-    spread: torch.Tensor
+    spread: torch.Tensor | GramSquares
     spread_rounding: float
     alpha: float
     limit: float = math.inf
@@ -370,7 +395,7 @@ def ghost_norms(
     one-pass sum's (:func:`~opake_torch.layerwise.precision.product_sum_error`), and an infinite norm (the example is
     dropped) where ``S_i`` could overflow that sum's float32 accumulation. ``defer`` (with an :class:`InputGrams`):
     the Gram route's squares are left as a :class:`GramSquares` for the chunk to form in batches (:func:`gram_squares`),
-    in place of the tensor or of the :class:`Bound`'s ``squares``."""
+    in place of the tensor or of the :class:`Bound`'s ``squares`` and ``spread``."""
     g = by_example(call.grad, m)
     if call.kind == "embedding":
         ids, live = live_ids(call, m)
@@ -392,16 +417,19 @@ def ghost_norms(
     if route == "product":
         bound = product_norms(call, m, matmul_precision(g.device), input_gram.rows(call) if shared else None)
     else:
-        if defer and shared and _deferrable(call, m):
+        if defer and shared and _deferrable(call, m):  # squares and spread from the chunk's batched Gram matrices
             input_gram.defer(call)
-            squares = GramSquares(call)
+            pending = GramSquares(call, spread=bool(margin))
+            if not margin:
+                return pending
+            bound = Bound(pending, 1.0, pending, _gram_spread_rounding(call, m), 0.0)
         else:
             squares = frobenius(input_gram(call), gram(g))
-        if not margin:
-            return squares
-        input_rows = input_gram.rows(call) if shared else _row_norms(input_factor(call, m))
-        spread, rounding = _spread(_row_norms(g), input_rows, g.shape[-1], call.inputs.shape[-1])
-        bound = Bound(squares, 1.0, spread, rounding, 0.0)
+            if not margin:
+                return squares
+            input_rows = input_gram.rows(call) if shared else _row_norms(input_factor(call, m))
+            spread, rounding = _spread(_row_norms(g), input_rows, g.shape[-1], call.inputs.shape[-1])
+            bound = Bound(squares, 1.0, spread, rounding, 0.0)
     # every partial sum of a one-pass G~_i is at most (1 + eps) S_i: beyond float32, the example is dropped
     limit = _FLOAT32_SAFE / (1 + margin) if one_pass else math.inf
     return dataclasses.replace(bound, margin=margin, limit=limit)

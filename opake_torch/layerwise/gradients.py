@@ -110,9 +110,11 @@ class Gradients:
                 pending[name] = squares
         if not pending:
             return
-        for name, value in zip(pending, gram_squares(list(pending.values()), self.m), strict=True):
+        for name, (squares, spread) in zip(pending, gram_squares(list(pending.values()), self.m), strict=True):
             call, norms = self.ghost[name]
-            self.ghost[name] = (call, dataclasses.replace(norms, squares=value) if isinstance(norms, Bound) else value)
+            if isinstance(norms, Bound):  # a margin: its spread from the same Gram matrices
+                norms = dataclasses.replace(norms, squares=squares, spread=spread)
+            self.ghost[name] = (call, norms if isinstance(norms, Bound) else squares)
 
     def add_scaled(self, scales: dict[torch.dtype, torch.Tensor], sums: list[torch.Tensor]) -> None:
         """Consumes the instantiated buffers (scaled in place): call once, after :meth:`squared_norms`."""

@@ -1,6 +1,7 @@
-"""The Gram route's squares formed for a chunk's calls in batches (``ghost.gram_squares``) against each call's own
-Gram matrices in float64, for shared inputs (q, k and v), inputs of other shapes and outputs of several widths, and
-for batch budgets that put every call in its own batch, some together, or all together."""
+"""The Gram route's squares and spreads formed for a chunk's calls in batches (``ghost.gram_squares``) against each
+call's own Gram matrices and row norms in float64, for shared inputs (q, k and v), inputs of other shapes and
+outputs of several widths, and for batch budgets that put every call in its own batch, some together, or all
+together."""
 
 from __future__ import annotations
 
@@ -37,12 +38,15 @@ def _calls() -> list[Call]:
 def test_batched_squares_equal_each_calls_gram_matrices(monkeypatch, budget):
     monkeypatch.setattr(ghost, "GRAM_BATCH_BYTES", budget)
     calls = _calls()
-    batched = ghost.gram_squares([ghost.GramSquares(call) for call in calls], M)
-    for call, squares in zip(calls, batched, strict=True):
+    batched = ghost.gram_squares([ghost.GramSquares(call, spread=True) for call in calls], M)
+    for call, (squares, spread) in zip(calls, batched, strict=True):
         a, g = call.inputs.double(), call.grad.double()
         expected = torch.einsum("mst,mst->m", a @ a.mT, g @ g.mT)
-        assert squares.dtype == torch.float64
+        assert squares.dtype == spread.dtype == torch.float64
         torch.testing.assert_close(squares, expected, rtol=1e-12, atol=0)
+        exact = (g.norm(dim=-1) * a.norm(dim=-1)).sum(dim=1)  # S_i = sum_t ||g_t|| ||a_t||
+        assert (exact <= spread * ghost._gram_spread_rounding(call, M)).all()  # the bound the margins rely on
+        torch.testing.assert_close(spread, exact, rtol=1e-12, atol=0)
 
 
 def test_a_shared_input_takes_one_gram_matrix_a_batch(monkeypatch):

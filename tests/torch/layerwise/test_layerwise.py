@@ -502,9 +502,10 @@ def test_layers_reading_one_tensor_share_its_gram_matrix(monkeypatch):
 
 def test_layers_reading_one_tensor_share_its_row_norms(monkeypatch):
     """Under TF32 (the engine told so; the CPU's products stay IEEE) the ghost norms carry the rounding margin of the
-    sum's products, which reads the row norms of each layer's input: q, k and v take one set of them for the hidden
-    states they share, as they share its Gram matrix, and the clipped sum is bit for bit the one with a set per
-    layer."""
+    sum's products, ``error S_i`` with ``S_i = sum_t ||g_t|| ||a_t||``. The Gram-route calls of a chunk take ``S_i``
+    from the diagonals of their batched Gram matrices and read no row norms; a call that forms its Gram matrices
+    itself reads row norms, and q, k and v take one set of them for the hidden states they share. Both give the same
+    clipped sum (the spreads differ in their last bits), and the bit-for-bit same one with a set per layer."""
     from opake_torch.layerwise import engine, ghost
 
     torch.manual_seed(0)
@@ -529,6 +530,9 @@ def test_layers_reading_one_tensor_share_its_row_norms(monkeypatch):
         grad_fn, state = clipped_grad(loss, clipping_norm=0.5, batch_argnums=(1, 2), engine=engine_)
         return grad_fn(params, x, y, state=state)[0].value
 
+    batched = clipped_sum()
+    assert not read  # every call here is on the Gram route: the spreads come from the Gram matrices
+    monkeypatch.setattr(ghost, "_deferrable", lambda call, m: False)  # each call forms its own
     shared = clipped_sum()
     # per pass (the coupling check's and the chunk's): inputs x (once for q, k and v), tanh(x) and the head's; the
     # output gradients of q, k, v, other and the head
@@ -538,6 +542,7 @@ def test_layers_reading_one_tensor_share_its_row_norms(monkeypatch):
     assert len(read) == 2 * (5 + 5)
     for k in params:
         assert torch.equal(shared[k], apart[k])
+        torch.testing.assert_close(batched[k], shared[k])
 
 
 class _Bf16Stack(nn.Module):
