@@ -200,8 +200,8 @@ def tiny_lora(family: str = "llama", targets: tuple[str, ...] = ("q_proj", "v_pr
     return lora
 
 
-def functional_losses(model: torch.nn.Module, family: str) -> tuple:
-    """``model`` in float64 and eval mode as a pure function: its trainable parameters, the per-example and batched
+def functional_losses(model: torch.nn.Module, family: str, dtype: torch.dtype = torch.float64) -> tuple:
+    """``model`` in ``dtype`` and eval mode as a pure function: its trainable parameters, the per-example and batched
     losses of its task (sequence classification for BERT, else causal LM) and a collated batch of six examples."""
     from opake_torch.functional import functional_model
     from opake_torch.patches import apply_runtime_patches
@@ -209,7 +209,7 @@ def functional_losses(model: torch.nn.Module, family: str) -> tuple:
     from opake_torch.transformers.loss import batch_losses, per_example_loss
 
     apply_runtime_patches()
-    model = model.double().eval()
+    model = model.to(dtype).eval()
     apply, params, frozen = functional_model(model)
     task = "sequence_classification" if family == "bert" else "causal_lm"
     batch = collate(token_data(6, classes=3 if family == "bert" else None), pad_token_id=0)

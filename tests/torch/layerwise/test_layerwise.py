@@ -557,6 +557,25 @@ class _Bf16Stack(nn.Module):
         return self.head(self.second(torch.tanh(self.first(x))).mean(dim=1))
 
 
+def _autocast_case(layers: type[nn.Module], device: str) -> tuple:
+    """``layers()`` on ``device`` (seed 0) as a pure function, six inputs ``[4, 32]`` with three-way labels, and the
+    per-example and batched cross-entropy losses under bf16 autocast: ``(model, params, (x, y), loss, batch_loss)``."""
+    torch.manual_seed(0)
+    model = layers().to(device)
+    apply, params, frozen = functional_model(model)
+    x, y = torch.randn(6, 4, 32, device=device) * 3, torch.randint(0, 3, (6,), device=device)
+
+    def loss(p, xi, yi):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return F.cross_entropy(apply(p, frozen, xi[None]), yi[None])
+
+    def batch_loss(p, xb, yb):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return F.cross_entropy(apply(p, frozen, xb), yb, reduction="none")
+
+    return model, params, (x, y), loss, batch_loss
+
+
 def _bf16_factor_reference(model, x, y, bound, device, form):
     """Per-example weight gradients ``G_i = sum_t g_it^T bf16(a_it)`` in float64 from the factors of a plain batched
     autograd pass under bf16 autocast (inputs and output gradients read by hooks), and ``sum_i c_i G_i`` with the
@@ -614,19 +633,7 @@ def test_bf16_layers_take_norms_and_sums_from_their_bf16_factors(monkeypatch, de
         pytest.skip("the one-pass sum needs CUDA and Triton, or the Triton interpreter")
     if form == "two_parts":
         monkeypatch.setattr(hooks, "one_pass_sum", lambda call, total: False)
-    torch.manual_seed(0)
-    model = _Bf16Stack().to(device)
-    apply, params, frozen = functional_model(model)
-    x, y = torch.randn(6, 4, 32, device=device) * 3, torch.randint(0, 3, (6,), device=device)
-
-    def loss(p, xi, yi):
-        with torch.autocast(device, dtype=torch.bfloat16):
-            return F.cross_entropy(apply(p, frozen, xi[None]), yi[None])
-
-    def batch_loss(p, xb, yb):
-        with torch.autocast(device, dtype=torch.bfloat16):
-            return F.cross_entropy(apply(p, frozen, xb), yb, reduction="none")
-
+    model, params, (x, y), loss, batch_loss = _autocast_case(_Bf16Stack, device)
     products = []
     taken = "add_bf16_product" if form == "two_parts" else "clipped_product_sum"
     add = getattr(ghost, taken)
@@ -671,15 +678,7 @@ def test_instantiated_bf16_weights_are_the_products_of_their_bf16_factors(monkey
     equal the float64 products of those factors to 1e-6 of their size."""
     from opake_torch.layerwise import dense
 
-    torch.manual_seed(0)
-    model = _Bf16Conv1DStack().to(device)
-    apply, params, frozen = functional_model(model)
-    x, y = torch.randn(6, 4, 32, device=device) * 3, torch.randint(0, 3, (6,), device=device)
-
-    def batch_loss(p, xb, yb):
-        with torch.autocast(device, dtype=torch.bfloat16):
-            return F.cross_entropy(apply(p, frozen, xb), yb, reduction="none")
-
+    model, params, (x, y), loss, batch_loss = _autocast_case(_Bf16Conv1DStack, device)
     inputs, grads, handles = {}, {}, []
     for name, layer in {"first": model.first, "second": model.second, "head": model.head}.items():
 
@@ -708,9 +707,6 @@ def test_instantiated_bf16_weights_are_the_products_of_their_bf16_factors(monkey
     # independence check's
     assert torch.allclose(measured, norms, rtol=1e-6, atol=0)
 
-    def loss(p, xi, yi):
-        return batch_loss(p, xi[None], yi[None])[0]
-
     bound = 0.05
     grad_fn, state = clipped_grad(loss, clipping_norm=bound, batch_argnums=(1, 2), engine=Engine(gradients=gradients))
     clipped, _ = grad_fn(params, x, y, state=state)
@@ -725,21 +721,9 @@ def test_float32_rmsnorm_weights_equal_autograd_per_example():
     """A float32 Llama's RMSNorm weights, instantiated from the normalized input the engine recomputes as the layer's
     forward computed it (float32 arithmetic, then the cast): each example's gradient equals ``grad`` of its own loss
     in float32, to float32 rounding."""
-    from opake_torch.transformers.data import collate, language_modeling_labels
-    from opake_torch.transformers.loss import batch_losses, per_example_loss
-
-    apply_runtime_patches()
     torch.manual_seed(0)
-    model = tiny_model("llama").float().eval()
-    apply, params, frozen = functional_model(model)
-    batch = language_modeling_labels(collate(token_data(6), pad_token_id=0))
-
-    def loss(p, example):
-        return per_example_loss(apply, p, frozen, example, task="causal_lm")
-
-    def batch_loss(p, b):
-        return batch_losses(apply, p, frozen, b, task="causal_lm")
-
+    model = tiny_model("llama")
+    params, loss, batch_loss, batch = functional_losses(model, "llama", dtype=torch.float32)
     grads, _ = LayerwiseGradients(model, batch_loss)._run(params, (batch,), instantiate=False)
     names = [name for name in params if "norm" in name]
     assert names and all(params[name].dtype == torch.float32 for name in names)
