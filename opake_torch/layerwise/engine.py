@@ -328,9 +328,8 @@ class LayerwiseGradients:
         if not instantiate:
             out.ghost.update(ghost_names(calls, out, self.ghost_advantage))
             if tied := tied_names(calls, out, self.ghost_advantage):  # (most models tie nothing: no allocation)
-                zeros = torch.zeros(
-                    out.m, dtype=torch.float64, device=out.device
-                )  # until the backward records the head
+                # the heads' norms are zeros until the backward records them
+                zeros = torch.zeros(out.m, dtype=torch.float64, device=out.device)
                 out.ghost.update({name: (head, zeros) for name, (head, _) in tied.items()})
                 out.tied.update(dict.fromkeys(tied))  # the embedding's part, once recorded
         used = {name for call in calls for name in call.names.values()}

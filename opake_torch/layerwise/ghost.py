@@ -131,11 +131,10 @@ def gram(x: torch.Tensor) -> torch.Tensor:
 class GramSquares:
     """A linear or Conv1D call's squared norms by the Gram route, ``sum_{s,t} (a_s . a_t)(g_s . g_t)``, left to
     :func:`gram_squares`, so that the chunk's calls form their Gram matrices a batch at a time: a few operators for
-    each batch of calls whose inputs have one shape, where each call would dispatch about ten. ``spread``: the
-    call's norms carry a margin, which reads the spread :func:`gram_squares` then forms too."""
+    each batch of calls whose inputs have one shape, where each call would dispatch about ten. A :class:`Bound` holds
+    it as both its ``squares`` and its ``spread`` until then."""
 
     call: Call
-    spread: bool = False
 
 
 def _deferrable(call: Call, m: int) -> bool:
@@ -146,17 +145,18 @@ def _deferrable(call: Call, m: int) -> bool:
     return 8 * rows * max(call.inputs.shape[-1], call.grad.shape[-1]) <= GRAM_COPY_BYTES
 
 
-def gram_squares(pending: Sequence[GramSquares], m: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def gram_squares(
+    pending: Sequence[GramSquares], wanted: Sequence[bool], m: int
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """For each of ``pending``, float64 ``[m]`` squared norms (the sums :func:`ghost_norms` would form call by call)
-    and, where one of its output shape asks (``GramSquares.spread``; else None), spreads ``sum_t sqrt(||g_t||^2
-    ||a_t||^2)`` from the Gram matrices' diagonals (:func:`_gram_spread_rounding`
-    bounds their rounding): the calls whose input factors have one shape and dtype taken in batches (in their order,
+    and, where a call of its output shape wants one (``wanted``, a margin's; else None), spreads ``sum_t
+    sqrt(||g_t||^2 ||a_t||^2)`` from the Gram matrices' diagonals (:func:`_gram_spread_rounding` bounds their
+    rounding): the calls whose input factors have one shape and dtype taken in batches (in their order,
     at most :data:`GRAM_BATCH_BYTES` of copies and Gram matrices each); a batch stacks its distinct inputs into one
     float64 copy and one batched matmul, its output gradients of each shape likewise, then takes a few operators for
     each output shape."""
     factors = [(input_factor(p.call, m), by_example(p.call.grad, m)) for p in pending]
     keys = [(p.call.input_key, bf16_factors(p.call)) for p in pending]
-    wanted = [p.spread for p in pending]
     rows: list[Any] = [None] * len(pending)
     by_input: dict[tuple[Any, ...], list[int]] = {}
     for k, (a, _) in enumerate(factors):
@@ -181,7 +181,7 @@ def _batch_squares(
     batch: list[int],
     factors: list[tuple[torch.Tensor, torch.Tensor]],
     keys: list[tuple[Any, ...]],
-    wanted: list[bool],
+    wanted: Sequence[bool],
 ) -> None:
     """Sets ``rows[k]`` (squares, spread or None) for ``k`` in ``batch`` (calls whose input factors have one shape;
     ``factors[k]``: input and output gradient ``[m, T, d]``, ``keys[k]``: the input's identity, ``wanted[k]``: whether
@@ -203,8 +203,6 @@ def _batch_squares(
         index = [slot[k] for k in members]
         if len(set(index)) == 1:  # one input (q, k and v): broadcast, no copy
             matched = input_grams[index[0]]
-        elif index == list(range(len(inputs))):
-            matched = input_grams
         else:  # stacked views: no index tensor copied from the host (a CUDA graph may capture this)
             matched = torch.stack([input_grams[i] for i in index])
         spreads: Sequence[Any] = [None] * len(members)
@@ -419,7 +417,7 @@ def ghost_norms(
     else:
         if defer and shared and _deferrable(call, m):  # squares and spread from the chunk's batched Gram matrices
             input_gram.defer(call)
-            pending = GramSquares(call, spread=bool(margin))
+            pending = GramSquares(call)
             if not margin:
                 return pending
             bound = Bound(pending, 1.0, pending, _gram_spread_rounding(call, m), 0.0)

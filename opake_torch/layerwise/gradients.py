@@ -103,18 +103,18 @@ class Gradients:
     def _form_gram_squares(self) -> None:
         """The Gram-route squares the calls left (:class:`~opake_torch.layerwise.ghost.GramSquares`), formed a batch
         at a time (:func:`~opake_torch.layerwise.ghost.gram_squares`) and put in their place."""
-        pending = {}
+        pending = {}  # name -> (GramSquares, its Bound or None)
         for name, (_, norms) in self.ghost.items():
-            squares = norms.squares if isinstance(norms, Bound) else norms
+            bound = norms if isinstance(norms, Bound) else None
+            squares = norms if bound is None else bound.squares
             if isinstance(squares, GramSquares):
-                pending[name] = squares
+                pending[name] = (squares, bound)
         if not pending:
             return
-        for name, (squares, spread) in zip(pending, gram_squares(list(pending.values()), self.m), strict=True):
-            call, norms = self.ghost[name]
-            if isinstance(norms, Bound):  # a margin: its spread from the same Gram matrices
-                norms = dataclasses.replace(norms, squares=squares, spread=spread)
-            self.ghost[name] = (call, norms if isinstance(norms, Bound) else squares)
+        formed = gram_squares([p for p, _ in pending.values()], [b is not None for _, b in pending.values()], self.m)
+        for (name, (_, bound)), (squares, spread) in zip(pending.items(), formed, strict=True):
+            norms = squares if bound is None else dataclasses.replace(bound, squares=squares, spread=spread)
+            self.ghost[name] = (self.ghost[name][0], norms)  # a margin's spread from the same Gram matrices
 
     def add_scaled(self, scales: dict[torch.dtype, torch.Tensor], sums: list[torch.Tensor]) -> None:
         """Consumes the instantiated buffers (scaled in place): call once, after :meth:`squared_norms`."""

@@ -38,7 +38,7 @@ def _calls() -> list[Call]:
 def test_batched_squares_equal_each_calls_gram_matrices(monkeypatch, budget):
     monkeypatch.setattr(ghost, "GRAM_BATCH_BYTES", budget)
     calls = _calls()
-    batched = ghost.gram_squares([ghost.GramSquares(call, spread=True) for call in calls], M)
+    batched = ghost.gram_squares([ghost.GramSquares(call) for call in calls], [True] * len(calls), M)
     for call, (squares, spread) in zip(calls, batched, strict=True):
         a, g = call.inputs.double(), call.grad.double()
         expected = torch.einsum("mst,mst->m", a @ a.mT, g @ g.mT)
@@ -50,10 +50,14 @@ def test_batched_squares_equal_each_calls_gram_matrices(monkeypatch, budget):
 
 
 def test_a_shared_input_takes_one_gram_matrix_a_batch(monkeypatch):
-    """The batch of q, k, v and o stacks two inputs (q's, o's), not four."""
+    """The batch of k, v and o stacks two inputs (k's and v's shared one, o's), not three; without a margin that reads
+    them, no spreads are formed."""
     stacked = []
     form = ghost._stacked_grams
     monkeypatch.setattr(ghost, "_stacked_grams", lambda xs: stacked.append(len(xs)) or form(xs))
     calls = _calls()[1:4]  # k, v (output width 8) and o (16), all float64 output gradients
-    ghost.gram_squares([ghost.GramSquares(call) for call in calls], M)
-    assert stacked == [2, 2, 1]  # inputs (k's and v's shared, o's), the two width-8 outputs, o's output
+    formed = ghost.gram_squares([ghost.GramSquares(call) for call in calls], [False] * len(calls), M)
+    assert stacked == [2, 2, 1]
+    assert all(
+        spread is None for _, spread in formed
+    )  # no margin reads them: none formed  # inputs (k's and v's shared, o's), the two width-8 outputs, o's output
