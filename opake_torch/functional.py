@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,6 +49,51 @@ def functional_model(
     frozen.update({name: b.detach() for name, b in module.named_buffers()})
 
     def apply(params: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        return functional_call(module, {**frozen, **params}, args, kwargs, tie_weights=True, strict=False)
+        tensors = {**frozen, **params}
+        slots = None if torch.compiler.is_compiling() else _slots(module, tensors)
+        if slots is None:
+            return functional_call(module, tensors, args, kwargs, tie_weights=True, strict=False)
+        with _swapped(slots):
+            return module(*args, **kwargs)
 
     return apply, params, frozen
+
+
+_Slot = tuple[dict[str, Any], str, torch.Tensor]
+
+
+def _slots(module: nn.Module, tensors: dict[str, torch.Tensor]) -> list[_Slot] | None:
+    """Every place of ``module`` that holds a tensor named in ``tensors``, as ``(store, key, new tensor)``, tied
+    places included: what ``functional_call(module, tensors, tie_weights=True)`` swaps, found in one walk of the
+    modules (it walks them several times a call, a few milliseconds on a 12-layer model). ``store`` is a module's
+    ``_parameters`` or ``_buffers``. None when a name is not the module's, or two names of one tied tensor are
+    given (``functional_call`` then sets an attribute or raises; it keeps doing so)."""
+    places: dict[int, list[tuple[dict[str, Any], str]]] = {}
+    held: dict[str, int] = {}
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for store in (owner._parameters, owner._buffers):
+            for key, tensor in store.items():
+                if tensor is not None:
+                    places.setdefault(id(tensor), []).append((store, key))
+                    held[f"{prefix}.{key}" if prefix else key] = id(tensor)
+    slots: list[_Slot] = []
+    given: set[int] = set()
+    for name, tensor in tensors.items():
+        if name not in held or held[name] in given:
+            return None
+        given.add(held[name])
+        slots.extend((store, key, tensor) for store, key in places[held[name]])
+    return slots
+
+
+@contextlib.contextmanager
+def _swapped(slots: list[_Slot]) -> Iterator[None]:
+    """For the duration, each slot's store holds its new tensor; the old ones are put back on exit."""
+    old = [(store, key, store[key]) for store, key, _ in slots]
+    try:
+        for store, key, tensor in slots:
+            store[key] = tensor
+        yield
+    finally:
+        for store, key, tensor in reversed(old):
+            store[key] = tensor
