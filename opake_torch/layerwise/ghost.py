@@ -44,6 +44,12 @@ from opake_torch.layerwise.precision import (
     product_sum_error,
 )
 from opake_torch.layerwise.uses import DEPTHWISE
+from opake_torch.patches.kernels.expert_products import (
+    expert_product_sum,
+    expert_products_supported,
+    pair_norm_rounding,
+    pair_squared_norms,
+)
 from opake_torch.patches.kernels.product_norms import (
     product_kernel_runs,
     product_norm_rounding,
@@ -272,7 +278,10 @@ def one_pass_sum(call: Call, total: torch.dtype) -> bool:
     """Whether the clipped sum of a call into a sum of dtype ``total`` may run in one pass
     (:func:`~opake_torch.patches.kernels.product_sums.clipped_product_sum`): a linear or Conv1D layer that ran in
     bf16, a float32 sum, a device where the kernel runs. The norms of such a call must carry that sum's margin
-    (:func:`ghost_norms` with ``one_pass``) before :func:`add_ghost` may take it."""
+    (:func:`ghost_norms` with ``one_pass``) before :func:`add_ghost` may take it. An experts call likewise, where its
+    norms and sum take the kernels of its sorted rows (:func:`_expert_kernels`)."""
+    if call.kind == "experts":
+        return total == torch.float32 and _expert_kernels(call)
     if not bf16_factors(call) or total != torch.float32:
         return False
     return product_kernel_runs(call.grad.device, torch.bfloat16, "ieee")
@@ -293,6 +302,13 @@ def add_ghost(
     :func:`one_pass_sum`) and the kernel takes the tensors, else in two exact bf16 parts
     (:func:`~opake_torch.layerwise.precision.add_bf16_product`)."""
     m = scale.shape[0]
+    if call.kind == "experts" and one_pass:
+        routing = call.routing
+        g, a = (t.index_select(0, routing.order) for t in (call.grad, call.inputs))
+        left, right = (a, g) if call.transposed else (g, a)
+        if expert_products_supported(left, right, routing.pair_ends.shape[0], total):
+            expert_product_sum(left, right, routing.pair_ends, scale.reshape(m), total)
+            return
     if bf16_factors(call) and total.dtype == torch.float32:
         if one_pass:
             g, a = by_example(call.grad, m), input_factor(call, m)
@@ -400,7 +416,7 @@ def ghost_norms(
         same = (ids[:, :, None] == ids[:, None, :]) & live[:, :, None] & live[:, None, :]
         return frobenius(same.to(torch.float64), gram(g))
     if call.kind == "experts":
-        return _expert_norms(call, m)
+        return _expert_norms(call, m, one_pass=one_pass)
     # the sum's products run in float32 at the run's precision (float16 factors too, cast up): a margin for their
     # rounding; bf16 factors take the exact two-part sum, or one pass with its margin; float64 ones a float64 sum
     if bf16_factors(call):
@@ -630,13 +646,41 @@ class InputGrams:
             self.row_norms.pop(call.input_key, None)
 
 
-def _expert_norms(call: Call, m: int) -> torch.Tensor:
+def _expert_kernels(call: Call) -> bool:
+    """Whether an experts call's norms and clipped sum take the kernels of its rows sorted by pair
+    (:mod:`~opake_torch.patches.kernels.expert_products`): bf16 rows and output gradients (the layer ran in
+    bfloat16) where they run, and few enough pairs."""
+    g, x = call.grad, call.inputs
+    return expert_products_supported(g, x, call.routing.pair_ends.shape[0])
+
+
+def _expert_norms(call: Call, m: int, *, one_pass: bool = False) -> torch.Tensor | Bound:
     """float64 ``[m]`` squared norms of an experts call's per-example gradients. Rows routed to different experts
     meet different weights, so they have no cross term: the sum over the (expert, example) pairs of the Frobenius
     products of their rows' Gram matrices, the rows sorted by pair and padded in runs of similar widths
     (:func:`~opake_torch.layerwise.experts.padded`): about ``(T k / E)^2`` entries per pair instead of the
-    ``(T k)^2`` of all an example's rows, in a few batched launches whatever ``E``."""
+    ``(T k)^2`` of all an example's rows, in a few batched launches whatever ``E``; the pairs' sizes are read on the
+    host.
+
+    Where the kernels run (:func:`_expert_kernels`), a :class:`Bound` instead, as a linear call's product route
+    gives: each pair's gradient formed tile by tile on tensor cores for its norm only, from the pairs' offsets on
+    the device (no host sync, no float64 copy), with the margin ``gamma S_i`` of its products over the example's
+    ``R = k T`` rows, and with ``one_pass`` the one-pass sum's (:func:`one_pass_sum`)."""
     routing = call.routing
+    if _expert_kernels(call):
+        g, x = call.grad, call.inputs
+        rows, out, width = g.shape[0] // m, g.shape[-1], x.shape[-1]
+        spread, spread_rounding = _spread(
+            _row_norms(g.view(m, rows, out)), _row_norms(x.view(m, rows, width)), out, width
+        )
+        squares = pair_squared_norms(g.index_select(0, routing.order), x.index_select(0, routing.order),
+                                     routing.pair_ends, m)  # fmt: skip
+        gamma = product_norm_error(rows, factors=torch.bfloat16, precision="ieee")
+        rounding = pair_norm_rounding(out, width, routing.pair_ends.shape[0] // m)
+        if not one_pass:
+            return Bound(squares, rounding, spread, spread_rounding, gamma)
+        margin = product_sum_error(rows)
+        return Bound(squares, rounding, spread, spread_rounding, gamma, _FLOAT32_SAFE / (1 + margin), margin)
     x, g = (t.index_select(0, routing.order) for t in (call.inputs, call.grad))  # [m R, in], [m R, out]
     total = torch.zeros(m, dtype=torch.float64, device=x.device)
     for pairs, _, (xb, gb) in padded((x, g), routing.pair_ends, routing.pair_sizes):
