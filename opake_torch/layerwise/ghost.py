@@ -300,7 +300,8 @@ def add_ghost(
     scale is 0) are ``[m, 1, 1]``; an example with scale 0 adds exactly 0 whatever its values. A layer that ran in
     bf16 adds to a float32 sum in one pass where ``one_pass`` (its norms carry that pass's margin,
     :func:`one_pass_sum`) and the kernel takes the tensors, else in two exact bf16 parts
-    (:func:`~opake_torch.layerwise.precision.add_bf16_product`)."""
+    (:func:`~opake_torch.layerwise.precision.add_bf16_product`). An experts call with ``one_pass`` adds its rows
+    sorted by pair in one pass too (:func:`~opake_torch.patches.kernels.expert_products.expert_product_sum`)."""
     m = scale.shape[0]
     if call.kind == "experts" and one_pass:
         routing = call.routing
@@ -671,7 +672,7 @@ def _expert_norms(call: Call, m: int, *, one_pass: bool = False) -> torch.Tensor
         g, x = call.grad, call.inputs
         rows, out, width = g.shape[0] // m, g.shape[-1], x.shape[-1]
         spread, spread_rounding = _spread(
-            _row_norms(g.view(m, rows, out)), _row_norms(x.view(m, rows, width)), out, width
+            _row_norms(g.reshape(m, rows, out)), _row_norms(x.reshape(m, rows, width)), out, width
         )
         squares = pair_squared_norms(g.index_select(0, routing.order), x.index_select(0, routing.order),
                                      routing.pair_ends, m)  # fmt: skip
