@@ -39,6 +39,21 @@ MAX_GRID = 65535
 
 
 @jit
+def _pair_tile(
+    G, A, STARTS, pair, rows, cols, D_OUT, D_IN, stride_gt, stride_go, stride_at, stride_ai,
+    BO: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """The ``[BO, BK]`` tile of ``G~_p`` for ``pair`` (64-bit): its rows, read from ``STARTS``, taken as an example's
+    positions by :func:`~opake_torch.patches.kernels.product_norms.example_tile`."""
+    start = tl.load(STARTS + pair).to(tl.int64)
+    count = tl.load(STARTS + pair + 1).to(tl.int64) - start
+    return example_tile(
+        G, A, start, rows, cols, count, D_OUT, D_IN, stride_gt, stride_gt, stride_go, stride_at, stride_at, stride_ai,
+        BO=BO, BK=BK, BT=BT, TF32=False, UPCAST=UPCAST,
+    )  # fmt: skip
+
+
+@jit
 def _pair_squares_kernel(
     G,
     A,
@@ -59,13 +74,11 @@ def _pair_squares_kernel(
 ):
     tile = tl.program_id(0)
     pair = tl.program_id(1).to(tl.int64)
-    start = tl.load(STARTS + pair).to(tl.int64)
-    count = tl.load(STARTS + pair + 1).to(tl.int64) - start
     rows = ((tile // TILES_IN) * BO + tl.arange(0, BO)).to(tl.int64)
     cols = ((tile % TILES_IN) * BK + tl.arange(0, BK)).to(tl.int64)
-    acc = example_tile(  # the pair's rows: an "example" at row ``start`` of ``count`` positions
-        G, A, start, rows, cols, count, D_OUT, D_IN, stride_gt, stride_gt, stride_go, stride_at, stride_at,
-        stride_ai, BO=BO, BK=BK, BT=BT, TF32=False, UPCAST=UPCAST,
+    acc = _pair_tile(
+        G, A, STARTS, pair, rows, cols, D_OUT, D_IN, stride_gt, stride_go, stride_at, stride_ai,
+        BO=BO, BK=BK, BT=BT, UPCAST=UPCAST,
     )  # fmt: skip
     wide = acc.to(tl.float64)  # a float32 number's square is exact in float64
     tl.store(OUT + pair * TILES + tile, tl.sum(tl.sum(wide * wide, axis=1), axis=0))
@@ -99,13 +112,10 @@ def _expert_sum_kernel(
     out_ptrs = OUT + expert * D_OUT * D_IN + rows[:, None] * D_IN + cols[None, :]
     total = tl.load(out_ptrs, mask=inside, other=0.0)
     for example in range(0, m):
-        pair = expert * m + example
-        start = tl.load(STARTS + pair).to(tl.int64)
-        count = tl.load(STARTS + pair + 1).to(tl.int64) - start
         c = tl.load(SCALE + example)
-        acc = example_tile(
-            G, A, start, rows, cols, count, D_OUT, D_IN, stride_gt, stride_gt, stride_go, stride_at, stride_at,
-            stride_ai, BO=BO, BK=BK, BT=BT, TF32=False, UPCAST=UPCAST,
+        acc = _pair_tile(
+            G, A, STARTS, expert * m + example, rows, cols, D_OUT, D_IN, stride_gt, stride_go, stride_at, stride_ai,
+            BO=BO, BK=BK, BT=BT, UPCAST=UPCAST,
         )  # fmt: skip
         total += tl.where(c != 0.0, acc * c, 0.0)
     tl.store(out_ptrs, total, mask=inside)
