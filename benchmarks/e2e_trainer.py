@@ -37,6 +37,10 @@ Modes (per workload):
   DPTrainer uses under ``per_example_gradients="auto"`` (the LoRA kernel off), so that both kernel rows run the same
   patched modules. The loss-level kernels are taken only by DPTrainer's loss; HF keeps the model's loss. Its ratios
   are against ``hf``.
+* ``hf_bf16_experts``: diagnostic of ``hf`` with an autocast rule for ``torch._grouped_mm``, which has none (torch
+  2.11 to 2.13): under ``bf16`` Hugging Face's stacked experts then multiply bf16 factors, as ``F.linear`` does and as
+  ``DPTrainer``'s experts forward does, where ``hf`` multiplies them in float32. The like-with-like baseline of a
+  mixture-of-experts ``dp`` row (compare their times by hand; the row's own ratios are against ``hf``).
 * ``opacus``: Opacus ``PrivacyEngine.make_private`` (per-sample hooks, its Poisson data loader at the same q, noise
   multiplier 1, max grad norm 1) and the plain ``zero_grad / model(**batch).loss.backward() / step`` loop; explicit
   per-example ``position_ids``, and an empty draw (which HF models cannot run) gets zero-length per-sample gradients,
@@ -109,10 +113,11 @@ MODES = (
     "dp_kernels",
     "dp_user4",
     "hf_kernels",
+    "hf_bf16_experts",
     "opacus",
 )
 BASELINES = {"dp_kernels": "hf_kernels"}  # every other mode is compared with "hf"
-DIAGNOSTIC = ("dp_q1", "dp_rows4", "dp_expandable", "dp_instantiate")
+DIAGNOSTIC = ("dp_q1", "dp_rows4", "dp_expandable", "dp_instantiate", "hf_bf16_experts")
 SAMPLING_RATE = 0.01
 NOISE_MULTIPLIER = 1.0
 USER_ROWS = 4  # rows of each user in the dp_user4 rows
@@ -295,12 +300,37 @@ def dataset_size(workload: Workload, mode: str) -> int:
     return workload.batch if mode == "dp_q1" else round(workload.batch / SAMPLING_RATE)
 
 
-def run_hf(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, kernels: bool) -> dict[str, Any]:
+def autocast_grouped_mm(device_type: str) -> Any:
+    """Register an autocast rule for ``aten::_grouped_mm`` on ``device_type`` for this process (each row runs in its
+    own): under autocast its floating-point arguments are cast to the autocast dtype, as ``F.linear``'s are. Returns
+    the library that holds the rule (the rule lives as long as it)."""
+    from torch.utils._pytree import tree_map
+
+    key = {"cuda": torch._C.DispatchKey.AutocastCUDA, "cpu": torch._C.DispatchKey.AutocastCPU}[device_type]
+    op = torch.ops.aten._grouped_mm.default
+
+    def cast(x: Any) -> Any:
+        floating = isinstance(x, torch.Tensor) and x.is_floating_point()
+        return x.to(torch.get_autocast_dtype(device_type)) if floating else x
+
+    def rule(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return op(*tree_map(cast, args), **tree_map(cast, kwargs))
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_grouped_mm", rule, key.name)
+    return library
+
+
+def run_hf(
+    workload: Workload, opts: argparse.Namespace, clock: StepClock, *, kernels: bool, bf16_experts: bool = False
+) -> dict[str, Any]:
     from transformers import Trainer, TrainingArguments
 
     from opake_torch.patches import apply_runtime_patches
     from opake_torch.patches.performance import apply_performance_kernels, runtime_patches
 
+    rule = autocast_grouped_mm(opts.device.type) if bf16_experts else None  # noqa: F841 (held for the run)
     model = model_for(workload, opts.device)
     applied = None
     if kernels:
@@ -424,6 +454,7 @@ def run_opacus(workload: Workload, opts: argparse.Namespace, clock: StepClock) -
 RUNNERS: dict[str, Callable[[Workload, argparse.Namespace, StepClock], dict[str, Any]]] = {
     "hf": lambda w, o, c: run_hf(w, o, c, kernels=False),
     "hf_kernels": lambda w, o, c: run_hf(w, o, c, kernels=True),
+    "hf_bf16_experts": lambda w, o, c: run_hf(w, o, c, kernels=False, bf16_experts=True),
     "dp": lambda w, o, c: run_dp(w, o, c, mode="dp"),
     "dp_q1": lambda w, o, c: run_dp(w, o, c, mode="dp_q1"),
     "dp_graphs": lambda w, o, c: run_dp(w, o, c, mode="dp_graphs"),

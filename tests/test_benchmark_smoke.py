@@ -200,3 +200,43 @@ def test_max_sequence_search_brackets_the_limit() -> None:
         assert fits is not None and fails is not None
         assert fits <= limit < fails and fails - fits == 1024 and fits % 1024 == 0, (limit, fits, fails, tried)
         assert len(tried) == len(set(tried))  # no length tried twice
+
+
+def test_the_bf16_experts_baseline_multiplies_hugging_faces_experts_in_bf16() -> None:
+    """``hf_bf16_experts``'s autocast rule: under CPU bf16 autocast a tiny Qwen3-MoE model's stacked experts call
+    ``torch._grouped_mm`` on bf16 factors with the rule and on float32 ones without it, and the rule goes with its
+    library."""
+    import gc
+
+    import torch
+    from tiny_hf import tiny_moe
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sys.path.insert(0, str(E2E_TRAINER.parent))
+    from e2e_trainer import autocast_grouped_mm
+
+    class Dtypes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[torch.dtype] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._grouped_mm.default:
+                self.seen.update(a.dtype for a in args[:2])
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_moe("qwen3_moe", torch.float32).eval()
+    model.config._experts_implementation = "grouped_mm"
+    ids = torch.randint(1, 32, (2, 8))
+
+    def factors() -> set[torch.dtype]:
+        with Dtypes() as mode, torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            model(input_ids=ids)
+        return mode.seen
+
+    assert factors() == {torch.float32}
+    rule = autocast_grouped_mm("cpu")
+    assert factors() == {torch.bfloat16}
+    del rule
+    gc.collect()
+    assert factors() == {torch.float32}
