@@ -445,7 +445,13 @@ def ghost_norms(
             input_rows = input_gram.rows(call) if shared else _row_norms(input_factor(call, m))
             spread, rounding = _spread(_row_norms(g), input_rows, g.shape[-1], call.inputs.shape[-1])
             bound = Bound(squares, 1.0, spread, rounding, 0.0)
-    # every partial sum of a one-pass G~_i is at most (1 + eps) S_i: beyond float32, the example is dropped
+    return _with_margin(bound, margin, one_pass=one_pass)
+
+
+def _with_margin(bound: Bound, margin: float, *, one_pass: bool) -> Bound:
+    """``bound`` carrying the clipped sum's margin; with ``one_pass`` also the limit of that sum's float32
+    accumulation: every partial sum of a one-pass ``G~_i`` is at most ``(1 + eps) S_i``, and beyond float32 the
+    example is dropped."""
     limit = _FLOAT32_SAFE / (1 + margin) if one_pass else math.inf
     return dataclasses.replace(bound, margin=margin, limit=limit)
 
@@ -677,11 +683,9 @@ def _expert_norms(call: Call, m: int, *, one_pass: bool = False) -> torch.Tensor
         squares = pair_squared_norms(g.index_select(0, routing.order), x.index_select(0, routing.order),
                                      routing.pair_ends, m)  # fmt: skip
         gamma = product_norm_error(rows, factors=torch.bfloat16, precision="ieee")
-        rounding = pair_norm_rounding(out, width, routing.pair_ends.shape[0] // m)
-        if not one_pass:
-            return Bound(squares, rounding, spread, spread_rounding, gamma)
-        margin = product_sum_error(rows)
-        return Bound(squares, rounding, spread, spread_rounding, gamma, _FLOAT32_SAFE / (1 + margin), margin)
+        bound = Bound(squares, pair_norm_rounding(out, width, routing.pair_ends.shape[0] // m), spread,
+                      spread_rounding, gamma)  # fmt: skip
+        return _with_margin(bound, product_sum_error(rows) if one_pass else 0.0, one_pass=one_pass)
     x, g = (t.index_select(0, routing.order) for t in (call.inputs, call.grad))  # [m R, in], [m R, out]
     total = torch.zeros(m, dtype=torch.float64, device=x.device)
     for pairs, _, (xb, gb) in padded((x, g), routing.pair_ends, routing.pair_sizes):

@@ -57,7 +57,5 @@ def test_a_shared_input_takes_one_gram_matrix_a_batch(monkeypatch):
     monkeypatch.setattr(ghost, "_stacked_grams", lambda xs: stacked.append(len(xs)) or form(xs))
     calls = _calls()[1:4]  # k, v (output width 8) and o (16), all float64 output gradients
     formed = ghost.gram_squares([ghost.GramSquares(call) for call in calls], [False] * len(calls), M)
-    assert stacked == [2, 2, 1]
-    assert all(
-        spread is None for _, spread in formed
-    )  # no margin reads them: none formed  # inputs (k's and v's shared, o's), the two width-8 outputs, o's output
+    assert stacked == [2, 2, 1]  # inputs (k's and v's shared, o's), the two width-8 outputs, o's output
+    assert all(spread is None for _, spread in formed)  # no margin reads them: none formed
