@@ -50,9 +50,12 @@ from opake_torch.layerwise.precision import float32_matmuls, input_factor, matmu
 
 __all__ = ["GROUPED", "KINDS", "MIN_TORCH", "CompiledLayerwise", "torch_supported", "unserved"]
 
-MIN_TORCH = "2.13"
-"""The oldest torch release whose Dynamo the traced pass is verified on (the CPU tests). Under torch 2.11 on an H100,
-inductor failed on BERT-base and GPT-2, and a tiny Llama LoRA model compiled to zero gradients."""
+MIN_TORCH = "2.11"
+"""The oldest torch release whose Dynamo traces the pass: 2.11 added ``trace_autograd_ops`` (2.10 fails on it).
+Verified under 2.11 on an H100 (the CUDA tests: a Llama LoRA model compiled by inductor against the hook engine;
+BERT-base in one graph) and on CPU (the tests of ``tests/torch/transformers/test_compile.py``; under 2.11 the CPU
+inductor emits C++ that does not compile for GPT-2 and Llama's causal masks, and those chunks warn and run
+eagerly), and under 2.13 by the CPU tests."""
 
 
 def torch_supported() -> bool:
@@ -178,7 +181,8 @@ class CompiledLayerwise:
     def around(self, call_args: Sequence[Any]) -> Iterator[None]:
         """What one call of the compiled chunk ``chunk(rule, bounds, live, params, *batch)`` (``call_args``) needs
         from outside the traced code: forward hooks on the model's supported layers for the duration of the call,
-        the matmul settings of the layerwise engine's sums (bf16 products reduced in float32), and the batch's rows
+        the matmul settings of the layerwise engine's sums (bf16 products reduced in float32), the parameters
+        ``params`` marked as requiring gradients (put back after the call), and the batch's rows
         and positions (dimensions 0 and 1 of its tensors, 0 of ``live``) marked dynamic, so that the first
         compilation serves every chunk of two rows or more (one row is compiled apart: Dynamo specializes a size
         of 1)."""
@@ -190,14 +194,21 @@ class CompiledLayerwise:
         layers = self.layerwise.layers(_trainable(model))
         device = next(model.parameters()).device
         self._error = product_error(matmul_precision(device))
+        # the parameters enter the graph as leaves that require gradients: Dynamo before torch 2.13 cannot trace
+        # requires_grad_ on a tensor made inside the graph
+        marked = [x for x in optree.tree_leaves(call_args[3]) if isinstance(x, torch.Tensor) and not x.requires_grad]
         handles = [module.register_forward_hook(self._forward_hook) for module in layers]
         self._hooked = True
         try:
+            for x in marked:
+                x.requires_grad_(True)
             with float32_matmuls(device, highest=False):
                 yield
         finally:
             self._hooked = False
             self._recording = None
+            for x in marked:
+                x.requires_grad_(False)
             for handle in handles:
                 handle.remove()
 
@@ -240,7 +251,7 @@ class CompiledLayerwise:
         m = sizes[0]
         recording = self._recording = _Recording(layers, m)
         with torch.enable_grad():  # clipped_grad runs under no_grad
-            leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+            leaves = {k: v if v.requires_grad else v.detach().requires_grad_() for k, v in params.items()}
             result = self.layerwise.batch_loss(leaves, *batch)
             self._recording = None
             losses, aux = result if isinstance(result, tuple) else (result, None)

@@ -134,6 +134,33 @@ def test_traced_pass_runs_inside_its_context_only():
     assert not any(module._forward_hooks for module in model.modules())
 
 
+def test_the_parameters_enter_the_traced_pass_as_leaves_and_are_put_back():
+    """Inside its context the parameters reach the loss as the given tensors, requiring gradients, so the traced code
+    calls no requires_grad_ (which Dynamo before torch 2.13 cannot trace: a graph break, then a failed compilation);
+    after the call, and after a call that raised, each has its requires_grad as before."""
+    model, params, loss, batch_loss, batch = _case("llama_lora")
+    seen = []
+
+    def spy(p, b):
+        seen.append(all(p[k] is params[k] and p[k].requires_grad for k in params))
+        if len(seen) == 2:
+            raise RuntimeError("the second call fails")
+        return batch_loss(p, b)
+
+    compiled = CompiledLayerwise(LayerwiseGradients(model, spy))
+    keep = sorted(params)[0]
+    params[keep].requires_grad_(True)  # one that already requires gradients keeps them
+    engine = Engine(gradients=compiled, transform=_entered(compiled))
+    grad_fn, state = clipped_grad(loss, clipping_norm=1.0, engine=engine)
+    grad_fn(params, batch, state=state)
+    assert seen == [True]
+    assert [k for k, v in params.items() if v.requires_grad] == [keep]
+    with pytest.raises(RuntimeError, match="second call"):
+        grad_fn(params, batch, state=state)
+    assert seen == [True, True]
+    assert [k for k, v in params.items() if v.requires_grad] == [keep]
+
+
 def test_a_model_with_layers_the_traced_pass_does_not_serve_runs_eagerly():
     """Experts (a mixture-of-experts model) are not traced: torch_compile warns and the step keeps the hook engine,
     uncompiled, with the real rows only."""
@@ -147,17 +174,17 @@ def test_a_model_with_layers_the_traced_pass_does_not_serve_runs_eagerly():
 
 
 def test_a_torch_release_older_than_the_verified_one_runs_the_hook_engine_eagerly(monkeypatch):
-    """On torch 2.11 the traced pass compiled to zero gradients on CUDA: a release older than MIN_TORCH keeps the
-    hook engine, uncompiled, with a warning, and the traced pass itself refuses to be built."""
+    """torch 2.10's Dynamo cannot trace torch.autograd.grad (no trace_autograd_ops): a release older than MIN_TORCH
+    keeps the hook engine, uncompiled, with a warning, and the traced pass itself refuses to be built."""
     model = tiny_model("gpt2")
     engine_of = LayerwiseGradients(model, lambda p, b: None)
     args = SimpleNamespace(torch_compile=True, torch_compile_backend="inductor", torch_compile_mode=None,
                            cuda_graphs=0, device=torch.device("cpu"), per_example_row_multiple=1)  # fmt: skip
-    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.11.0+cu130"))
-    with pytest.warns(RuntimeWarning, match=r"torch 2\.13 or newer; this is 2\.11\.0\+cu130.*runs eagerly"):
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.10.0+cu128"))
+    with pytest.warns(RuntimeWarning, match=r"torch 2\.11 or newer; this is 2\.10\.0\+cu128.*runs eagerly"):
         engine = engines.engine(args, engine_of, engines.chunk_transform(args, keep=print), microbatch=4)
     assert engine.gradients is engine_of and engine.transform is None
-    with pytest.raises(ConfigurationError, match=r"needs torch 2\.13 or newer"):
+    with pytest.raises(ConfigurationError, match=r"needs torch 2\.11 or newer"):
         CompiledLayerwise(engine_of)
 
 
