@@ -26,8 +26,8 @@ Modes (per workload):
   engine instantiates the weights whose Gram factors hold more than two thirds of their per-example gradients
   (faster, more memory) instead of taking their ghost norms.
 * ``dp_compile``: ``DPTrainer`` with ``torch_compile=True`` (one knob set): each chunk (forward, per-example norms,
-  clipped sum) compiled by inductor, one graph for every chunk of two rows or more (the rows and positions are
-  symbolic) and one for a chunk of one row. The row records the graphs compiled, the graph breaks and whether the
+  clipped sum) compiled by inductor, one graph for every chunk (the rows and positions are symbolic; a chunk of one
+  row runs with a dead row). The row records the graphs compiled, the graph breaks and whether the
   compilation fell back to eager; ``first_steps_s`` includes the compile time.
 * ``dp_kernels``: ``DPTrainer`` with ``use_performance_kernels=True``; its ratios are against ``hf_kernels``.
 * ``dp_user4``: ``DPTrainer`` with ``privacy_unit="user"``: the rows grouped into users of 4 rows each, batch / 4

@@ -182,6 +182,8 @@ class Engine:
             Poisson batches of varying size meet ``ceil(microbatch_size / row_multiple)`` shapes (the allocator,
             the kernels and a transform see them again); 1 runs the real rows only. None (the default): the whole
             ``microbatch_size`` with a transform (one shape), 1 without.
+        min_rows: each chunk runs at least this many rows (at most the ``microbatch_size``), dead rows added: 2
+            keeps a compiled chunk off the one-row size that Dynamo specializes (a second compilation).
 
     Example: padding each chunk to a multiple of 4 rows changes the shapes, not the clipped sum.
 
@@ -200,11 +202,15 @@ class Engine:
     gradients: Callable[..., tuple[PerExampleGradients, Any]] = VmapGradients()
     transform: Callable[[Chunk], Chunk] | None = None
     row_multiple: int | None = None
+    min_rows: int = 1
 
     def __post_init__(self) -> None:
         multiple = self.row_multiple
         if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
             raise ConfigurationError(f"row_multiple must be None or an int >= 1, got {multiple!r}.")
+        rows = self.min_rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ConfigurationError(f"min_rows must be an int >= 1, got {rows!r}.")
 
 
 VMAP = Engine()

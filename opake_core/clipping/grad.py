@@ -205,6 +205,7 @@ def clipped_grad(
                 pad=engine.transform is not None,
                 device=device,
                 row_multiple=engine.row_multiple,
+                min_rows=engine.min_rows,
             )
             width = 2 * len(leaves) if second_moment else len(leaves)
             sums = rules.accumulators(leaves * (width // len(leaves))) if chunks.sums is None else chunks.sums

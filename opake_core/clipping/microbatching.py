@@ -4,14 +4,14 @@ Per-example gradients never exist for more than one chunk; the chunks' clipped s
 accumulators (float32, float64 for float64 parameters), so the result does not depend on the chunking beyond float
 summation order.
 
-A batch of ``B`` rows runs as ``k = ceil(B / microbatch_size)`` chunks of as equal a size as possible (a Poisson draw
-a little above the chunk size runs as two half chunks, not a full one and a sliver). Each chunk's rows are then
-rounded up to a multiple of ``row_multiple`` (capped at ``microbatch_size``), so that a varying batch size meets a few
-shapes only: ``ceil(microbatch_size / row_multiple)`` of them (one, the full ``microbatch_size``, when ``row_multiple
->= microbatch_size``). The extra rows are copies of the chunk's last example, marked dead (``live`` False) so that
-they add exactly nothing; their norms, flags and values are dropped. With ``pad`` (a chunk transform, which captures
-or compiles one function per shape) every chunk gets a ``live`` mask, dead rows or not, so that its arguments have
-the same structure at every call.
+A batch of ``B`` rows runs as ``k = ceil(B / microbatch_size)`` chunks of as equal a size as possible (a Poisson draw a
+little above the chunk size runs as two half chunks, not a full one and a sliver). Each chunk's rows are then rounded up
+to a multiple of ``row_multiple``, and to at least ``min_rows`` (both capped at ``microbatch_size``), so that a varying
+batch size meets a few shapes only: ``ceil(microbatch_size / row_multiple)`` of them (one, the full ``microbatch_size``,
+when ``row_multiple >= microbatch_size``). The extra rows are copies of the chunk's last example, marked dead (``live``
+False) so that they add exactly nothing; their norms, flags and values are dropped. With ``pad`` (a chunk transform,
+which captures or compiles one function per shape) every chunk gets a ``live`` mask, dead rows or not, so that its
+arguments have the same structure at every call.
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ def batch_size(batch: Sequence[Any]) -> int:
     return sizes.pop()
 
 
-def chunk_sizes(n: int, microbatch_size: int | None, *, row_multiple: int = 1) -> list[tuple[int, int]]:
+def chunk_sizes(
+    n: int, microbatch_size: int | None, *, row_multiple: int = 1, min_rows: int = 1
+) -> list[tuple[int, int]]:
     """``(real rows, rows run)`` of each chunk of a batch of ``n`` examples (module docstring); ``[]`` for ``n=0``."""
     if n == 0:
         return []
@@ -76,7 +78,7 @@ def chunk_sizes(n: int, microbatch_size: int | None, *, row_multiple: int = 1) -
     count = -(-n // microbatch_size)
     base, extra = divmod(n, count)
     reals = [base + 1] * extra + [base] * (count - extra)
-    return [(real, min(microbatch_size, -(-real // row_multiple) * row_multiple)) for real in reals]
+    return [(real, min(microbatch_size, max(min_rows, -(-real // row_multiple) * row_multiple))) for real in reals]
 
 
 def run_chunks(
@@ -89,6 +91,7 @@ def run_chunks(
     pad: bool,
     device: torch.device,
     row_multiple: int | None = None,
+    min_rows: int = 1,
 ) -> Chunked:
     """Run ``chunk(*head, live, *chunk_args)`` on the chunks of :func:`chunk_sizes` (the whole batch for a None
     ``microbatch_size``) of the batched arguments, the others passed whole, and put the results together.
@@ -96,13 +99,13 @@ def run_chunks(
     ``chunk`` returns ``(sums, norms [m], clipped [m], values)`` with fresh sums for the ``m`` rows it ran. ``live``
     (bool ``[m]``) marks the real rows of a chunk that has dead ones, and of every chunk with ``pad`` and a
     ``microbatch_size`` (all true where it has none); otherwise None. ``row_multiple`` None: the whole
-    ``microbatch_size`` with ``pad`` (one shape), 1 without.
+    ``microbatch_size`` with ``pad`` (one shape), 1 without; ``min_rows``: the fewest rows a chunk runs.
     """
     n = batch_size([args[i] for i in batch_argnums])
     pad = pad and microbatch_size is not None
     if row_multiple is None:
         row_multiple = microbatch_size if pad else 1
-    sizes = chunk_sizes(n, microbatch_size, row_multiple=row_multiple)
+    sizes = chunk_sizes(n, microbatch_size, row_multiple=row_multiple, min_rows=min_rows)
     sums, norms, clipped, values, start = None, [], [], [], 0
     for real, size in sizes:
         rows = _rows(start, real, size, device, gather=pad)

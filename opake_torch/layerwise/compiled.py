@@ -184,8 +184,8 @@ class CompiledLayerwise:
         the matmul settings of the layerwise engine's sums (bf16 products reduced in float32), the parameters
         ``params`` marked as requiring gradients (put back after the call), and the batch's rows
         and positions (dimensions 0 and 1 of its tensors, 0 of ``live``) marked dynamic, so that the first
-        compilation serves every chunk of two rows or more (one row is compiled apart: Dynamo specializes a size
-        of 1)."""
+        compilation serves every chunk of two rows or more (Dynamo specializes a size of 1: the trainer's engine runs a
+        chunk of one row with a dead row, ``Engine.min_rows``)."""
         for x in optree.tree_leaves((call_args[2], call_args[4:])):
             if isinstance(x, torch.Tensor):
                 torch._dynamo.maybe_mark_dynamic(x, list(range(min(x.dim(), 2))))

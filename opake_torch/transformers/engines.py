@@ -212,7 +212,7 @@ def engine(
     ``ceil(microbatch / k)`` (dead rows), so that Poisson draws of any size meet at most ``k`` shapes, one captured
     graph each; compiled ``vmap(grad)`` chunks are padded to ``microbatch`` (vmap fixes the shapes it traces); the
     compiled layerwise pass and chunks without ``transform`` round to ``args.per_example_row_multiple`` (1: the real
-    rows only).
+    rows only), the compiled pass with two rows at least.
 
     With ``activation_offloading``: the layerwise engine under
     :class:`~opake_torch.offloading.OffloadedGradients`; ``vmap(grad)`` as it is (its checkpointed layers offload
@@ -232,8 +232,10 @@ def engine(
                 return Engine(gradients=layerwise, transform=None, row_multiple=args.per_example_row_multiple)
             backend, mode = args.torch_compile_backend, args.torch_compile_mode
             transform = lambda chunk: compile_chunk(chunk, backend=backend, mode=mode, around=compiled.around)  # noqa: E731
-            # the traced pass keeps the rows and positions of a chunk symbolic: the real rows only, no dead ones
-            return Engine(gradients=compiled, transform=transform, row_multiple=args.per_example_row_multiple)
+            # the traced pass keeps the rows and positions of a chunk symbolic: the real rows only, but a chunk of one
+            # row takes a dead one, since Dynamo specializes a size of 1 (a second compilation, minutes)
+            return Engine(gradients=compiled, transform=transform, row_multiple=args.per_example_row_multiple,
+                          min_rows=2)  # fmt: skip
         gradients = OffloadedGradients(layerwise) if offload else layerwise
         return Engine(gradients=gradients, transform=transform, row_multiple=row_multiple)
     if offload and not args.gradient_checkpointing:

@@ -10,6 +10,7 @@ import torch
 from opake_core.clipping import Engine, MaterializedGradients, adaptive, auto_s, clipped_grad
 from opake_core.clipping.microbatching import chunk_sizes
 from opake_core.clipping.rules import ClipRule, bounds_on
+from opake_core.errors import ConfigurationError
 from opake_core.tree import per_group
 from tests.core.test_clipping import MODELS, _data, _loss, _median_norm, _reference, _rel_err, _split
 
@@ -207,6 +208,20 @@ def test_chunk_sizes_split_evenly_within_the_bound(microbatch, multiple):
         padded = chunk_sizes(n, microbatch, row_multiple=microbatch)  # one shape: the bound
         assert [real for real, _ in padded] == reals and all(rows == microbatch for _, rows in padded)
     assert chunk_sizes(9, None) == [(9, 9)] and chunk_sizes(0, 4) == []
+
+
+@pytest.mark.parametrize("microbatch", [1, 2, 3, 16])
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_chunk_sizes_run_at_least_min_rows(microbatch, multiple):
+    """min_rows pads a small chunk with dead rows up to it (never above the microbatch) and changes nothing else."""
+    for n in range(0, 3 * microbatch + 3):
+        plain = chunk_sizes(n, microbatch, row_multiple=multiple)
+        sizes = chunk_sizes(n, microbatch, row_multiple=multiple, min_rows=2)
+        assert [real for real, _ in sizes] == [real for real, _ in plain]
+        assert [rows for _, rows in sizes] == [max(rows, min(2, microbatch)) for _, rows in plain]
+    assert chunk_sizes(1, 8, min_rows=2) == [(1, 2)] and chunk_sizes(1, 1, min_rows=2) == [(1, 1)]
+    with pytest.raises(ConfigurationError, match="min_rows must be an int >= 1"):
+        Engine(min_rows=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
