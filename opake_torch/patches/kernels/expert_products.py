@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from opake_torch.patches.kernels._triton import interpreting, jit, tl
-from opake_torch.patches.kernels.product_norms import TILE, example_tile, product_kernel_runs, tile_grid
+from opake_torch.patches.kernels.product_norms import TILE, example_tile, product_kernel_runs, tile_grid, tile_offsets
 from opake_torch.patches.kernels.product_sums import STEP
 
 __all__ = ["expert_product_sum", "expert_products_supported", "pair_norm_rounding", "pair_squared_norms"]
@@ -74,8 +74,7 @@ def _pair_squares_kernel(
 ):
     tile = tl.program_id(0)
     pair = tl.program_id(1).to(tl.int64)
-    rows = ((tile // TILES_IN) * BO + tl.arange(0, BO)).to(tl.int64)
-    cols = ((tile % TILES_IN) * BK + tl.arange(0, BK)).to(tl.int64)
+    rows, cols = tile_offsets(tile, TILES_IN, BO, BK)
     acc = _pair_tile(
         G, A, STARTS, pair, rows, cols, D_OUT, D_IN, stride_gt, stride_go, stride_at, stride_ai,
         BO=BO, BK=BK, BT=BT, UPCAST=UPCAST,
@@ -106,8 +105,7 @@ def _expert_sum_kernel(
 ):
     tile = tl.program_id(0)
     expert = tl.program_id(1).to(tl.int64)
-    rows = ((tile // TILES_IN) * BO + tl.arange(0, BO)).to(tl.int64)
-    cols = ((tile % TILES_IN) * BK + tl.arange(0, BK)).to(tl.int64)
+    rows, cols = tile_offsets(tile, TILES_IN, BO, BK)
     inside = (rows[:, None] < D_OUT) & (cols[None, :] < D_IN)
     out_ptrs = OUT + expert * D_OUT * D_IN + rows[:, None] * D_IN + cols[None, :]
     total = tl.load(out_ptrs, mask=inside, other=0.0)

@@ -35,10 +35,20 @@ __all__ = [
     "product_squared_norms",
     "product_squared_norms_supported",
     "tile_grid",
+    "tile_offsets",
 ]
 
 TILE = (128, 128, 32)
 """``(BO, BK, BT)``: the rows and columns of ``G_i`` a program forms, and the positions of each step."""
+
+
+@jit
+def tile_offsets(tile, TILES_IN, BO: tl.constexpr, BK: tl.constexpr):
+    """The rows ``[BO]`` and columns ``[BK]`` of the weight-gradient tile ``tile`` (row-major over ``TILES_IN`` column
+    tiles), as 64-bit offsets: the strides of large factors overflow 32 bits."""
+    rows = ((tile // TILES_IN) * BO + tl.arange(0, BO)).to(tl.int64)
+    cols = ((tile % TILES_IN) * BK + tl.arange(0, BK)).to(tl.int64)
+    return rows, cols
 
 
 @jit
@@ -109,8 +119,7 @@ def _tile_squares_kernel(
 ):
     tile = tl.program_id(0)  # the first grid axis takes up to 2^31 - 1 tiles, the second 65535 examples
     example = tl.program_id(1).to(tl.int64)
-    rows = ((tile // TILES_IN) * BO + tl.arange(0, BO)).to(tl.int64)  # 64-bit offsets: strides of large factors
-    cols = ((tile % TILES_IN) * BK + tl.arange(0, BK)).to(tl.int64)
+    rows, cols = tile_offsets(tile, TILES_IN, BO, BK)
     acc = example_tile(
         G, A, example, rows, cols, T, D_OUT, D_IN, stride_gm, stride_gt, stride_go, stride_am, stride_at, stride_ai,
         BO=BO, BK=BK, BT=BT, TF32=TF32, UPCAST=UPCAST,

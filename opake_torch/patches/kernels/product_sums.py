@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from opake_torch.patches.kernels._triton import interpreting, jit, tl, triton
-from opake_torch.patches.kernels.product_norms import TILE, example_tile, product_kernel_runs, tile_grid
+from opake_torch.patches.kernels.product_norms import TILE, example_tile, product_kernel_runs, tile_grid, tile_offsets
 
 __all__ = ["STEP", "clipped_product_sum", "clipped_product_sum_supported"]
 
@@ -62,8 +62,7 @@ def _clipped_sum_kernel(
     UPCAST: tl.constexpr,
 ):
     tile, group = tl.program_id(0), tl.program_id(1)
-    rows = ((tile // TILES_IN) * BO + tl.arange(0, BO)).to(tl.int64)  # 64-bit offsets: strides of large factors
-    cols = ((tile % TILES_IN) * BK + tl.arange(0, BK)).to(tl.int64)
+    rows, cols = tile_offsets(tile, TILES_IN, BO, BK)
     rows_in, cols_in = rows[:, None] < D_OUT, cols[None, :] < D_IN
     out_ptrs = OUT + group.to(tl.int64) * D_OUT * D_IN + rows[:, None] * D_IN + cols[None, :]
     if ACCUMULATE:  # one group: the tiles are added to the sum in place
