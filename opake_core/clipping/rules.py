@@ -289,17 +289,25 @@ def bounds_on(bounds: tuple[float, ...], device: torch.device) -> torch.Tensor:
 
 def accumulators(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """Zero sums shaped like ``leaves`` in their accumulation dtype (float64 for float64 leaves, else float32):
-    views of one buffer per dtype and device (one allocation and one fill instead of one per leaf)."""
+    views of one buffer per dtype and device (one allocation and one fill instead of one per leaf). Traced by
+    ``torch.compile``, one tensor per leaf instead: an in-place write into a view of a shared buffer is traced as a new
+    copy of the whole buffer (functionalization), so a compiled chunk would rewrite every parameter's sum at each
+    layer's addition and hold several copies of them all."""
+    if torch.compiler.is_compiling():
+        return [torch.zeros(leaf.shape, dtype=_accumulation_dtype(leaf), device=leaf.device) for leaf in leaves]
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for index, leaf in enumerate(leaves):
-        dtype = torch.float64 if leaf.dtype == torch.float64 else torch.float32
-        groups.setdefault((dtype, leaf.device), []).append(index)
+        groups.setdefault((_accumulation_dtype(leaf), leaf.device), []).append(index)
     out: list[torch.Tensor] = [torch.empty(0)] * len(leaves)
     for (dtype, device), indices in groups.items():
         flat = torch.zeros(sum(leaves[i].numel() for i in indices), dtype=dtype, device=device)
         for i, view in zip(indices, flat.split([leaves[i].numel() for i in indices]), strict=True):
             out[i] = view if view.shape == leaves[i].shape else view.view(leaves[i].shape)  # 1-D: already shaped
     return out
+
+
+def _accumulation_dtype(leaf: torch.Tensor) -> torch.dtype:
+    return torch.float64 if leaf.dtype == torch.float64 else torch.float32
 
 
 class ClipRule(NamedTuple):

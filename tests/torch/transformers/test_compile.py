@@ -216,6 +216,40 @@ def test_a_chunk_of_one_row_meets_the_graph_of_larger_chunks():
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
+def test_each_clipped_sum_is_a_tensor_of_its_own_in_the_compiled_graph():
+    """Sums kept as views of one buffer of all the parameters are traced as copies of that whole buffer (each
+    layer's in-place addition rewrites every parameter's sum, and the compiled step holds several such copies): the
+    functionalized graph of the trainer's compiled chunk has no tensor of that size, and the step still releases the
+    eager hook engine's sums."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    model, params, loss, batch_loss, batch = _case("bert")
+    graphs = []
+
+    def keep(graph, example_inputs):
+        graphs.append(graph)
+        return graph
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+    layerwise = LayerwiseGradients(model, batch_loss)
+    args = SimpleNamespace(torch_compile=True, torch_compile_backend=backend, torch_compile_mode=None,
+                           cuda_graphs=0, device=torch.device("cpu"), per_example_row_multiple=1)  # fmt: skip
+    compiled = engines.engine(args, layerwise, engines.chunk_transform(args, keep=print), microbatch=6)
+    torch._dynamo.reset()
+    results = []
+    for engine in (compiled, Engine(gradients=layerwise)):
+        grad_fn, state = clipped_grad(loss, clipping_norm=0.05, microbatch_size=6, engine=engine)
+        clipped, _ = grad_fn(params, batch, state=state)
+        results.append(clipped.value)
+    assert len(graphs) == 1
+    flat = sum(v.numel() for v in params.values())
+    sizes = [node.meta["val"].numel() for node in graphs[0].graph.nodes
+             if isinstance(node.meta.get("val"), torch.Tensor)]  # fmt: skip
+    assert flat not in sizes
+    for name, value in results[1].items():
+        torch.testing.assert_close(results[0][name], value, rtol=1e-9, atol=1e-12, msg=name)
+
+
 def test_compile_wrapper_enters_its_context_and_counts_compiled_calls():
     entered = []
 
