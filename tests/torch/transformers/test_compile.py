@@ -245,7 +245,7 @@ def test_each_clipped_sum_is_a_tensor_of_its_own_in_the_compiled_graph():
     flat = sum(v.numel() for v in params.values())
     sizes = [node.meta["val"].numel() for node in graphs[0].graph.nodes
              if isinstance(node.meta.get("val"), torch.Tensor)]  # fmt: skip
-    assert flat not in sizes
+    assert flat not in [n for n in sizes if isinstance(n, int)]  # (symbolic sizes hold the batch's dimensions)
     for name, value in results[1].items():
         torch.testing.assert_close(results[0][name], value, rtol=1e-9, atol=1e-12, msg=name)
 
