@@ -75,11 +75,13 @@ def test_the_reference_follows_the_mixup_recursion_of_the_released_weights(tmp_p
 
 def test_the_loss_reads_the_synced_reference(tmp_path):
     """With alpha = 1 and a sync after every step, each step starts with reference == policy, so every pair's
-    sigmoid loss is log 2; without the sync, the policy moves away from its initial copy after the first step."""
+    sigmoid loss is log 2; without the sync, the policy moves away from its initial copy after the first step. The
+    keys come from a seed: with secret ones, an unlucky draw of batches and noise can leave the unsynced loss within
+    1e-3 of log 2."""
     losses = {}
     for sync in (True, False):
         options = {"ref_model_mixup_alpha": 1.0, "ref_model_sync_steps": 1} if sync else {"sync_ref_model": False}
-        trainer = _trainer(tmp_path / str(sync), max_steps=3, logging_steps=1, **options)
+        trainer = _trainer(tmp_path / str(sync), max_steps=3, logging_steps=1, privacy_noise_seed=0, **options)
         trainer.train()
         losses[sync] = [row["loss"] for row in trainer.state.log_history if "loss" in row]
         if sync:
@@ -87,7 +89,7 @@ def test_the_loss_reads_the_synced_reference(tmp_path):
             assert all(torch.equal(p, policy[n]) for n, p in trainer.ref_model.named_parameters())
             assert trainer.evaluate()["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert len(losses[True]) == 3 and all(loss == pytest.approx(math.log(2), abs=1e-5) for loss in losses[True])
-    assert abs(losses[False][-1] - math.log(2)) > 1e-3
+    assert abs(losses[False][-1] - math.log(2)) > 1e-3, losses[False]
 
 
 def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path):
