@@ -294,10 +294,10 @@ def accumulators(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     copy of the whole buffer (functionalization), so a compiled chunk would rewrite every parameter's sum at each
     layer's addition and hold several copies of them all."""
     if torch.compiler.is_compiling():
-        return [torch.zeros(leaf.shape, dtype=_accumulation_dtype(leaf), device=leaf.device) for leaf in leaves]
+        return [torch.zeros(leaf.shape, dtype=accumulation_dtype(leaf.dtype), device=leaf.device) for leaf in leaves]
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for index, leaf in enumerate(leaves):
-        groups.setdefault((_accumulation_dtype(leaf), leaf.device), []).append(index)
+        groups.setdefault((accumulation_dtype(leaf.dtype), leaf.device), []).append(index)
     out: list[torch.Tensor] = [torch.empty(0)] * len(leaves)
     for (dtype, device), indices in groups.items():
         flat = torch.zeros(sum(leaves[i].numel() for i in indices), dtype=dtype, device=device)
@@ -306,8 +306,9 @@ def accumulators(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _accumulation_dtype(leaf: torch.Tensor) -> torch.dtype:
-    return torch.float64 if leaf.dtype == torch.float64 else torch.float32
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which the clipped sum of a leaf of ``dtype`` accumulates: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class ClipRule(NamedTuple):

@@ -40,6 +40,7 @@ import optree
 import torch
 from torch import nn
 
+from opake_core.clipping.rules import accumulation_dtype
 from opake_core.errors import ConfigurationError
 from opake_torch.layerwise.calls import Call, by_example, cast
 from opake_torch.layerwise.dense import add_dense
@@ -262,7 +263,7 @@ class CompiledLayerwise:
         names = [path[0] for path in optree.tree_paths(params)]  # the leaf order of the clipped sums
         out = _TracedGradients(names, m, {}, {}, self._error, first.device)
         shapes = {k: v.shape for k, v in params.items()}
-        dtypes = {k: torch.float64 if v.dtype == torch.float64 else torch.float32 for k, v in params.items()}
+        dtypes = {k: accumulation_dtype(v.dtype) for k, v in params.items()}
         for call, grad in zip(recording.calls, grads, strict=True):
             call.grad = None if grad is None else grad.detach()
         meta = Gradients(out.names, shapes, dtypes, m, first.device)

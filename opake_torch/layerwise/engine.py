@@ -18,6 +18,7 @@ import optree
 import torch
 from torch import nn
 
+from opake_core.clipping.rules import accumulation_dtype
 from opake_core.errors import ConfigurationError, InputTypeError
 from opake_torch.layerwise.calls import Call
 from opake_torch.layerwise.ghost import NORM_ROUTES, ghost_names, tied_names
@@ -295,7 +296,7 @@ class LayerwiseGradients:
         names = [path[0] for path in optree.tree_paths(params)]
         first = next(iter(params.values()))
         shapes = {k: v.shape for k, v in params.items()}
-        dtypes = {k: torch.float64 if v.dtype == torch.float64 else torch.float32 for k, v in params.items()}
+        dtypes = {k: accumulation_dtype(v.dtype) for k, v in params.items()}
         tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim()]
         sizes = {x.shape[0] for x in tensors}
         if len(sizes) != 1:

@@ -39,6 +39,7 @@ from torch import nn
 
 from opake_core.clipping.engine import example_grad
 from opake_core.clipping.microbatching import chunk_sizes
+from opake_core.clipping.rules import accumulation_dtype
 from opake_core.errors import ConfigurationError
 
 __all__ = [
@@ -205,8 +206,7 @@ def check_neighbours(
     weights = 1.0 + torch.rand(k + 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     weights[k] = 0.0  # the added row itself is not compared
     # one accumulator: the small batch adds sum_i w_i g_i, the large one subtracts it
-    moved = [torch.zeros_like(x, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-             for x in optree.tree_leaves(params)]  # fmt: skip
+    moved = [torch.zeros_like(x, dtype=accumulation_dtype(x.dtype)) for x in optree.tree_leaves(params)]
     training = model.training
     model.eval()  # no dropout: both passes see the same function
     try:
