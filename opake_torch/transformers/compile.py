@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -54,10 +55,12 @@ def compile_chunk(
     ``torch._dynamo.config.recompile_limit`` recompilations Dynamo would run ``fn`` eagerly without a word; here that
     is a failure).
 
-    The first call that fails to compile (any exception raised while compiling or running the compiled function)
-    emits one ``RuntimeWarning`` naming the error, reruns that call eagerly, and every later call is eager. An
-    error that the eager function also raises is the function's own and propagates. The returned function has
-    ``is_eager()`` (whether it fell back) and ``compiled_calls()`` (the calls the compiled function served).
+    The first call logs (``INFO``) that it compiles, and how long it took: a large model's first step waits minutes
+    for its compilation. The first call that fails to compile (any exception raised while compiling or running the
+    compiled function) emits one ``RuntimeWarning`` naming the error, reruns that call eagerly, and every later call
+    is eager. An error that the eager function also raises is the function's own and propagates. The returned
+    function has ``is_eager()`` (whether it fell back) and ``compiled_calls()`` (the calls the compiled function
+    served).
     """
     compiled = torch.compile(fn, backend=backend, mode=mode)
     state = {"eager": False, "compiled_calls": 0}
@@ -67,6 +70,11 @@ def compile_chunk(
         if state["eager"]:
             with context(args):
                 return fn(*args, **kwargs)
+        first = not state["compiled_calls"]
+        if first:
+            logger.info("compiling %r with torch.compile(backend=%r, mode=%r): the first call waits for it (minutes "
+                        "for a large model)", getattr(fn, "__name__", fn), backend, mode)  # fmt: skip
+            start = time.perf_counter()
         try:
             with context(args), torch._dynamo.config.patch(trace_autograd_ops=True, fail_on_recompile_limit_hit=True):
                 result = compiled(*args, **kwargs)
@@ -83,6 +91,10 @@ def compile_chunk(
                 stacklevel=2,
             )
             return result
+        if first:
+            logger.info(
+                "the first compiled call of %r took %.1f s", getattr(fn, "__name__", fn), time.perf_counter() - start
+            )
         state["compiled_calls"] += 1
         return result
 

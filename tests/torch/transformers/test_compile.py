@@ -3,7 +3,9 @@ and DPTrainer(torch_compile=True) with inductor on BERT, GPT-2 and a Llama LoRA 
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -261,6 +263,18 @@ def test_compile_wrapper_enters_its_context_and_counts_compiled_calls():
     for n in (3, 3, 4):
         torch.testing.assert_close(run(torch.ones(n)), torch.full((n,), 2 * math.tanh(1.0)))
     assert entered == [((3,),), ((3,),), ((4,),)] and run.compiled_calls() == 3 and not run.is_eager()
+
+
+def test_compile_wrapper_says_once_that_it_compiles_and_how_long_it_took(caplog):
+    """A large model's first step waits minutes for its compilation: the log says why, once."""
+    run = compile_chunk(lambda x: x + 1, backend="eager")
+    with caplog.at_level(logging.INFO, logger="opake_torch.transformers.compile"):
+        for n in (3, 3, 4):
+            run(torch.ones(n))
+    messages = [r.getMessage() for r in caplog.records if r.name == "opake_torch.transformers.compile"]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("compiling") and "backend='eager'" in messages[0]
+    assert re.fullmatch(r"the first compiled call of .* took \d+\.\d s", messages[1]), messages[1]
 
 
 def test_compile_wrapper_fails_loudly_past_the_recompile_limit():
