@@ -28,7 +28,8 @@ Modes (per workload):
 * ``dp_compile``: ``DPTrainer`` with ``torch_compile=True`` (one knob set): each chunk (forward, per-example norms,
   clipped sum) compiled by inductor, one graph for every chunk (the rows and positions are symbolic; a chunk of one
   row runs with a dead row). The row records the graphs compiled, the graph breaks and whether the
-  compilation fell back to eager; ``first_steps_s`` includes the compile time.
+  compilation fell back to eager; ``first_steps_s`` includes the compile time. ``dp_compile_graphs``: the same with
+  ``torch_compile_mode="reduce-overhead"`` (inductor replays each chunk as CUDA graphs, one recording per row count).
 * ``dp_kernels``: ``DPTrainer`` with ``use_performance_kernels=True``; its ratios are against ``hf_kernels``.
 * ``dp_user4``: ``DPTrainer`` with ``privacy_unit="user"``: the rows grouped into users of 4 rows each, batch / 4
   users a step (the same rows a step on average as ``dp``, each user one example of 4 rows: the layerwise engine's
@@ -110,6 +111,7 @@ MODES = (
     "dp_expandable",
     "dp_instantiate",
     "dp_compile",
+    "dp_compile_graphs",
     "dp_kernels",
     "dp_user4",
     "hf_kernels",
@@ -366,6 +368,7 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
         "dp_graphs4": {"cuda_graphs": 4},
         "dp_fixed": {"sampling_mode": "fixed_size"},
         "dp_compile": {"torch_compile": True},
+        "dp_compile_graphs": {"torch_compile_mode": "reduce-overhead"},
         "dp_rows4": {"per_example_row_multiple": 4},
         "dp_instantiate": {"layerwise_ghost_advantage": 1.5},
     }.get(mode, {})
@@ -402,7 +405,7 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
         "compile_fallback": [str(w.message)[:300] for w in caught if "running it eagerly" in str(w.message)],
     }
     return {
-        **(compiled if mode == "dp_compile" else {}),
+        **(compiled if mode.startswith("dp_compile") else {}),
         "engine": trainer.per_example_gradients_engine,
         "optim": args.optim,
         "sampling_mode": args.sampling_mode,
@@ -464,6 +467,7 @@ RUNNERS: dict[str, Callable[[Workload, argparse.Namespace, StepClock], dict[str,
     "dp_expandable": lambda w, o, c: run_dp(w, o, c, mode="dp_expandable"),
     "dp_instantiate": lambda w, o, c: run_dp(w, o, c, mode="dp_instantiate"),
     "dp_compile": lambda w, o, c: run_dp(w, o, c, mode="dp_compile"),
+    "dp_compile_graphs": lambda w, o, c: run_dp(w, o, c, mode="dp_compile_graphs"),
     "dp_kernels": lambda w, o, c: run_dp(w, o, c, mode="dp_kernels"),
     "dp_user4": lambda w, o, c: run_dp(w, o, c, mode="dp_user4"),
     "opacus": run_opacus,

@@ -55,6 +55,11 @@ def compile_chunk(
     ``torch._dynamo.config.recompile_limit`` recompilations Dynamo would run ``fn`` eagerly without a word; here that
     is a failure).
 
+    A mode that replays CUDA graphs (:func:`uses_cuda_graphs`) keeps a call's outputs in the graphs' memory pool
+    and overwrites them at the next call (a new iteration begins at each call of the compiled function): the
+    chunks of one step would read freed sums. Each call then marks a new iteration and returns copies of the
+    outputs, as :class:`CudaGraphChunk` does.
+
     The first call logs (``INFO``) that it compiles, and how long it took: a large model's first step waits minutes
     for its compilation. The first call that fails to compile (any exception raised while compiling or running the
     compiled function) emits one ``RuntimeWarning`` naming the error, reruns that call eagerly, and every later call
@@ -63,6 +68,7 @@ def compile_chunk(
     served).
     """
     compiled = torch.compile(fn, backend=backend, mode=mode)
+    graphed = uses_cuda_graphs(backend, mode)
     state = {"eager": False, "compiled_calls": 0}
     context = around if around is not None else lambda args: contextlib.nullcontext()
 
@@ -77,7 +83,11 @@ def compile_chunk(
             start = time.perf_counter()
         try:
             with context(args), torch._dynamo.config.patch(trace_autograd_ops=True, fail_on_recompile_limit_hit=True):
+                if graphed:
+                    torch.compiler.cudagraph_mark_step_begin()
                 result = compiled(*args, **kwargs)
+                if graphed:  # the outputs live in the graphs' pool, overwritten by the next call: copies
+                    result = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, result)
         except Exception as exc:
             with context(args):
                 result = fn(*args, **kwargs)  # raises the function's own errors
@@ -101,6 +111,14 @@ def compile_chunk(
     run.is_eager = lambda: state["eager"]  # type: ignore[attr-defined]
     run.compiled_calls = lambda: state["compiled_calls"]  # type: ignore[attr-defined]
     return run
+
+
+def uses_cuda_graphs(backend: str, mode: str | None) -> bool:
+    """Whether ``torch.compile(backend=backend, mode=mode)`` replays CUDA graphs (inductor's ``reduce-overhead`` and
+    ``max-autotune``)."""
+    from torch._inductor import list_mode_options
+
+    return backend == "inductor" and bool(list_mode_options(mode).get("triton.cudagraphs"))
 
 
 def signature(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Hashable:

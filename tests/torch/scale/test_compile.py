@@ -101,6 +101,35 @@ def test_compile_propagates_the_functions_own_error(monkeypatch: pytest.MonkeyPa
         compile_chunk(chunk)(torch.ones(1))
 
 
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune", None, "max-autotune-no-cudagraphs"])
+def test_outputs_of_a_mode_with_cuda_graphs_survive_the_next_call(monkeypatch: pytest.MonkeyPatch, mode) -> None:
+    """A mode that replays CUDA graphs overwrites a call's outputs at the next call (faked: one static output
+    buffer); the chunks of a step add up the earlier chunks' sums after the later ones ran, so the wrapper returns
+    copies and marks each call a new iteration. Modes without graphs return the compiled outputs themselves."""
+    static = torch.zeros(3)
+    marks = []
+
+    def graphed_compile(fn, **kwargs):
+        def replay(x):
+            static.copy_(fn(x))
+            return static, {"norms": static[:2]}
+
+        return replay
+
+    monkeypatch.setattr(torch, "compile", graphed_compile)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(len(marks)))
+    run = compile_chunk(lambda x: x * 2, backend="inductor", mode=mode)
+    first, first_aux = run(torch.ones(3))
+    run(torch.full((3,), 5.0))
+    graphed = mode in ("reduce-overhead", "max-autotune")
+    assert compile_mod.uses_cuda_graphs("inductor", mode) == graphed
+    if graphed:
+        assert torch.equal(first, torch.full((3,), 2.0)) and torch.equal(first_aux["norms"], torch.full((2,), 2.0))
+        assert marks == [0, 1]
+    else:  # the fake's buffer, overwritten: what a mode with graphs would return without the copies
+        assert first is static and torch.equal(first, torch.full((3,), 10.0)) and not marks
+
+
 def test_compile_eager_backend_matches() -> None:
     def chunk(x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x) * 3

@@ -8,11 +8,14 @@ Run: ``pytest -m cuda``.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from tiny_hf import tiny_model, token_data
 
-from opake_torch.transformers import DPTrainer, TrainingArguments
+from opake_torch.transformers import DPTrainer, TrainingArguments, engines
+from opake_torch.transformers.compile import compile_chunk
 
 pytestmark = pytest.mark.cuda
 DATA = token_data(40)
@@ -74,5 +77,28 @@ def test_an_uncapturable_model_falls_back_to_the_eager_update(tmp_path):
     graphs = graphed.chunk_graphs
     captured = graphs.failure is None and graphs.replays >= 5
     assert captured or (graphs.failure is not None and graphs.eager_calls >= 1 and not graphs.graphs)
+    for (name, a), (_, b) in zip(eager.model.named_parameters(), graphed.model.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_compile_mode_with_cuda_graphs_replays_the_eager_update(tmp_path, monkeypatch):
+    """``torch_compile_mode="reduce-overhead"``: inductor replays CUDA graphs whose outputs the next call overwrites,
+    while a step of several chunks (a microbatch of 3) adds the earlier chunks' sums after the later ones ran. The
+    update equals the eager one, and no chunk fell back to eager."""
+    wrappers = []
+
+    def spy(chunk, **kwargs):
+        wrappers.append(compile_chunk(chunk, **kwargs))
+        return wrappers[-1]
+
+    monkeypatch.setattr(engines, "compile_chunk", spy)
+    eager = _train(tmp_path / "eager")
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed = _train(tmp_path / "compiled", torch_compile_mode="reduce-overhead")
+    assert not [str(w.message) for w in caught if "eagerly" in str(w.message)]
+    (run,) = wrappers
+    assert not run.is_eager() and run.compiled_calls() >= 10  # five steps of several chunks each
     for (name, a), (_, b) in zip(eager.model.named_parameters(), graphed.model.named_parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
