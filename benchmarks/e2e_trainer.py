@@ -29,7 +29,9 @@ Modes (per workload):
   clipped sum) compiled by inductor, one graph for every chunk (the rows and positions are symbolic; a chunk of one
   row runs with a dead row). The row records the graphs compiled, the graph breaks and whether the
   compilation fell back to eager; ``first_steps_s`` includes the compile time. ``dp_compile_graphs``: the same with
-  ``torch_compile_mode="reduce-overhead"`` (inductor replays each chunk as CUDA graphs, one recording per row count).
+  ``torch_compile_mode="reduce-overhead"`` (inductor replays each chunk as CUDA graphs, one recording per row count)
+  and each chunk's rows rounded up to a quarter of the batch (``per_example_row_multiple``: dead rows), so that the
+  draws meet four row counts, as in ``dp_graphs4``.
 * ``dp_kernels``: ``DPTrainer`` with ``use_performance_kernels=True``; its ratios are against ``hf_kernels``.
 * ``dp_user4``: ``DPTrainer`` with ``privacy_unit="user"``: the rows grouped into users of 4 rows each, batch / 4
   users a step (the same rows a step on average as ``dp``, each user one example of 4 rows: the layerwise engine's
@@ -362,13 +364,14 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
 
     if mode == "dp_expandable" and opts.device.type == "cuda":
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    quarter = max(1, workload.batch // 4)
     extra = {
         "dp_kernels": {"use_performance_kernels": True},
         "dp_graphs": {"cuda_graphs": 1},
         "dp_graphs4": {"cuda_graphs": 4},
         "dp_fixed": {"sampling_mode": "fixed_size"},
         "dp_compile": {"torch_compile": True},
-        "dp_compile_graphs": {"torch_compile_mode": "reduce-overhead"},
+        "dp_compile_graphs": {"torch_compile_mode": "reduce-overhead", "per_example_row_multiple": quarter},
         "dp_rows4": {"per_example_row_multiple": 4},
         "dp_instantiate": {"layerwise_ghost_advantage": 1.5},
     }.get(mode, {})
