@@ -405,6 +405,7 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
     compiled = {
         "compiled_graphs": counters["stats"]["unique_graphs"],
         "graph_breaks": sum(counters["graph_break"].values()),
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],  # a mode with CUDA graphs that ran without them
         "compile_fallback": [str(w.message)[:300] for w in caught if "running it eagerly" in str(w.message)],
     }
     return {
