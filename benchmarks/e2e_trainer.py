@@ -81,6 +81,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import logging
 import math
 import os
 import statistics
@@ -137,7 +138,9 @@ HF_KERNELS_CONFIG = {"lora": False}
 
 class StepClock:
     """Host timestamps of step ends (after a device synchronize) and the memory peaks over the timed steps; then, with
-    ``profile`` steps, a profile of that many more steps (:func:`step_profile`)."""
+    ``profile`` steps, a profile of that many more steps (:func:`step_profile`). Each step end is printed to stderr
+    with the seconds since the clock was made, so that the log of a row cut off by its timeout says how far it got
+    (a compiled row's first step holds its compilation)."""
 
     def __init__(
         self, device: torch.device, warmup: int, total: int, profile: int = 0, owners: tuple[str, ...] = ()
@@ -148,6 +151,7 @@ class StepClock:
         self.reserved: float | None = None
         self.profiler: Any = None
         self.profiled: dict[str, Any] | None = None
+        self.start = time.perf_counter()
 
     @property
     def max_steps(self) -> int:
@@ -157,6 +161,8 @@ class StepClock:
     def tick(self) -> None:
         sync(self.device)
         self.stamps.append(time.perf_counter())
+        print(f"step {len(self.stamps)} of {self.max_steps} ended at {self.stamps[-1] - self.start:.1f} s",
+              file=sys.stderr, flush=True)  # fmt: skip
         if len(self.stamps) == self.warmup and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         if len(self.stamps) == self.total:
@@ -378,6 +384,11 @@ def run_dp(workload: Workload, opts: argparse.Namespace, clock: StepClock, *, mo
     from torch._dynamo.utils import counters
 
     counters.clear()  # --in-process: this row's compilations only
+    if mode.startswith("dp_compile"):  # the log says when the compilation starts and how long it took
+        compile_log = logging.getLogger("opake_torch.transformers.compile")
+        compile_log.setLevel(logging.INFO)
+        if not compile_log.handlers:  # --in-process: one handler for every row
+            compile_log.addHandler(logging.StreamHandler(sys.stderr))
     data = dataset(workload, dataset_size(workload, mode))
     batch = workload.batch
     if mode == "dp_user4":  # user-level: users of 4 rows each, batch / 4 users a step (the same rows on average)
@@ -557,7 +568,8 @@ def run_in_subprocess(workload: Workload, mode: str, opts: argparse.Namespace, t
                     command, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout, env=child_environment()
                 )
         except subprocess.TimeoutExpired:
-            return {**record_for(workload, mode), "error": f"timed out after {timeout:.0f} s (see {log})"}
+            tail = log.read_text(errors="replace")[-600:]
+            return {**record_for(workload, mode), "error": f"timed out after {timeout:.0f} s (see {log}): {tail}"}
         if result.exists():
             return json.loads(result.read_text())
     tail = log.read_text(errors="replace")[-600:]
