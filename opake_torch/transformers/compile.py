@@ -55,7 +55,7 @@ def compile_chunk(
     ``torch._dynamo.config.recompile_limit`` recompilations Dynamo would run ``fn`` eagerly without a word; here that
     is a failure).
 
-    A mode that replays CUDA graphs (:func:`uses_cuda_graphs`) keeps a call's outputs in the graphs' memory pool
+    A backend or mode that replays CUDA graphs (:func:`uses_cuda_graphs`) keeps a call's outputs in their memory pool
     and overwrites them at the next call (a new iteration begins at each call of the compiled function): the
     chunks of one step would read freed sums. Each call then marks a new iteration and returns copies of the
     outputs, as :class:`CudaGraphChunk` does.
@@ -114,10 +114,12 @@ def compile_chunk(
 
 
 def uses_cuda_graphs(backend: str, mode: str | None) -> bool:
-    """Whether ``torch.compile(backend=backend, mode=mode)`` replays CUDA graphs (inductor's ``reduce-overhead`` and
-    ``max-autotune``)."""
+    """Whether ``torch.compile(backend=backend, mode=mode)`` replays CUDA graphs through torch's CUDA-graph trees:
+    inductor's ``reduce-overhead`` and ``max-autotune``, and Dynamo's ``cudagraphs`` backend."""
     from torch._inductor import list_mode_options
 
+    if backend == "cudagraphs":
+        return True
     return backend == "inductor" and bool(list_mode_options(mode).get("triton.cudagraphs"))
 
 

@@ -101,8 +101,12 @@ def test_compile_propagates_the_functions_own_error(monkeypatch: pytest.MonkeyPa
         compile_chunk(chunk)(torch.ones(1))
 
 
-@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune", None, "max-autotune-no-cudagraphs"])
-def test_outputs_of_a_mode_with_cuda_graphs_survive_the_next_call(monkeypatch: pytest.MonkeyPatch, mode) -> None:
+@pytest.mark.parametrize(
+    ("backend", "mode"),
+    [("inductor", "reduce-overhead"), ("inductor", "max-autotune"), ("cudagraphs", None), ("inductor", None),
+     ("inductor", "max-autotune-no-cudagraphs"), ("aot_eager", "reduce-overhead")],
+)  # fmt: skip
+def test_outputs_of_a_mode_with_cuda_graphs_survive_the_next_call(monkeypatch: pytest.MonkeyPatch, backend, mode):
     """A mode that replays CUDA graphs overwrites a call's outputs at the next call (faked: one static output
     buffer); the chunks of a step add up the earlier chunks' sums after the later ones ran, so the wrapper returns
     copies and marks each call a new iteration. Modes without graphs return the compiled outputs themselves."""
@@ -118,11 +122,11 @@ def test_outputs_of_a_mode_with_cuda_graphs_survive_the_next_call(monkeypatch: p
 
     monkeypatch.setattr(torch, "compile", graphed_compile)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(len(marks)))
-    run = compile_chunk(lambda x: x * 2, backend="inductor", mode=mode)
+    run = compile_chunk(lambda x: x * 2, backend=backend, mode=mode)
     first, first_aux = run(torch.ones(3))
     run(torch.full((3,), 5.0))
-    graphed = mode in ("reduce-overhead", "max-autotune")
-    assert compile_mod.uses_cuda_graphs("inductor", mode) == graphed
+    graphed = backend == "cudagraphs" or (backend == "inductor" and mode in ("reduce-overhead", "max-autotune"))
+    assert compile_mod.uses_cuda_graphs(backend, mode) == graphed
     if graphed:
         assert torch.equal(first, torch.full((3,), 2.0)) and torch.equal(first_aux["norms"], torch.full((2,), 2.0))
         assert marks == [0, 1]
