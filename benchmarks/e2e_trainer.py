@@ -567,13 +567,13 @@ def run_in_subprocess(workload: Workload, mode: str, opts: argparse.Namespace, t
                 done = subprocess.run(
                     command, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout, env=child_environment()
                 )
+            if result.exists():
+                return json.loads(result.read_text())
+            failure = f"the process exited with {done.returncode}"
         except subprocess.TimeoutExpired:
-            tail = log.read_text(errors="replace")[-600:]
-            return {**record_for(workload, mode), "error": f"timed out after {timeout:.0f} s (see {log}): {tail}"}
-        if result.exists():
-            return json.loads(result.read_text())
+            failure = f"timed out after {timeout:.0f} s (see {log})"
     tail = log.read_text(errors="replace")[-600:]
-    return {**record_for(workload, mode), "error": f"the process exited with {done.returncode}: {tail}"}
+    return {**record_for(workload, mode), "error": f"{failure}: {tail}"}
 
 
 def ratio(value: float | None, base: float | None) -> float | None:

@@ -87,7 +87,7 @@ def compile_chunk(
                     torch.compiler.cudagraph_mark_step_begin()
                 result = compiled(*args, **kwargs)
                 if graphed:  # the outputs live in the graphs' pool, overwritten by the next call: copies
-                    result = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, result)
+                    result = _copies(result)
         except Exception as exc:
             with context(args):
                 result = fn(*args, **kwargs)  # raises the function's own errors
@@ -121,6 +121,11 @@ def uses_cuda_graphs(backend: str, mode: str | None) -> bool:
     if backend == "cudagraphs":
         return True
     return backend == "inductor" and bool(list_mode_options(mode).get("triton.cudagraphs"))
+
+
+def _copies(tree: Any) -> Any:
+    """``tree`` with each tensor cloned: outputs that a replayed CUDA graph would overwrite, made the caller's."""
+    return pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
 
 
 def signature(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Hashable:
@@ -207,7 +212,7 @@ class _Graph:
         if pairs:
             torch._foreach_copy_([b for b, _ in pairs], [x for _, x in pairs])  # one multi-tensor copy
         self.graph.replay()
-        return pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, self.output)
+        return _copies(self.output)
 
 
 class CudaGraphChunk:
