@@ -612,6 +612,8 @@ def markdown(report: dict[str, Any]) -> str:
     rows = []
     for r in report["records"]:
         status = "ok" if r["ok"] else ("skipped: " if r.get("skipped") else "failed: ") + r.get("error", "")[:100]
+        if r.get("compile_fallback"):  # timed, but not compiled: the row measures the eager step
+            status += ", ran eagerly: " + r["compile_fallback"][0][:100]
         mode = r["mode"] + (" (diagnostic)" if r["diagnostic"] else "")
         q = "fixed batches" if r["sampling_rate"] is None else f"q = {r['sampling_rate']:g}"
         data = f"{q}, N = {r['dataset_size']}"

@@ -138,6 +138,14 @@ def test_e2e_trainer_tiny_in_process(tmp_path: Path) -> None:
     assert text.count("| ok |") == len(records) and "dp_q1 (diagnostic)" in text
     profile = text.split("Profile of the steps after the timed ones", 1)[1]  # its table: a row per profiled row
     assert all(f"| {r['workload']} | {r['mode']} |" in profile for r in records)
+    sys.path.insert(0, str(E2E_TRAINER.parent))
+    from e2e_trainer import markdown  # a compiled row that fell back to eager says so in its status
+
+    fell_back = records[1]
+    fell_back["compile_fallback"] = ["torch.compile(backend='inductor') failed for 'chunk'; running it eagerly"]
+    start = f"| {fell_back['workload']} | {fell_back['mode']} |"
+    row = next(line for line in markdown(results).splitlines() if line.startswith(start))
+    assert "| ok, ran eagerly: torch.compile" in row and text.count("ran eagerly") == 0
 
 
 def test_e2e_trainer_passes_the_workload_knobs_to_both_trainers(tmp_path: Path) -> None:
