@@ -118,12 +118,16 @@ def _kind(module: nn.Module) -> str | None:
 
 
 def owners(model: nn.Module, names: set[str]) -> tuple[dict[str, list[tuple[nn.Module, str, str]]], list[str]]:
-    """For every trainable name, the ``(module, attribute, kind)`` places it is used; and the names without one."""
+    """For every trainable name, in the model's parameter order, the ``(module, attribute, kind)`` places it is used;
+    and the names without one."""
     canonical = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if name in names:
             canonical[id(param)] = name
-    places: dict[str, list[tuple[nn.Module, str, str]]] = {name: [] for name in names}
+    # in the model's order, not the set's (which string hashing reorders from one process to the next): the traced
+    # pass follows this order, and a graph that differs between runs misses the compilers' caches
+    ordered = [*canonical.values(), *sorted(names - set(canonical.values()))]
+    places: dict[str, list[tuple[nn.Module, str, str]]] = {name: [] for name in ordered}
     orphans = set()
     for module in model.modules():
         kind = _kind(module)

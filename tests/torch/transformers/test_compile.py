@@ -252,6 +252,52 @@ def test_each_clipped_sum_is_a_tensor_of_its_own_in_the_compiled_graph():
         torch.testing.assert_close(results[0][name], value, rtol=1e-9, atol=1e-12, msg=name)
 
 
+_GRAPH_CODE = """
+import hashlib, sys, torch
+from types import SimpleNamespace
+sys.path[:0] = sys.argv[1:]
+from test_compile import _case
+from opake_core.clipping import clipped_grad
+from opake_torch.layerwise import LayerwiseGradients
+from opake_torch.transformers import engines
+codes = []
+def keep(graph, example_inputs):
+    codes.append(graph.code)
+    return graph.forward
+model, params, loss, batch_loss, batch = _case("bert")
+args = SimpleNamespace(torch_compile=True, torch_compile_backend=keep, torch_compile_mode=None, cuda_graphs=0,
+                       device=torch.device("cpu"), per_example_row_multiple=1)
+transform = engines.chunk_transform(args, keep=print)
+compiled = engines.engine(args, LayerwiseGradients(model, batch_loss), transform, microbatch=6)
+grad_fn, state = clipped_grad(loss, clipping_norm=0.05, microbatch_size=6, engine=compiled)
+grad_fn(params, batch, state=state)
+(code,) = codes
+print(hashlib.sha256(code.encode()).hexdigest())
+"""
+
+
+def test_the_compiled_chunk_traces_the_same_graph_in_every_process():
+    """The compilers' caches (inductor's FX graphs, AOTAutograd's) serve a later run, a resume say, only if it traces
+    the same graph: the traced pass visits the layers' parameters in the model's order, not in the order of a set of
+    names, which string hashing changes from one process to the next. Two processes with different hash seeds trace
+    one graph."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    paths = [str(here), str(here.parents[1] / "support")]
+    digests = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        done = subprocess.run([sys.executable, "-c", _GRAPH_CODE, *paths], capture_output=True, text=True, env=env,
+                              timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        digests.add(done.stdout.split()[-1])
+    assert len(digests) == 1
+
+
 def test_compile_wrapper_enters_its_context_and_counts_compiled_calls():
     entered = []
 
