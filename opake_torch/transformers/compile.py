@@ -118,9 +118,7 @@ def uses_cuda_graphs(backend: str, mode: str | None) -> bool:
     inductor's ``reduce-overhead`` and ``max-autotune``, and Dynamo's ``cudagraphs`` backend."""
     from torch._inductor import list_mode_options
 
-    if backend == "cudagraphs":
-        return True
-    return backend == "inductor" and bool(list_mode_options(mode).get("triton.cudagraphs"))
+    return backend == "cudagraphs" or (backend == "inductor" and bool(list_mode_options(mode).get("triton.cudagraphs")))
 
 
 def _copies(tree: Any) -> Any:

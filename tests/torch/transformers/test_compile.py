@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -281,11 +285,6 @@ def test_the_compiled_chunk_traces_the_same_graph_in_every_process():
     the same graph: the traced pass visits the layers' parameters in the model's order, not in the order of a set of
     names, which string hashing changes from one process to the next. Two processes with different hash seeds trace
     one graph."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     here = Path(__file__).parent
     paths = [str(here), str(here.parents[1] / "support")]
     digests = set()
